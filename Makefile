@@ -1,0 +1,28 @@
+# `make test` and `make demo` set everything up on a fresh machine: a .venv with the pinned CPU torch.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 (CPU build) lies on this workplace's disk; elsewhere pip fetches it from the index.
+WHEELS := $(wildcard /opt/wheels)
+PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
+
+.PHONY: test demo venv clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q $(PIP_FLAGS) "torch==2.13.0"
+	$(BIN)/pip install -q $(PIP_FLAGS) -e ".[test,hf]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+# pytest exits 5 when it collected no tests: that is a failure here, not a pass.
+test: venv
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
+
+demo: venv
+	$(BIN)/python examples/demo_gpt2.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,36 @@
+"""hydra_tune: train many models at once, sharded and spilled, on the devices you have (Hydra for Tune/Optuna).
+
+    task = hydra_tune.ModelTask(make_model, lambda m: torch.optim.AdamW(m.parameters()), loader, epochs=2)
+    with hydra_tune.Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
+        print(rt.submit(task).result())
+
+Importing this package imports torch, never ray, optuna, transformers or pynvml: integrations load lazily.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .api import configure, default_runtime, train
+from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
+from .runtime import Runtime, TaskHandle
+from .task import ModelTask
+
+__version__ = "0.1.0"
+__all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "configure", "default_runtime", "HydraError",
+           "PlanError", "TaskCancelled", "RuntimeClosed", "__version__"]
+
+_LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
+         "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study")}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            raise AttributeError(f"hydra_tune.{name} is not available yet or its extra is not installed "
+                                 f"({exc}). Fix: pip install 'hydra_tune[all]'.") from exc
+    raise AttributeError(f"module 'hydra_tune' has no attribute {name!r}")

@@ -1,0 +1,133 @@
+"""The per-thread dispatch mode under which hydra_tune runs a task's code: own RNG stream, optional accounting.
+
+    account = MemoryAccount(budget=None)
+    with UnitMode(cpu_generator=torch.Generator().manual_seed(0), account=account):
+        y = torch.nn.functional.dropout(torch.ones(4), 0.5)     # drew from the task's generator; bytes counted
+
+Why a dispatch mode: CPU random ops draw from one process-wide generator, shared by every worker thread, so
+concurrent tasks would steal each other's random numbers. Dispatch modes are thread-local: inside one, every CPU
+random op of this thread draws from the task's own generator (the same algorithm and state layout as the global
+one, so masks equal plain training seeded with ``torch.manual_seed(seed)``). With an account, every new storage
+an op creates is counted until it is freed: the CPU devices' measured memory.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_GLOBAL_RNG_LOCK = threading.Lock()
+_generator_arg: dict[Any, bool] = {}
+
+
+class MemoryAccount:
+    """Bytes of live storages created under a UnitMode with this account: current and peak (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}  # storage data_ptr -> bytes
+        self.current = 0
+        self.peak = 0
+
+    def track(self, storage: torch.UntypedStorage) -> None:
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0:
+            return
+        with self._lock:
+            if ptr in self._live:
+                return
+            self._live[ptr] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        with self._lock:
+            self.current -= self._live.pop(ptr, 0)
+
+    def reset_peak(self) -> int:
+        """Restart peak tracking from the current bytes; return the old peak."""
+        with self._lock:
+            old, self.peak = self.peak, self.current
+            return old
+
+
+def _uses_generator(func: Any) -> bool:
+    known = _generator_arg.get(func)
+    if known is None:
+        known = any(a.name == "generator" for a in func._schema.arguments)
+        _generator_arg[func] = known
+    return known
+
+
+def _op_device(args: tuple, kwargs: dict) -> torch.device:
+    dev = kwargs.get("device")
+    if dev is not None:
+        return torch.device(dev)
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+class UnitMode(TorchDispatchMode):
+    """Route this thread's CPU random ops to ``cpu_generator``; count new storages in ``account`` if given."""
+
+    def __init__(self, cpu_generator: torch.Generator, account: MemoryAccount | None = None) -> None:
+        super().__init__()
+        self.generator = cpu_generator
+        self.account = account
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = dict(kwargs or {})
+        if torch.Tag.nondeterministic_seeded in func.tags and _op_device(args, kwargs).type == "cpu":
+            out = self._seeded(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if self.account is not None and not self.paused:
+            self._count(out, args)
+        return out
+
+    def _seeded(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if _uses_generator(func):
+            if kwargs.get("generator") is None:
+                kwargs["generator"] = self.generator
+            return func(*args, **kwargs)
+        # An op without a generator argument draws from the global generator: lend it our state, briefly.
+        with _GLOBAL_RNG_LOCK:
+            saved = torch.default_generator.get_state()
+            torch.default_generator.set_state(self.generator.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.generator.set_state(torch.default_generator.get_state())
+                torch.default_generator.set_state(saved)
+
+    def _count(self, out: Any, args: tuple) -> None:
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st.data_ptr() not in inputs:
+                    self.account.track(st)  # type: ignore[union-attr]
+
+
+class paused_accounting:
+    """Within a UnitMode with an account: allocations here are host memory, not the device's."""
+
+    def __init__(self, mode: UnitMode | None) -> None:
+        self.mode = mode
+        self._was = False
+
+    def __enter__(self) -> None:
+        if self.mode is not None:
+            self._was, self.mode.paused = self.mode.paused, True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mode is not None:
+            self.mode.paused = self._was

@@ -1,0 +1,201 @@
+"""Device discovery, budgets, memory measurement and RNG scoping: the only module that branches on device type.
+
+    devices = resolve_devices(["cpu", "cpu"], "64MiB")      # two CPU stand-ins for two GPUs
+    with devices[0].unit_scope(task_rng) as mode: ...        # run one unit: measured memory, task's RNG stream
+    devices[0].peak_bytes() <= devices[0].budget
+
+CPU devices measure memory with the runtime's own accounting (every storage created while a unit runs on the
+device, until it is freed); CUDA devices with ``torch.cuda`` memory statistics. Discovery uses NVML (pynvml,
+imported lazily) for free memory and falls back to ``torch.cuda``.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ._dispatch import MemoryAccount, UnitMode
+from ._streams import HostCopier, make_copier
+from .errors import rule_error
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``parse_bytes("512MiB") == 536870912``; ints pass through; None means unlimited."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise rule_error("`device_memory > 0`", "pass a positive byte count or a string like '512MiB'",
+                             device_memory=value)
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if n > 0:
+                return n
+    raise rule_error("`device_memory` is a positive int or a size string with a unit in "
+                     "B, KB, KiB, MB, MiB, GB, GiB, TB, TiB", "write e.g. 512MiB or 8GB",
+                     device_memory=value)
+
+
+class Device:
+    """One execution device: a worker thread runs one unit at a time on it.
+
+    Lifecycle: created by ``resolve_devices``; for every unit the worker enters ``unit_scope(rng)``,
+    copies in with ``copier``, computes, copies out, leaves the scope; ``peak_bytes()`` reports the measured peak.
+    """
+
+    shares_host_rng = True
+
+    def __init__(self, name: str, torch_device: torch.device, budget: int | None) -> None:
+        self.name = name
+        self.torch_device = torch_device
+        self.budget = budget
+        self.copier: HostCopier = make_copier(torch_device)
+
+    def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode]:
+        raise NotImplementedError
+
+    def peak_bytes(self) -> int:
+        raise NotImplementedError
+
+    def current_bytes(self) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"Device({self.name!r}, budget={self.budget})"
+
+
+class CpuDevice(Device):
+    """A CPU stand-in for a GPU: its memory is whatever its units allocate, counted by a MemoryAccount."""
+
+    def __init__(self, name: str, budget: int | None) -> None:
+        super().__init__(name, torch.device("cpu"), budget)
+        self.account = MemoryAccount()
+
+    @contextlib.contextmanager
+    def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode]:
+        with UnitMode(rng.cpu, self.account) as mode:
+            yield mode
+
+    def peak_bytes(self) -> int:
+        return self.account.peak
+
+    def current_bytes(self) -> int:
+        return self.account.current
+
+
+class CudaDevice(Device):
+    """One GPU. Its default generator carries the running task's CUDA RNG stream for the unit's duration."""
+
+    def __init__(self, name: str, budget: int | None) -> None:
+        super().__init__(name, torch.device(name), budget)
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    @contextlib.contextmanager
+    def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode]:
+        gen = torch.cuda.default_generators[self.torch_device.index]
+        if rng.accel_state is None:
+            gen.manual_seed(rng.seed)
+        else:
+            gen.set_state(rng.accel_state)
+        try:
+            with torch.cuda.device(self.torch_device), UnitMode(rng.cpu) as mode:
+                yield mode
+        finally:
+            rng.accel_state = gen.get_state()
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.torch_device))
+
+    def current_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.torch_device))
+
+
+class TaskRNG:
+    """A task's own random streams: a CPU generator (init, data order, CPU dropout) and the accelerator state."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.cpu = torch.Generator().manual_seed(seed)
+        self.accel_state: torch.Tensor | None = None
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.cpu.get_state(), self.accel_state
+
+    def restore(self, snap: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        self.cpu.set_state(snap[0])
+        self.accel_state = snap[1]
+
+    def fork(self) -> "TaskRNG":
+        """A copy of the current state that advances independently (for replaying a forward pass)."""
+        other = TaskRNG(self.seed)
+        other.restore(self.snapshot())
+        return other
+
+
+def _cuda_free_bytes(index: int) -> int:
+    try:
+        import pynvml  # optional extra `nvml`: sees memory held by other processes too
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML (not installed, no driver access): torch's view of this process's device
+        free, _total = torch.cuda.mem_get_info(index)
+        return int(free)
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_devices(devices: int | str | Sequence[str] = "auto",
+                    device_memory: int | str | None = None) -> list[Device]:
+    """Turn Runtime's ``devices``/``device_memory`` arguments into Device objects (validated)."""
+    budget = parse_bytes(device_memory)
+    n_cuda = cuda_count()
+    if devices == "auto":
+        names = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise rule_error("`devices >= 1`", "pass the number of devices to use, 'auto', or a list of names",
+                             devices=devices)
+        names = [f"cuda:{i}" for i in range(devices)] if n_cuda else ["cpu"] * devices
+    elif isinstance(devices, (list, tuple)) and devices and all(isinstance(d, str) for d in devices):
+        names = list(devices)
+    else:
+        raise rule_error("`devices` is 'auto', a positive int, or a non-empty list of names like ['cuda:0', "
+                         "'cuda:1'] or ['cpu', 'cpu']", "pass one of those forms", devices=devices)
+    kinds = {n.split(":")[0] for n in names}
+    if len(kinds) > 1:
+        raise rule_error("all `devices` are of one kind", "use only CUDA devices or only CPU devices",
+                         devices=names)
+    out: list[Device] = []
+    for i, name in enumerate(names):
+        if name == "cpu" or re.fullmatch(r"cpu:\d+", name):
+            out.append(CpuDevice(f"cpu:{i}", budget))
+        elif re.fullmatch(r"cuda:\d+", name):
+            index = int(name.split(":")[1])
+            if index >= n_cuda:
+                raise rule_error("each `cuda:i` has `i < torch.cuda.device_count()`", "use an existing GPU "
+                                 "index, or devices=['cpu', ...] on a machine without GPUs", device=name,
+                                 device_count=n_cuda)
+            if name in (d.name for d in out):
+                raise rule_error("each CUDA device is listed once", "remove the duplicate", devices=names)
+            own = budget if budget is not None else int(_cuda_free_bytes(index) * (1 - CUDA_MARGIN))
+            out.append(CudaDevice(name, own))
+        else:
+            raise rule_error("each device name is 'cpu' or 'cuda:<index>'", "write e.g. ['cuda:0', 'cuda:1'] or "
+                             "['cpu', 'cpu']", device=name)
+    return out

@@ -1,0 +1,45 @@
+"""Exceptions and the one message format every input check uses.
+
+    from hydra_tune.errors import rule_error
+    raise rule_error("`epochs >= 1`", "pass a positive number of epochs", epochs=0)
+    # ValueError: `epochs >= 1` must hold, but got (epochs=0). Fix: pass a positive number of epochs.
+"""
+from __future__ import annotations
+
+
+class HydraError(Exception):
+    """Base class of the errors hydra_tune raises itself."""
+
+
+class PlanError(HydraError, ValueError):
+    """The model cannot be cut into shards that fit the device budget."""
+
+
+class TaskCancelled(HydraError):
+    """The task was cancelled before it finished (``TaskHandle.cancel()`` or a closed ``train`` iterator)."""
+
+
+class RuntimeClosed(HydraError):
+    """The runtime was closed while the task was still queued or running."""
+
+
+def _fmt(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def rule_error(rule: str, fix: str, *, kind: type[Exception] = ValueError, **values: object) -> Exception:
+    """Build ``kind("<rule> must hold, but got (k=v, ...). Fix: <fix>.")``."""
+    got = ", ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+    return kind(f"{rule} must hold, but got ({got}). Fix: {fix}.")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable bytes: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if abs(n) < 1024:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1024:.2f} TiB"

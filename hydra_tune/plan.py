@@ -1,0 +1,143 @@
+"""Memory model and partitioner: stages -> shards under a byte budget. Pure functions over plain numbers.
+
+    costs = [StageCost("a", params=((0, 400, True),), input_bytes=64, output_bytes=64, fwd_peak=64,
+                       saved_bytes=128, grad_fwd_peak=128, bwd_peak=528), ...]
+    plan = partition(costs, budget=4096)            # fewest shards whose every unit fits, or PlanError
+    [s.names for s in plan.shards]
+
+Units of a shard i..j (see DESIGN.md): a forward without autograd (F), or a forward with autograd followed by
+backward (B: recompute + backward; L: the last shard's forward + loss + backward). Their peak device bytes:
+
+    F = P + Bf + in_i + max_k (fwd_peak_k + [k > i] * in_k)
+    B = P + Bf + in_i + max( max_k (sum_{m<k} saved_m + grad_fwd_peak_k),
+                             sum_k saved_k + max_k (G_{>k} + bwd_peak_k) )
+
+P: bytes of the distinct parameters (a parameter shared by two stages is one copy), G_{>k}: gradients of the
+trainable parameters of the stages after k (made earlier in the backward), Bf: buffers, in_k: stage k's input carry, and the per-stage measurements of StageCost.
+With ``prefetch`` each unit must also leave room for the next shard's parameters and buffers (the second buffer
+of double buffering), bounded by the plan's largest shard.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import PlanError, format_bytes
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs on a device, measured on a sample batch (bytes)."""
+
+    name: str
+    params: tuple[tuple[int, int, bool], ...] = ()  # (parameter key, bytes, trainable)
+    buffer_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    fwd_peak: int = 0        # above the input, while running without autograd (output included)
+    saved_bytes: int = 0     # kept after a forward with autograd: saved tensors and the output
+    grad_fwd_peak: int = 0   # above the input, at the peak of the forward with autograd
+    bwd_peak: int = 0        # above everything kept, at the peak of its backward (all gradients it makes)
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    start: int          # first stage index
+    stop: int           # one past the last stage index
+    names: tuple[str, ...]
+    state_bytes: int    # parameters + buffers copied in for every unit
+    forward_peak: int   # F unit
+    backward_peak: int  # B or L unit
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, self.backward_peak)
+
+
+@dataclass(frozen=True)
+class Plan:
+    shards: tuple[Shard, ...]
+    budget: int | None
+    prefetch_bytes: int  # room kept free on the device for the next unit's shard
+
+    @property
+    def peak(self) -> int:
+        """The largest predicted device bytes of any unit, prefetch buffer included."""
+        return max(s.peak for s in self.shards) + self.prefetch_bytes
+
+
+def _unique_params(costs: Sequence[StageCost]) -> dict[int, tuple[int, bool]]:
+    seen: dict[int, tuple[int, bool]] = {}
+    for c in costs:
+        for key, nbytes, trainable in c.params:
+            seen[key] = (nbytes, trainable)
+    return seen
+
+
+def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) -> Shard:
+    """The shard made of stages ``start..stop-1`` with its predicted unit peaks."""
+    part = costs[start:stop]
+    params = _unique_params(part)
+    p = sum(n for n, _ in params.values())
+    state = p + sum(c.buffer_bytes for c in part)
+    base = state + part[0].input_bytes
+    fwd = base + max(c.fwd_peak + (c.input_bytes if k else 0) for k, c in enumerate(part))
+    kept, grad_fwd = 0, 0
+    for c in part:
+        grad_fwd = max(grad_fwd, kept + c.grad_fwd_peak)
+        kept += c.saved_bytes
+    # Backward runs the stages in reverse; gradients of the later stages' parameters stay while stage k runs.
+    later_grads, bwd_top = 0, 0
+    for k in range(len(part) - 1, -1, -1):
+        bwd_top = max(bwd_top, later_grads + part[k].bwd_peak)
+        later_grads = sum(n for n, trainable in _unique_params(part[k:]).values() if trainable)
+    bwd = base + max(grad_fwd, kept + bwd_top)
+    return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd)
+
+
+def _greedy(costs: Sequence[StageCost], limit: int | None) -> list[Shard] | int:
+    """Fewest consecutive shards with every unit peak <= limit; on failure the index of a stage that cannot fit."""
+    shards: list[Shard] = []
+    start = 0
+    while start < len(costs):
+        best = shard_of(costs, start, start + 1, len(shards))
+        if limit is not None and best.peak > limit:
+            return start
+        stop = start + 1
+        while stop < len(costs):
+            longer = shard_of(costs, start, stop + 1, len(shards))
+            if limit is not None and longer.peak > limit:
+                break
+            best, stop = longer, stop + 1
+        shards.append(best)
+        start = stop
+    return shards
+
+
+def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool = True) -> Plan:
+    """Cut ``costs`` into the fewest shards whose units fit ``budget`` (None: one shard of everything)."""
+    if not costs:
+        raise PlanError("a model has at least one stage, but got (stages=0). Fix: give the model some layers.")
+    reserve = 0
+    while True:  # terminates: the reserve only grows, and smaller limits give smaller shards
+        result = _greedy(costs, None if budget is None else budget - reserve)
+        if isinstance(result, int):
+            raise _too_big(costs, result, budget, reserve)
+        needed = max(s.state_bytes for s in result) if prefetch and len(result) > 1 else 0
+        if needed <= reserve:
+            return Plan(tuple(result), budget, reserve)
+        reserve = needed
+
+
+def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:
+    alone = shard_of(costs, i, i + 1)
+    need = alone.peak + reserve
+    c = costs[i]
+    return PlanError(
+        f"stage {c.name!r} (#{i}) alone needs {format_bytes(need)} on a device, so `unit peak <= device_memory` "
+        f"cannot hold, but got (peak={need}, device_memory={budget}); it is over by {format_bytes(need - budget)} "
+        f"(parameters+buffers {format_bytes(alone.state_bytes)}, activations and gradients "
+        f"{format_bytes(alone.peak - alone.state_bytes)}, prefetch buffer {format_bytes(reserve)}). "
+        f"Fix: raise device_memory to at least {need} bytes, use smaller batches or sequences, "
+        f"or split that stage into smaller ones.")

@@ -1,0 +1,68 @@
+"""Measure what each stage costs on a device by running it once on a sample batch (memory model inputs).
+
+    costs = measure_costs(cut, sample_batch, loss_fn=None)      # list[StageCost], one per stage
+    plan = partition(costs, budget)
+
+Each stage runs on a private CPU stand-in device whose accounting counts every storage the stage creates: once
+without autograd, once with autograd and backward. The host model is untouched (device copies of parameters and
+buffers, a scratch RNG stream). Errors in the model, the batch or the loss surface here, before training.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .devices import CpuDevice, TaskRNG
+from .plan import StageCost
+from .shard import ShardExec, model_loss
+from .stages import ModelStages
+from .store import tree_bytes
+
+
+def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
+                rng: TaskRNG) -> tuple[StageCost, Any]:
+    acct = dev.account
+    with dev.unit_scope(rng):
+        with torch.no_grad():
+            copies = ex._load(dev, grad=False)
+            carry_dev = ex._to_device(dev, carry)
+            base = acct.current
+            acct.reset_peak()
+            out = ex._run(carry_dev, copies)
+            fwd_peak = acct.peak - base
+            del copies, carry_dev
+        copies = ex._load(dev, grad=True)
+        carry_dev, _ = ex._grad_inputs(dev, carry)
+        base = acct.current
+        acct.reset_peak()
+        out_g = ex._run(carry_dev, copies)
+        if last:
+            out_g = model_loss(loss_fn, out_g, batch)
+        saved = acct.current - base
+        grad_fwd_peak = acct.peak - base
+        kept = acct.current
+        acct.reset_peak()
+        outs = [t for t in tree_flatten(out_g)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        bwd_peak = acct.peak - kept
+    params = tuple((id(p), p.numel() * p.element_size(), p.requires_grad) for p in ex.params)
+    buffers = sum(b.numel() * b.element_size() for b in ex.buffers.values())
+    cost = StageCost(ex.names[0], params, buffers, tree_bytes(carry), tree_bytes(out), fwd_peak, saved,
+                     grad_fwd_peak, bwd_peak)
+    return cost, out
+
+
+def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int = 0) -> list[StageCost]:
+    """Per-stage StageCost for ``cut`` on ``batch`` (sizes scale with the batch shape: use a real batch)."""
+    dev = CpuDevice("profile", None)
+    rng = TaskRNG(seed)
+    carry = cut.prepare(batch)
+    costs = []
+    for k, stage in enumerate(cut.stages):
+        ex = ShardExec(k, [stage])
+        cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(cut.stages) - 1, rng)
+        costs.append(cost)
+    return costs

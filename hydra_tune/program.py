@@ -1,0 +1,198 @@
+"""One admitted task: its built state and its training loop as a chain of units (the schedule as data).
+
+    state = TaskState.build(task, budget=devices[0].budget)     # model, optimizer, stages, plan
+    for unit in state.units():                                   # Unit(kind='F', shard=0, ...), ...
+        unit.run(device)                                         # any device, one unit at a time
+
+The generator does the host-side work between units in the same order as the plain loop it replaces: fetch a
+batch, run F0..F(K-2), L(K-1), B(K-2)..B0, add the minibatch's gradients, and every ``grad_accumulation``
+batches clip, step the optimizer and the LR scheduler, and zero the gradients. Epoch metrics go to ``emit``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from ._dispatch import UnitMode
+from .devices import Device, TaskRNG
+from .plan import Plan, partition
+from .profile import measure_costs
+from .shard import ShardExec
+from .stages import ModelStages, extract_stages
+from .store import HostStore
+from .task import ModelTask
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One schedulable piece of work: kind F (forward), L (last shard fwd+loss+bwd), B (recompute+bwd),
+    E (eval forward; on the last shard also the loss)."""
+
+    task: str
+    kind: str
+    shard: int
+    batch: int
+    run: Callable[[Device], None] = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.shard}"
+
+
+def _build(factory: Any, what: str, *args: Any) -> Any:
+    try:
+        return factory(*args)
+    except Exception as exc:
+        raise type(exc)(f"building the task's {what} failed: {exc}") from exc
+
+
+def _batch_size(batch: Any) -> int:
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+class TaskState:
+    """Everything the runtime holds for one task. Build with ``TaskState.build`` (in the submitting thread)."""
+
+    def __init__(self, task: ModelTask, model: nn.Module, optimizer: Any, scheduler: Any, train_iterable: Any,
+                 eval_iterable: Any, cut: ModelStages, plan: Plan, rng: TaskRNG) -> None:
+        self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
+        self.train_iterable, self.eval_iterable = train_iterable, eval_iterable
+        self.cut, self.plan, self.rng = cut, plan, rng
+        self.execs = [ShardExec(s.index, cut.stages[s.start:s.stop]) for s in plan.shards]
+        self.store = HostStore()
+        self.steps = 0
+        self.epoch = 0
+
+    @classmethod
+    def build(cls, task: ModelTask, budget: int | None) -> "TaskState":
+        rng = TaskRNG(task.seed)
+        with UnitMode(rng.cpu):  # init and data order draw from the task's stream, as after manual_seed(seed)
+            model = task.model if isinstance(task.model, nn.Module) else _build(task.model, "model")
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"the `model` factory returns an nn.Module, but got (type={type(model).__name__})."
+                                " Fix: make the factory return the model instance.")
+            if not any(True for _ in model.parameters()):
+                raise ValueError(f"the model has at least one parameter to train, but got (model="
+                                 f"{type(model).__name__}, parameters=0). Fix: pass a model with parameters.")
+            model.train()
+            optimizer = _build(task.optimizer, "optimizer (`optimizer(model)`)", model)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"`optimizer(model)` returns a torch.optim.Optimizer, but got (type="
+                                f"{type(optimizer).__name__}). Fix: e.g. `lambda m: torch.optim.AdamW(m.parameters())`.")
+            scheduler = None if task.lr_scheduler is None else _build(task.lr_scheduler, "lr_scheduler", optimizer)
+            train_iterable = _iterable(task.train_data)
+            eval_iterable = None if task.eval_data is None else _iterable(task.eval_data)
+        cut = extract_stages(model)
+        with UnitMode(torch.Generator().manual_seed(task.seed)):  # a scratch stream: the task's stays untouched
+            sample = next(iter(train_iterable), None)
+        if sample is None:
+            raise ValueError(f"`train_data` yields at least one batch, but got (batches=0, task={task.name!r}). "
+                             "Fix: check the dataset and the DataLoader's drop_last/batch_size.")
+        costs = measure_costs(cut, sample, task.loss, task.seed)
+        plan = partition(costs, budget)
+        return cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def units(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Unit]:
+        task, k = self.task, self.task.grad_accumulation
+        start = time.perf_counter()
+        samples = 0
+        for epoch in range(1, task.epochs + 1):
+            self.epoch = epoch
+            losses: list[float] = []
+            pending = 0
+            for batch in self.train_iterable:
+                yield from self._train_batch(batch, losses)
+                samples += _batch_size(batch)
+                pending += 1
+                if pending == k:
+                    self._step()
+                    pending = 0
+                    if task.max_steps is not None and self.steps >= task.max_steps:
+                        break
+            if pending:
+                self._step()
+            metrics: dict[str, Any] = {
+                "epoch": epoch, "train_loss": sum(losses) / max(len(losses), 1), "steps": self.steps,
+                "samples": samples, "lr": self.optimizer.param_groups[0]["lr"]}
+            if self.eval_iterable is not None:
+                metrics["eval_loss"] = yield from self._evaluate()
+            metrics["seconds"] = time.perf_counter() - start
+            emit(metrics)
+            if task.max_steps is not None and self.steps >= task.max_steps:
+                break
+
+    def _train_batch(self, batch: Any, losses: list[float]) -> Iterator[Unit]:
+        store, rng, name = self.store, self.rng, self.task.name
+        store.batch = batch
+        store.carries[0] = self.cut.prepare(batch)
+        n = len(self.execs)
+        b = self.steps
+        for ex in self.execs[:-1]:
+            yield Unit(name, "F", ex.index, b, lambda d, ex=ex: ex.forward(d, store, rng))
+        last = self.execs[-1]
+
+        def run_last(d: Device) -> None:
+            losses.append(last.last(d, store, rng, self.task.loss, self.task.grad_accumulation))
+
+        yield Unit(name, "L", n - 1, b, run_last)
+        for ex in reversed(self.execs[:-1]):
+            yield Unit(name, "B", ex.index, b, lambda d, ex=ex: ex.backward(d, store, rng))
+        store.flush_grads()
+        store.clear()
+
+    def _step(self) -> None:
+        if self.task.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.grad_clip_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad()
+        self.steps += 1
+
+    def _evaluate(self) -> Iterator[Unit]:
+        store, rng, name = self.store, self.rng, self.task.name
+        self.model.eval()
+        losses: list[float] = []
+        try:
+            for batch in self.eval_iterable:
+                store.batch = batch
+                store.carries[0] = self.cut.prepare(batch)
+                for ex in self.execs[:-1]:
+                    yield Unit(name, "E", ex.index, -1, lambda d, ex=ex: ex.forward(d, store, rng, train=False))
+                last = self.execs[-1]
+                yield Unit(name, "E", last.index, -1,
+                           lambda d: losses.append(last.evaluate(d, store, rng, self.task.loss)))
+                store.clear()
+        finally:
+            self.model.train()
+        return sum(losses) / max(len(losses), 1)
+
+    def host_bytes(self) -> int:
+        """Host bytes this task holds: parameters, gradients, buffers, optimizer state, minibatch in flight."""
+        seen: dict[int, int] = {}
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for st in self.optimizer.state.values():
+            tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values()) + self.store.nbytes()
+
+
+def _iterable(data: Any) -> Any:
+    if callable(data) and not hasattr(data, "__iter__"):
+        data = _build(data, "data (the data factory)")
+        if iter(data) is data:
+            raise TypeError(f"the data factory returns something iterable once per epoch, but got a one-shot "
+                            f"iterator (type={type(data).__name__}). Fix: return a list or DataLoader.")
+    return data

@@ -1,0 +1,66 @@
+"""Model -> ordered stages: the smallest pieces the planner may cut between.
+
+    cut = extract_stages(model)             # nn.Sequential, GPT2LMHeadModel, or the whole model as one stage
+    carry = cut.prepare(batch)              # the first stage's input
+    for stage in cut.stages: carry = stage.module(carry)      # == the model's own outputs for that batch
+
+A stage's module maps one *carry* (any pytree of tensors and plain values) to the next; the last returns the
+model's outputs. Stage modules only reference the model's own submodules, so parameters stay the model's
+(including parameters shared between stages, such as GPT-2's tied embedding and head).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class ModelStages:
+    stages: tuple[Stage, ...]
+    prepare: Callable[[Any], Any]
+    family: str
+
+
+def call_with_batch(model: nn.Module, batch: Any) -> Any:
+    """The batch convention: dict -> model(**batch); (inputs, target) -> model(inputs); tensor -> model(t)."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(batch[0])
+    return model(batch)
+
+
+class _WholeModel(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Any) -> Any:
+        return call_with_batch(self.model, batch)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def extract_stages(model: nn.Module) -> ModelStages:
+    """Cut ``model`` into stages; a model of unknown structure becomes one stage (it can still run if it fits)."""
+    if isinstance(model, nn.Sequential) and len(model) > 0:
+        from .sequential import sequential_stages
+
+        return sequential_stages(model)
+    cls = type(model)
+    if cls.__module__.startswith("transformers.") and cls.__name__ == "GPT2LMHeadModel":
+        from .gpt2 import gpt2_stages
+
+        return gpt2_stages(model)
+    return ModelStages((Stage(cls.__name__, _WholeModel(model)),), _identity, "whole")

@@ -1,0 +1,67 @@
+"""Host-side state of one task between units: boundary carries, RNG snapshots, gradients in flight.
+
+    store = HostStore()
+    store.carries[1] = host_carry            # input of shard 1, written by F0, read by F1 and B1
+    store.add_grad(param, g); store.flush_grads()   # param.grad gets what autograd would have given it
+
+Parameters, their ``.grad`` and the optimizer state live in the task's own model and optimizer (host memory);
+this store only holds what one minibatch needs while its units run.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the distinct storages of the tensors in a pytree."""
+    seen: dict[int, int] = {}
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            st = leaf.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+class HostStore:
+    """Everything one in-flight minibatch keeps in host memory between its units."""
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+        self.carries: dict[int, Any] = {}            # shard index -> its input carry
+        self.rng: dict[int, Any] = {}                # shard index -> RNG snapshot taken before its forward
+        self.buffers: dict[int, dict[int, torch.Tensor]] = {}   # shard -> buffers as its forward saw them
+        self.out_grads: dict[int, list[torch.Tensor | None]] = {}  # shard -> grads of its output leaves
+        self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+
+    def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """One shard's gradient contribution for ``param`` in this minibatch (shared params get several)."""
+        key = id(param)
+        if key in self._pending:
+            self._pending[key][1].add_(grad)
+        else:
+            self._pending[key] = (param, grad)
+
+    def flush_grads(self) -> None:
+        """Accumulate this minibatch's summed contributions into ``.grad``, as AccumulateGrad does."""
+        for param, grad in self._pending.values():
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        self._pending.clear()
+
+    def clear(self) -> None:
+        self.batch = None
+        self.carries.clear()
+        self.rng.clear()
+        self.buffers.clear()
+        self.out_grads.clear()
+        self._pending.clear()
+
+    def nbytes(self) -> int:
+        """Host bytes held for the minibatch in flight (carries, incoming gradients, pending gradients)."""
+        return (tree_bytes(list(self.carries.values())) + tree_bytes(list(self.out_grads.values()))
+                + sum(g.untyped_storage().nbytes() for _, g in self._pending.values()))

@@ -1,0 +1,1 @@
+"""Integrations with HPO tools (installed as ``hydra_tune.integrations``); each imports its tool lazily."""
