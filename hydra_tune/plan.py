@@ -96,18 +96,22 @@ def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) 
     return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd)
 
 
-def _greedy(costs: Sequence[StageCost], limit: int | None) -> list[Shard] | int:
-    """Fewest consecutive shards with every unit peak <= limit; on failure the index of a stage that cannot fit."""
+def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None = None) -> list[Shard] | int:
+    """Fewest consecutive shards with every unit peak <= limit (and parameters+buffers <= state_cap); on failure
+    the index of a stage that cannot fit alone."""
+    def fits(sh: Shard) -> bool:
+        return (limit is None or sh.peak <= limit) and (state_cap is None or sh.state_bytes <= state_cap)
+
     shards: list[Shard] = []
     start = 0
     while start < len(costs):
         best = shard_of(costs, start, start + 1, len(shards))
-        if limit is not None and best.peak > limit:
+        if not fits(best):
             return start
         stop = start + 1
         while stop < len(costs):
             longer = shard_of(costs, start, stop + 1, len(shards))
-            if limit is not None and longer.peak > limit:
+            if not fits(longer):
                 break
             best, stop = longer, stop + 1
         shards.append(best)
@@ -116,18 +120,29 @@ def _greedy(costs: Sequence[StageCost], limit: int | None) -> list[Shard] | int:
 
 
 def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool = True) -> Plan:
-    """Cut ``costs`` into the fewest shards whose units fit ``budget`` (None: one shard of everything)."""
+    """Cut ``costs`` into the fewest shards whose units fit ``budget`` (None: one shard of everything).
+
+    With ``prefetch``, a plan of several shards keeps room for its largest shard's state next to every unit.
+    The reserve depends on the plan, so candidate caps on shard state are tried (each stage's own state and the
+    shards of the plan without a reserve), and the plan with the fewest shards wins.
+    """
     if not costs:
         raise PlanError("a model has at least one stage, but got (stages=0). Fix: give the model some layers.")
-    reserve = 0
-    while True:  # terminates: the reserve only grows, and smaller limits give smaller shards
-        result = _greedy(costs, None if budget is None else budget - reserve)
-        if isinstance(result, int):
-            raise _too_big(costs, result, budget, reserve)
-        needed = max(s.state_bytes for s in result) if prefetch and len(result) > 1 else 0
-        if needed <= reserve:
-            return Plan(tuple(result), budget, reserve)
-        reserve = needed
+    plain = _greedy(costs, budget)
+    if budget is None or (isinstance(plain, list) and (len(plain) == 1 or not prefetch)):
+        return Plan(tuple(plain), budget, 0)  # type: ignore[arg-type]
+    candidates = {shard_of(costs, i, i + 1).state_bytes for i in range(len(costs))}
+    if isinstance(plain, list):
+        candidates |= {sh.state_bytes for sh in plain}
+    best: list[Shard] | None = None
+    for cap in sorted(candidates):
+        result = _greedy(costs, budget - cap, cap)
+        if isinstance(result, list) and (best is None or len(result) < len(best)):
+            best = result
+    if best is None:
+        worst = max(range(len(costs)), key=lambda i: (lambda sh: sh.peak + sh.state_bytes)(shard_of(costs, i, i + 1)))
+        raise _too_big(costs, worst, budget, shard_of(costs, worst, worst + 1).state_bytes)
+    return Plan(tuple(best), budget, max(sh.state_bytes for sh in best))
 
 
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:

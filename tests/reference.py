@@ -1,0 +1,56 @@
+"""Plain PyTorch training loops: what hydra_tune must reproduce exactly."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
+    """Train ``task`` the way a user's own loop would, alone, in this thread. Returns (model, epoch losses)."""
+    torch.manual_seed(task.seed)
+    model = task.model() if not isinstance(task.model, torch.nn.Module) else task.model
+    model.train()
+    opt = task.optimizer(model)
+    sched = task.lr_scheduler(opt) if task.lr_scheduler else None
+    data = task.train_data() if callable(task.train_data) and not hasattr(task.train_data, "__iter__") \
+        else task.train_data
+    k, steps, history = task.grad_accumulation, 0, []
+
+    def step() -> None:
+        nonlocal steps
+        if task.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip_norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        steps += 1
+
+    for _ in range(task.epochs):
+        losses, pending = [], 0
+        for batch in data:
+            out = model(**batch) if isinstance(batch, dict) else model(batch[0] if isinstance(batch, (list, tuple))
+                                                                       else batch)
+            loss = task.loss(out, batch) if task.loss else out.loss
+            (loss / k if k != 1 else loss).backward()
+            losses.append(loss.item())
+            pending += 1
+            if pending == k:
+                step()
+                pending = 0
+                if task.max_steps and steps >= task.max_steps:
+                    break
+        if pending:
+            step()
+        history.append(sum(losses) / len(losses))
+        if task.max_steps and steps >= task.max_steps:
+            break
+    return model, history
+
+
+def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    diffs = [(p - q).abs().max().item() for p, q in zip(a.state_dict().values(), b.state_dict().values())
+             if p.is_floating_point()]
+    return max(diffs) if diffs else math.nan
