@@ -94,14 +94,17 @@ class ShardExec:
     def _write_back_buffers(self, copies: dict[int, torch.Tensor], device: Device, store: HostStore | None,
                             mode: Any) -> None:
         """Buffers the forward changed in place (BatchNorm statistics) go back to the host model."""
-        changed = {k: copies[k] for k in self.buffers if copies[k]._version > 0}
-        if not changed:
+        if not self.buffers:
             return
         with paused_accounting(mode):
-            if store is not None:
+            # Compare values: kernels that update an argument in place (batch_norm's running stats) do not
+            # always bump its version counter.
+            back = {k: device.copier.to_host(copies[k]) for k in self.buffers}
+            changed = [k for k, t in back.items() if not torch.equal(t, self.buffers[k])]
+            if store is not None and changed:
                 store.buffers[self.index] = {k: self.buffers[k].clone() for k in changed}
-            for k, c in changed.items():
-                self.buffers[k].copy_(device.copier.to_host(c))
+            for k in changed:
+                self.buffers[k].copy_(back[k])
 
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True) -> None:

@@ -1,0 +1,173 @@
+"""Runtime behaviour: budgets measured, errors early, cancellation and failures isolated, eval, buffers."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import lm_batches, make_gpt2
+from reference import max_param_diff, plain_train
+
+import hydra_tune as ht
+from hydra_tune.errors import PlanError, TaskCancelled
+
+
+def _data(n: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def _mse(out, batch):
+    return F.mse_loss(out, batch[1])
+
+
+def _sgd(m):
+    return torch.optim.SGD(m.parameters(), lr=0.05)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_stage_bigger_than_budget_fails_at_submit_naming_it():
+    task = ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters()), lm_batches(2))
+    with ht.Runtime(devices=["cpu"], device_memory="300KiB") as rt:
+        with pytest.raises(PlanError) as err:
+            rt.submit(task)
+        assert rt.stats()["tasks"] == {}
+    msg = str(err.value)
+    assert "stage 'h.0' (#1) alone needs" in msg and "device_memory=307200" in msg and "it is over by" in msg
+
+
+def test_measured_peak_within_budget_and_device_memory_released():
+    tasks = [ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters()), lm_batches(3, seed=i),
+                          seed=i, name=f"t{i}") for i in range(2)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
+        for h in [rt.submit(t) for t in tasks]:
+            h.result()
+        stats = rt.stats()
+    for d in stats["devices"]:
+        assert 0 < d["peak_bytes"] <= d["budget"]
+        assert d["current_bytes"] == 0
+    for t in stats["tasks"].values():
+        assert t["predicted_peak"] <= 600 * 1024 and t["state"] == "done"
+
+
+def test_cancel_mid_epoch_frees_the_task_and_others_finish():
+    refs: list = []
+    started = threading.Event()
+
+    def tracked_model():
+        m = _mlp()
+        refs.append(weakref.ref(m))
+        return m
+
+    def slow_loss(out, batch):
+        started.set()
+        time.sleep(0.01)
+        return _mse(out, batch)
+
+    victim = ht.ModelTask(tracked_model, _sgd, _data(200), loss=slow_loss, epochs=5, name="victim")
+    other = ht.ModelTask(_mlp, _sgd, _data(4, seed=1), loss=_mse, epochs=2, seed=1, name="other")
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=30_000) as rt:
+        h = rt.submit(victim)
+        h2 = rt.submit(other)
+        assert started.wait(10)
+        h.cancel()
+        with pytest.raises(TaskCancelled):
+            h.result(timeout=30)
+        assert h.status == "cancelled" and rt.stats()["tasks"]["victim"]["state"] == "cancelled"
+        h2.result(timeout=60)
+        assert max_param_diff(plain_train(other)[0], h2.model()) == 0.0
+        gc.collect()
+        assert refs[0]() is None, "the cancelled task's model is still referenced"
+        assert all(d["current_bytes"] == 0 for d in rt.stats()["devices"])
+
+
+def test_closing_train_iterator_cancels():
+    task = ht.ModelTask(_mlp, _sgd, _data(20), loss=_mse, epochs=50, name="closed-early")
+    with ht.Runtime(devices=["cpu"]) as rt:
+        it = ht.train(task, runtime=rt)
+        first = next(it)
+        assert first["epoch"] == 1
+        it.close()
+        deadline = time.time() + 30
+        while rt.stats()["tasks"]["closed-early"]["state"] != "cancelled" and time.time() < deadline:
+            time.sleep(0.01)
+        assert rt.stats()["tasks"]["closed-early"]["state"] == "cancelled"
+
+
+def test_failing_task_is_isolated():
+    calls = {"n": 0}
+
+    def flaky_loss(out, batch):
+        calls["n"] += 1
+        if calls["n"] > 3:  # the first calls are the profile pass and two training batches
+            raise RuntimeError("boom in user loss")
+        return _mse(out, batch)
+
+    bad = ht.ModelTask(_mlp, _sgd, _data(10), loss=flaky_loss, epochs=3, name="bad")
+    good = [ht.ModelTask(_mlp, _sgd, _data(6, seed=s), loss=_mse, epochs=2, seed=s, name=f"good{s}")
+            for s in (1, 2)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=30_000) as rt:
+        hb = rt.submit(bad)
+        hg = [rt.submit(t) for t in good]
+        with pytest.raises(RuntimeError, match="boom in user loss"):
+            hb.result(timeout=60)
+        for t, h in zip(good, hg):
+            assert max_param_diff(plain_train(t)[0], h.model()) == 0.0
+        assert rt.stats()["tasks"]["bad"]["state"] == "failed"
+
+
+def test_non_scalar_loss_fails_at_submit():
+    task = ht.ModelTask(_mlp, _sgd, _data(2), loss=lambda out, b: (out - b[1]) ** 2)
+    with ht.Runtime(devices=["cpu"]) as rt, pytest.raises(ValueError, match=r"scalar \(numel == 1\).*shape=\(8, 4\)"):
+        rt.submit(task)
+
+
+def test_dict_batch_for_sequential_fails_at_submit():
+    task = ht.ModelTask(_mlp, _sgd, [{"x": torch.randn(2, 16)}], loss=_mse)
+    with ht.Runtime(devices=["cpu"]) as rt, pytest.raises(TypeError, match=r"takes one input.*keys=\['x'\]"):
+        rt.submit(task)
+
+
+def test_model_without_parameters_fails_at_submit():
+    task = ht.ModelTask(nn.ReLU, _sgd, _data(1), loss=_mse)
+    with ht.Runtime(devices=["cpu"]) as rt, pytest.raises(ValueError, match="at least one parameter"):
+        rt.submit(task)
+
+
+def test_eval_loss_and_max_steps_match_plain():
+    eval_data = lm_batches(2, seed=99)
+    task = ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batches(4),
+                        eval_data=eval_data, epochs=3, max_steps=6, seed=5, name="eval")
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
+        metrics = list(ht.train(task, runtime=rt))
+        model = rt.stats()  # noqa: F841  (stats while done must not fail)
+    assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["steps"] == 6
+    ref, history = plain_train(task)
+    assert [m["train_loss"] for m in metrics] == history
+    ref.eval()
+    with torch.no_grad():
+        expected = sum(ref(**b).loss.item() for b in eval_data) / len(eval_data)
+    assert metrics[-1]["eval_loss"] == pytest.approx(expected, abs=1e-6)
+    assert {"epoch", "train_loss", "steps", "samples", "seconds", "eval_loss", "lr"} <= set(metrics[-1])
+
+
+def test_batchnorm_buffers_match_plain_when_sharded():
+    def bn_mlp():
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32),
+                             nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+    task = ht.ModelTask(bn_mlp, _sgd, _data(4), loss=_mse, epochs=2, name="bn")
+    with ht.Runtime(devices=["cpu"], device_memory=20_000) as rt:
+        h = rt.submit(task)
+        h.result()
+        assert len(rt.stats()["tasks"]["bn"]["shards"]) >= 3
+    ref, _ = plain_train(task)
+    assert max_param_diff(ref, h.model()) == 0.0  # state_dict: running stats and num_batches_tracked included
