@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
+import json.decoder
 import sys
 import textwrap
 import time
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -54,20 +54,19 @@ def warmup(opt: torch.optim.Optimizer, steps: int = 10) -> torch.optim.lr_schedu
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / steps))
 
 
-def adamw(lr: float) -> Any:
+def adamw(lr: float) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
     return lambda model: torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=3, help="epochs per task (default 3)")
-    p.add_argument("--budget", default="10MiB", help="device memory per device, e.g. 1MiB or 2000000 (default 10MiB)")
+    p.add_argument("--budget", default="10MiB", help="memory per device: 10MiB, 2000000 or none (default 10MiB)")
     p.add_argument("--devices", type=int, default=2, help="number of CPU stand-in devices (default 2)")
     p.add_argument("--train-batches", type=int, default=24, help="training batches per epoch (default 24)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches (default 4)")
     args = p.parse_args(argv)
-    if args.budget.isdigit():
-        args.budget = int(args.budget)
+    args.budget = None if args.budget.lower() == "none" else int(args.budget) if args.budget.isdigit() else args.budget
     return args
 
 
@@ -82,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{BATCH}x{SEQ} bytes; {len(tasks)} tasks on {args.devices} CPU devices, budget {args.budget} each")
     t0 = time.perf_counter()
     with ht.Runtime(devices=["cpu"] * args.devices, device_memory=args.budget) as rt:
-        handles = [rt.submit(t) for t in tasks]
+        try:
+            handles = [rt.submit(t) for t in tasks]
+        except ht.PlanError as exc:  # the budget is below what one stage needs: the message says how much
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         last = [h.result() for h in handles]
         stats = rt.stats()
     wall = time.perf_counter() - t0
@@ -95,13 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = stats["tasks"][handles[0].name]["shards"]
     print(f"plan of {handles[0].name}: " + " | ".join("+".join(s) for s in plan))
 
-    print(f"\n{'device':<8}{'units':>7}{'busy s':>9}{'busy %':>8}{'peak':>12}{'budget':>12}")
+    print(f"\n{'device':<8}{'units':>7}{'busy s':>9}{'busy %':>8}{'peak':>12}{'budget':>12}{'peak %':>8}")
     over = []
     for d in stats["devices"]:
-        budget = d["budget"]
+        peak, budget = d["peak_bytes"], d["budget"]
+        limit, share = (format_bytes(budget), f"{100 * peak / budget:.0f}%") if budget else ("none", "-")
         print(f"{d['name']:<8}{d['units']:>7}{d['busy_seconds']:>9.1f}{100 * d['busy_seconds'] / wall:>7.0f}%"
-              f"{format_bytes(d['peak_bytes']):>12}{format_bytes(budget) if budget else 'none':>12}")
-        if budget is not None and d["peak_bytes"] > budget:
+              f"{format_bytes(peak):>12}{limit:>12}{share:>8}")
+        if budget is not None and peak > budget:
             over.append(d["name"])
     print(f"wall {wall:.1f} s")
     if over:

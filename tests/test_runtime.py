@@ -171,3 +171,15 @@ def test_batchnorm_buffers_match_plain_when_sharded():
         assert len(rt.stats()["tasks"]["bn"]["shards"]) >= 3
     ref, _ = plain_train(task)
     assert max_param_diff(ref, h.model()) == 0.0  # state_dict: running stats and num_batches_tracked included
+
+
+def test_configure_sets_the_default_runtime_used_by_train():
+    ht.configure(devices=["cpu", "cpu"], device_memory="1MiB")
+    try:
+        task = ht.ModelTask(_mlp, _sgd, _data(2), loss=_mse, name="via-default")
+        assert [m["epoch"] for m in ht.train(task)] == [1]
+        rt = ht.default_runtime()
+        assert [d["budget"] for d in rt.stats()["devices"]] == [2**20, 2**20]
+        assert rt.stats()["tasks"]["via-default"]["state"] == "done"
+    finally:
+        ht.configure()  # back to the defaults; closes the configured runtime

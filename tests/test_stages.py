@@ -1,0 +1,65 @@
+"""Stages compose to the model's own forward: same loss and gradients, bit for bit (dropout on)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import make_gpt2
+
+from hydra_tune.stages import extract_stages
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt2_stages_equal_model_forward_backward(tied, padded):
+    torch.manual_seed(0)
+    model = make_gpt2(tie_word_embeddings=tied)
+    ids = torch.randint(0, 128, (3, 12))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, 8:] = 0
+        batch["attention_mask"] = mask
+        batch["labels"][0, 8:] = -100
+    torch.manual_seed(1)
+    ref = model(**batch).loss
+    ref.backward()
+    expected = _grads(model)
+    model.zero_grad()
+
+    cut = extract_stages(model)
+    assert [s.name for s in cut.stages] == ["embed", "h.0", "h.1", "h.2", "h.3", "head"]
+    torch.manual_seed(1)
+    carry = cut.prepare(batch)
+    for stage in cut.stages:
+        carry = stage.module(carry)
+    carry.loss.backward()
+    assert carry.loss.item() == ref.item()
+    got = _grads(model)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_gpt2_batch_with_unknown_key_is_explained():
+    cut = extract_stages(make_gpt2())
+    with pytest.raises(TypeError, match=r"only keys in .* Fix: drop \['pixel_values'\]"):
+        cut.prepare({"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1)})
+
+
+def test_unknown_model_is_one_stage():
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x)
+
+    cut = extract_stages(Custom())
+    assert [s.name for s in cut.stages] == ["Custom"]
+    x = torch.randn(2, 3)
+    assert torch.equal(cut.stages[0].module(cut.prepare((x, None))), Custom.forward(cut.stages[0].module.model, x))
