@@ -19,7 +19,7 @@ venv: $(BIN)/.installed
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: venv
 	$(BIN)/python -m pytest -q; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected nothing, failing" >&2; exit 1; fi; exit $$rc
 
 demo: venv
 	$(BIN)/python examples/demo_gpt2.py

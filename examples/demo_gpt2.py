@@ -37,7 +37,7 @@ def split(data: bytes, n_train: int, n_eval: int) -> tuple[list[Batch], list[Bat
     if need > len(seqs):
         raise SystemExit(f"the corpus has {len(seqs)} sequences of {SEQ} bytes, fewer than the {need} needed")
     seqs = seqs[torch.randperm(len(seqs), generator=torch.Generator().manual_seed(0))[:need]]
-    out = [{"input_ids": rows, "labels": rows.clone()} for rows in seqs.view(-1, BATCH, SEQ)]
+    out = [{"input_ids": rows.clone(), "labels": rows.clone()} for rows in seqs.view(-1, BATCH, SEQ)]  # own storage
     return out[:n_train], out[n_train:]
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [ht.ModelTask(make_gpt2, adamw(lr), train, eval_data=held_out, epochs=args.epochs, lr_scheduler=warmup,
                           grad_clip_norm=1.0, seed=i, name=f"gpt2-lr{lr:g}") for i, lr in enumerate(LRS)]
     print(f"corpus: {len(text):,} bytes of stdlib source; {len(train)} train + {len(held_out)} eval batches of "
-          f"{BATCH}x{SEQ} bytes; {len(tasks)} tasks on {args.devices} CPU devices, budget {args.budget or 'unlimited'} each")
+          f"{BATCH}x{SEQ} bytes; {len(tasks)} tasks on {args.devices} CPU devices, budget {args.budget or 'none'} each")
     t0 = time.perf_counter()
     with ht.Runtime(devices=["cpu"] * args.devices, device_memory=args.budget) as rt:
         try:
