@@ -148,11 +148,10 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:
     alone = shard_of(costs, i, i + 1)
     need = alone.peak + reserve
-    c = costs[i]
     return PlanError(
-        f"stage {c.name!r} (#{i}) alone needs {format_bytes(need)} on a device, so `unit peak <= device_memory` "
-        f"cannot hold, but got (peak={need}, device_memory={budget}); it is over by {format_bytes(need - budget)} "
-        f"(parameters+buffers {format_bytes(alone.state_bytes)}, activations and gradients "
-        f"{format_bytes(alone.peak - alone.state_bytes)}, prefetch buffer {format_bytes(reserve)}). "
+        f"`unit peak <= device_memory` must hold for every stage, but stage {costs[i].name!r} (#{i}) alone needs "
+        f"{format_bytes(need)}: parameters+buffers {format_bytes(alone.state_bytes)}, activations and gradients "
+        f"{format_bytes(alone.peak - alone.state_bytes)}, prefetch buffer {format_bytes(reserve)}; got "
+        f"(peak={need}, device_memory={budget}), over by {format_bytes(need - (budget or 0))}. "
         f"Fix: raise device_memory to at least {need} bytes, use smaller batches or sequences, "
         f"or split that stage into smaller ones.")

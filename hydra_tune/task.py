@@ -18,12 +18,6 @@ from .errors import rule_error
 _names = itertools.count()
 
 
-def _is_module(obj: object) -> bool:
-    import torch.nn as nn
-
-    return isinstance(obj, nn.Module)
-
-
 def _check_data(arg: str, data: object) -> None:
     if data is None:
         raise rule_error(f"`{arg} is not None`", f"pass a DataLoader, a list of batches, or a callable returning one",
@@ -80,7 +74,7 @@ class ModelTask:
         seed: int = 0,
         name: str | None = None,
     ) -> None:
-        if not (_is_module(model) or (callable(model) and not isinstance(model, type(None)))):
+        if not callable(model):  # an nn.Module is callable too
             raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
                              "pass the module, or a factory such as `lambda: MyModel(config)`",
                              kind=TypeError, model=type(model).__name__)

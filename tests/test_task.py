@@ -9,7 +9,6 @@ import hydra_tune as ht
 from hydra_tune.devices import parse_bytes
 
 DATA = [(torch.randn(2, 4), torch.randn(2, 4))]
-OPT = staticmethod(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
 
 
 def _task(**kw):

@@ -1,0 +1,304 @@
+"""Check hydra_tune on a real GPU: exactness vs plain CUDA PyTorch, measured peak vs budget, H2D bandwidth, and
+the throughput cost of spilling a GPT-2 into shards. Prints a table, then one JSON line with the raw numbers.
+
+    python benchmarks/gpu_check.py            # on a CUDA machine: ~1-2 min on one H200 (--quick: less)
+    python benchmarks/gpu_check.py --cpu      # dry run of (a), (b), (d) on CPU stand-ins, tiny sizes
+    python benchmarks/gpu_check.py | tail -1 | python -m json.tool
+
+Sections: (a) a small tied GPT-2 trained through Runtime(devices=["cuda:0"]) in >= 3 shards vs the same loop in
+plain PyTorch on CUDA, with dropout off (should agree to float noise) and on (same seed: same masks expected);
+the plain-CPU-vs-plain-CUDA difference is printed as the floor set by the device change alone. (b) measured
+device peak vs budget. (c) pinned vs pageable host-to-device copies of 256 MiB, and pin_memory()+copy (the path
+hydra_tune takes for pageable host tensors). (d) GPT-2 12x768, seq 512, batch 8: >= 4 shards vs unsharded vs
+plain CUDA, steady-state samples/s (epoch 2 only) and peaks. Without CUDA (and without --cpu) it prints
+"no CUDA device: skipped" and exits 0. Exit status 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import hydra_tune as ht
+from hydra_tune.errors import format_bytes
+
+Batch = dict[str, torch.Tensor]
+EXACT_TOL = 1e-4  # hydra_tune on CUDA vs plain CUDA; the optimizer runs on the host, so not bit-for-bit
+
+
+@dataclass(frozen=True)
+class Size:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab: int
+    seq: int
+    batch: int
+    batches: int  # per epoch; epoch 1 warms up, epoch 2 is timed
+
+    def label(self) -> str:
+        return f"GPT-2 {self.n_layer}x{self.n_embd} vocab {self.vocab} seq {self.seq} batch {self.batch}"
+
+
+SMALL = Size(4, 64, 4, 256, 32, 4, 6)             # (a): exactness
+FULL = Size(12, 768, 12, 50257, 512, 8, 4)         # (d) on a GPU
+QUICK = Size(6, 384, 6, 50257, 256, 4, 3)          # (d) with --quick
+TINY = Size(4, 64, 4, 256, 64, 4, 3)               # (d) with --cpu
+
+
+def gpt2_factory(size: Size, dropout: float) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        return GPT2LMHeadModel(GPT2Config(
+            n_layer=size.n_layer, n_embd=size.n_embd, n_head=size.n_head, vocab_size=size.vocab,
+            n_positions=max(size.seq, 64), bos_token_id=0, eos_token_id=0,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+    return make
+
+
+def token_batches(size: Size, seed: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, size.vocab, (size.batches, size.batch, size.seq), generator=g)
+    return [{"input_ids": b.clone(), "labels": b.clone()} for b in ids]
+
+
+def warmup(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+
+
+def adamw(lr: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda model: torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def free_cuda() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def plain_train(task: ht.ModelTask, device: str) -> tuple[nn.Module, list[dict[str, float]]]:
+    """The task's loop in plain PyTorch on ``device`` (like tests/reference.py). Returns the model on CPU and
+    per-epoch {train_loss, samples, seconds} (cumulative, as hydra_tune's metrics)."""
+    torch.manual_seed(task.seed)  # seeds the CPU and CUDA generators: same init (on CPU), masks, as hydra_tune
+    model = task.model().to(device)
+    model.train()
+    opt = task.optimizer(model)
+    sched = task.lr_scheduler(opt) if task.lr_scheduler else None
+    k, history, samples, start = task.grad_accumulation, [], 0, time.perf_counter()
+
+    def step() -> None:
+        if task.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip_norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+
+    for _ in range(task.epochs):
+        losses, pending = [], 0
+        for batch in task.train_data:
+            batch = {key: t.to(device) for key, t in batch.items()}
+            loss = model(**batch).loss
+            (loss / k if k != 1 else loss).backward()
+            losses.append(loss.item())
+            samples += batch["input_ids"].shape[0]
+            pending += 1
+            if pending == k:
+                step()
+                pending = 0
+        if pending:
+            step()
+        sync(device)
+        history.append({"train_loss": sum(losses) / len(losses), "samples": samples,
+                        "seconds": time.perf_counter() - start})
+    return model.cpu(), history
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max((sa[n].float() - sb[n].float()).abs().max().item() for n in sa if sa[n].is_floating_point())
+
+
+def budget_for(factory: Callable[[], nn.Module], batch: Batch, min_shards: int) -> int:
+    """The largest budget (a multiple of 5% of the unsharded peak) whose plan has >= min_shards shards.
+    Peeks at hydra_tune's planner, which measures stage costs on CPU, the same way Runtime.submit does."""
+    from hydra_tune.errors import PlanError
+    from hydra_tune.plan import partition
+    from hydra_tune.profile import measure_costs
+    from hydra_tune.stages import extract_stages
+
+    torch.manual_seed(0)
+    costs = measure_costs(extract_stages(factory()), batch)
+    whole = partition(costs, None).peak
+    for pct in range(95, 0, -5):
+        try:
+            if len(partition(costs, whole * pct // 100).shards) >= min_shards:
+                return whole * pct // 100
+        except PlanError:
+            break
+    raise SystemExit(f"no budget gives {min_shards} shards (unsharded peak {format_bytes(whole)})")
+
+
+def steady_rate(history: list[dict[str, Any]]) -> float:
+    """Samples/s over the last epoch only (the first warms up kernels, allocators and pinned buffers)."""
+    a, b = (history[-2] if len(history) > 1 else {"samples": 0, "seconds": 0.0}), history[-1]
+    return (b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"])
+
+
+def device_run(device: str, budget: int | None, tasks: list[ht.ModelTask]) -> tuple[list[Any], dict[str, Any]]:
+    """Train ``tasks`` on one device; returns [(model, metrics)] and the runtime's stats."""
+    free_cuda()
+    with ht.Runtime(devices=[device], device_memory=budget) as rt:
+        handles = [rt.submit(t) for t in tasks]
+        out = [(h.model(), list(h.metrics())) for h in handles]
+        stats = rt.stats()
+    return out, stats
+
+
+def exactness(device: str) -> dict[str, Any]:
+    """(a) and (b): two small GPT-2 tasks (dropout 0.0 and 0.1) co-scheduled on one device, >= 3 shards."""
+    data = token_batches(SMALL, seed=1)
+    tasks = [ht.ModelTask(gpt2_factory(SMALL, p), adamw(1e-3), data, epochs=2, lr_scheduler=warmup,
+                          grad_clip_norm=1.0, seed=7, name=f"exact-p{p}") for p in (0.0, 0.1)]
+    budget = budget_for(tasks[0].model, data[0], 3)
+    runs, stats = device_run(device, budget, tasks)
+    dev = stats["devices"][0]
+    out: dict[str, Any] = {"budget": budget, "peak": dev["peak_bytes"], "resident_after": dev["current_bytes"],
+                           "predicted_peak": stats["tasks"][tasks[0].name]["predicted_peak"]}
+    for task, (model, metrics) in zip(tasks, runs):
+        ref, hist = plain_train(task, device)
+        cpu_ref, _ = plain_train(task, "cpu")
+        out[task.name] = {"shards": len(stats["tasks"][task.name]["shards"]), "diff": max_param_diff(model, ref),
+                          "floor": max_param_diff(cpu_ref, ref), "diff_vs_cpu": max_param_diff(model, cpu_ref),
+                          "loss_diff": max(abs(m["train_loss"] - h["train_loss"]) for m, h in zip(metrics, hist))}
+    return out
+
+
+def bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
+    """(c) H2D GB/s (best of ``reps``): pinned, pageable (events), and pin_memory() + copy (wall clock)."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    out = {}
+    for kind in ("pinned", "pageable", "pin+copy"):
+        src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")  # ones: pages touched
+        best = float("inf")
+        for i in range(reps + 1):  # the first is a warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            dst.copy_(src.pin_memory() if kind == "pin+copy" else src, non_blocking=kind != "pageable")
+            end.record()
+            end.synchronize()
+            seconds = time.perf_counter() - t0 if kind == "pin+copy" else start.elapsed_time(end) / 1e3
+            if i:
+                best = min(best, seconds)
+        out[kind] = nbytes / best / 1e9
+        del src
+    del dst
+    free_cuda()
+    return out
+
+
+def throughput(device: str, size: Size) -> dict[str, Any]:
+    """(d) sharded (>= 4 shards) vs unsharded vs plain PyTorch: steady samples/s and peak bytes."""
+    data = token_batches(size, seed=2)
+
+    def task(name: str) -> ht.ModelTask:
+        return ht.ModelTask(gpt2_factory(size, 0.1), adamw(1e-4), data, epochs=2, grad_clip_norm=1.0, seed=3,
+                            name=name)
+
+    budget = budget_for(task("probe").model, data[0], 4)
+    out: dict[str, Any] = {"model": size.label()}
+    for name, limit in (("sharded", budget), ("unsharded", None)):
+        [(_, metrics)], stats = device_run(device, limit, [task(name)])
+        dev = stats["devices"][0]
+        out[name] = {"samples_per_s": steady_rate(metrics), "peak": dev["peak_bytes"], "budget": dev["budget"],
+                     "shards": len(stats["tasks"][name]["shards"])}
+    free_cuda()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    _, hist = plain_train(task("plain"), device)
+    peak = torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
+    out["plain"] = {"samples_per_s": steady_rate(hist), "peak": peak, "budget": None, "shards": 1}
+    out["ratio"] = out["sharded"]["samples_per_s"] / out["unsharded"]["samples_per_s"]
+    return out
+
+
+def report(res: dict[str, Any]) -> bool:
+    ok = True
+    ex = res["exact"]
+    print(f"\n(a) exactness, small tied GPT-2 on {res['device']}: max|w| difference after 2 epochs")
+    print(f"{'task':<14}{'shards':>7}{'vs plain dev':>14}{'vs plain cpu':>14}{'cpu-vs-dev floor':>18}"
+          f"{'loss diff':>11}")
+    for name in ("exact-p0.0", "exact-p0.1"):
+        r = ex[name]
+        print(f"{name:<14}{r['shards']:>7}{r['diff']:>14.3g}{r['diff_vs_cpu']:>14.3g}{r['floor']:>18.3g}"
+              f"{r['loss_diff']:>11.3g}")
+    good = ex["exact-p0.0"]["diff"] <= EXACT_TOL
+    ok &= good
+    print(f"dropout off: {'PASS' if good else 'FAIL'} (tolerance {EXACT_TOL:g}); dropout on is informational")
+    good = ex["peak"] <= ex["budget"]
+    ok &= good
+    print(f"\n(b) measured peak {format_bytes(ex['peak'])} vs budget {format_bytes(ex['budget'])} "
+          f"(predicted {format_bytes(ex['predicted_peak'])}, still allocated after the tasks "
+          f"{format_bytes(ex['resident_after'])}): {'PASS' if good else 'FAIL'}")
+    if res["h2d_gbps"]:
+        print("\n(c) host-to-device, 256 MiB: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in res["h2d_gbps"].items()))
+    tp = res["throughput"]
+    print(f"\n(d) {tp['model']}")
+    print(f"{'run':<11}{'shards':>7}{'samples/s':>11}{'peak':>12}{'budget':>12}")
+    for name in ("sharded", "unsharded", "plain"):
+        r = tp[name]
+        peak = "-" if r["peak"] is None else format_bytes(r["peak"])
+        limit = "-" if r["budget"] is None else format_bytes(r["budget"])
+        print(f"{name:<11}{r['shards']:>7}{r['samples_per_s']:>11.2f}{peak:>12}{limit:>12}")
+        if r["budget"] is not None and r["peak"] > r["budget"]:
+            ok = False
+            print(f"FAIL: {name} peak above its budget")
+    print(f"sharded / unsharded = {tp['ratio']:.3f}; sharded / plain = "
+          f"{tp['sharded']['samples_per_s'] / tp['plain']['samples_per_s']:.3f}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller model for (d)")
+    p.add_argument("--cpu", action="store_true", help="dry run on CPU stand-ins, tiny sizes, no (c)")
+    args = p.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return 0
+    device = "cpu" if args.cpu else "cuda:0"
+    name = "CPU stand-in" if args.cpu else torch.cuda.get_device_name(0)
+    print(f"gpu_check on {name}: torch {torch.__version__}, CUDA {torch.version.cuda}, hydra_tune {ht.__version__}")
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {"device": device, "device_name": name}
+    res["exact"] = exactness(device)
+    res["h2d_gbps"] = None if args.cpu else bandwidth()
+    res["throughput"] = throughput(device, TINY if args.cpu else QUICK if args.quick else FULL)
+    ok = report(res)
+    res["seconds"] = time.perf_counter() - t0
+    res["ok"] = ok
+    print(f"\ntotal {res['seconds']:.0f} s: {'all checks PASS' if ok else 'some checks FAIL'}")
+    print(json.dumps(res))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
