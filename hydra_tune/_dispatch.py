@@ -56,11 +56,20 @@ class MemoryAccount:
             return old
 
 
+_seeded_ops: dict[Any, bool] = {}
+
+
 def _uses_generator(func: Any) -> bool:
     known = _generator_arg.get(func)
     if known is None:
-        known = any(a.name == "generator" for a in func._schema.arguments)
-        _generator_arg[func] = known
+        known = _generator_arg[func] = any(a.name == "generator" for a in func._schema.arguments)
+    return known
+
+
+def _is_seeded(func: Any) -> bool:
+    known = _seeded_ops.get(func)
+    if known is None:
+        known = _seeded_ops[func] = torch.Tag.nondeterministic_seeded in func.tags
     return known
 
 
@@ -84,13 +93,18 @@ class UnitMode(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = dict(kwargs or {})
-        if torch.Tag.nondeterministic_seeded in func.tags and _op_device(args, kwargs).type == "cpu":
-            out = self._seeded(func, args, kwargs)
+        kwargs = kwargs or {}
+        if _is_seeded(func) and _op_device(args, kwargs).type == "cpu":
+            out = self._seeded(func, args, dict(kwargs))
         else:
             out = func(*args, **kwargs)
         if self.account is not None and not self.paused:
-            self._count(out, args)
+            if isinstance(out, torch.Tensor):
+                self._count(out, args)
+            elif isinstance(out, (tuple, list)):
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        self._count(t, args)
         return out
 
     def _seeded(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -108,13 +122,19 @@ class UnitMode(TorchDispatchMode):
                 self.generator.set_state(torch.default_generator.get_state())
                 torch.default_generator.set_state(saved)
 
-    def _count(self, out: Any, args: tuple) -> None:
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                st = t.untyped_storage()
-                if st.data_ptr() not in inputs:
-                    self.account.track(st)  # type: ignore[union-attr]
+    def _count(self, t: torch.Tensor, args: tuple) -> None:
+        """Track ``t``'s storage unless it is one we know or an input's (a view, or an in-place result)."""
+        if t.device.type != "cpu":
+            return
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        account = self.account
+        if ptr in account._live:  # type: ignore[union-attr]
+            return
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr:
+                return
+        account.track(st)  # type: ignore[union-attr]
 
 
 class paused_accounting:

@@ -52,13 +52,20 @@ class Device:
     copies in with ``copier``, computes, copies out, leaves the scope; ``peak_bytes()`` reports the measured peak.
     """
 
-    shares_host_rng = True
-
     def __init__(self, name: str, torch_device: torch.device, budget: int | None) -> None:
         self.name = name
         self.torch_device = torch_device
         self.budget = budget
         self.copier: HostCopier = make_copier(torch_device)
+        self.overhead = 0  # bytes the device holds before any unit (library workspaces), set by start()
+
+    def start(self) -> None:
+        """Called once in the device's worker thread before its first unit."""
+
+    @property
+    def plan_budget(self) -> int | None:
+        """What the planner may give one unit: the budget less the device's own overhead."""
+        return None if self.budget is None else self.budget - self.overhead
 
     def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode]:
         raise NotImplementedError
@@ -97,7 +104,18 @@ class CudaDevice(Device):
 
     def __init__(self, name: str, budget: int | None) -> None:
         super().__init__(name, torch.device(name), budget)
-        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def start(self) -> None:
+        # cuBLAS allocates a workspace per thread through the caching allocator (this worker, and autograd's
+        # device thread for backward): make them now and count them as overhead, not as any unit's memory.
+        dev = self.torch_device
+        with torch.cuda.device(dev):
+            a = torch.ones(64, 64, device=dev, requires_grad=True)
+            (a @ a).sum().backward()
+            del a
+            torch.cuda.synchronize(dev)
+            self.overhead = int(torch.cuda.memory_allocated(dev))
+            torch.cuda.reset_peak_memory_stats(dev)
 
     @contextlib.contextmanager
     def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode]:

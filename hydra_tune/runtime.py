@@ -90,6 +90,11 @@ class TaskHandle:
             self._status, self._error, self._state = status, error, None
             self._cond.notify_all()
 
+    def _set_running(self) -> None:
+        with self._cond:
+            if self._status == "queued":
+                self._status = "running"
+
     def _emit(self, metrics: dict[str, Any]) -> None:
         with self._cond:
             self._metrics.append(dict(metrics, task=self.name))
@@ -127,8 +132,15 @@ class Runtime:
         self._dev_stats = [{"units": 0, "busy_seconds": 0.0} for _ in self.devices]
         self._workers = [threading.Thread(target=self._work, args=(i,), name=f"hydra-{d.name}", daemon=True)
                          for i, d in enumerate(self.devices)]
+        self._started = [threading.Event() for _ in self.devices]
+        self._start_errors: list[BaseException] = []
         for w in self._workers:
             w.start()
+        for e in self._started:  # device set-up (e.g. CUDA workspaces) is done before any task is planned
+            e.wait()
+        if self._start_errors:
+            self.close()
+            raise self._start_errors[0]
 
     # -- public ---------------------------------------------------------------------------------------------
     def submit(self, task: ModelTask) -> TaskHandle:
@@ -138,7 +150,7 @@ class Runtime:
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
         if self._closed:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
-        budgets = [d.budget for d in self.devices if d.budget is not None]
+        budgets = [d.plan_budget for d in self.devices if d.plan_budget is not None]
         state = TaskState.build(task, min(budgets) if budgets else None)
         handle = TaskHandle(self, state)
         with self._cond:
@@ -155,8 +167,8 @@ class Runtime:
         with self._cond:
             tasks = {name: self._task_stats(a) for name, a in self._tasks.items()}
             tasks.update({n: s for n, s in self._finished.items() if n not in tasks})
-            devices = [dict(name=d.name, budget=d.budget, peak_bytes=d.peak_bytes(), current_bytes=d.current_bytes(),
-                            **self._dev_stats[i]) for i, d in enumerate(self.devices)]
+            devices = [dict(name=d.name, budget=d.budget, overhead_bytes=d.overhead, peak_bytes=d.peak_bytes(),
+                            current_bytes=d.current_bytes(), **self._dev_stats[i]) for i, d in enumerate(self.devices)]
         return {"devices": devices, "tasks": tasks}
 
     def close(self) -> None:
@@ -188,6 +200,13 @@ class Runtime:
 
     def _work(self, index: int) -> None:
         device = self.devices[index]
+        try:
+            device.start()
+        except BaseException as exc:  # reported by __init__, which is waiting for this device
+            self._start_errors.append(exc)
+            return
+        finally:
+            self._started[index].set()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._ready)
@@ -201,7 +220,7 @@ class Runtime:
         if adm.handle.cancel_requested:
             self._end(adm, "cancelled", TaskCancelled(f"task {adm.handle.name!r} was cancelled"))
             return
-        adm.handle._status = "running"
+        adm.handle._set_running()
         try:
             with UnitMode(adm.state.rng.cpu):  # host work between units draws from the task's stream
                 unit = next(adm.chain)

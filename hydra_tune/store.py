@@ -16,12 +16,12 @@ from torch.utils._pytree import tree_flatten
 
 
 def tree_bytes(tree: Any) -> int:
-    """Bytes of the distinct storages of the tensors in a pytree."""
+    """Bytes the tensors of a pytree occupy once copied to a device (a view counts its own elements, not its
+    base's storage; the same tensor twice counts once)."""
     seen: dict[int, int] = {}
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor):
-            st = leaf.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            seen[id(leaf)] = leaf.numel() * leaf.element_size()
     return sum(seen.values())
 
 
