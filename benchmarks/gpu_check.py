@@ -135,9 +135,20 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((sa[n].float() - sb[n].float()).abs().max().item() for n in sa if sa[n].is_floating_point())
 
 
-def budget_for(factory: Callable[[], nn.Module], batch: Batch, min_shards: int) -> int:
+def device_overhead(device: str) -> int:
+    """Bytes the device holds before any unit (cuBLAS workspaces of the worker and autograd threads)."""
+    with ht.Runtime(devices=[device]) as rt:
+        return int(rt.stats()["devices"][0]["overhead_bytes"])
+
+
+def budget_for(factory: Callable[[], nn.Module], batch: Batch, min_shards: int, device: str = "cpu") -> int:
     """The largest budget (a whole percent of the unsharded peak) whose plan has >= min_shards shards, else the one
-    with the most shards. Peeks at hydra_tune's planner, which measures stage costs on CPU as Runtime.submit does."""
+    with the most shards, plus the device's own overhead (the runtime plans with budget - overhead). Peeks at
+    hydra_tune's planner, which measures stage costs on CPU as Runtime.submit does."""
+    return _plan_budget(factory, batch, min_shards) + device_overhead(device)
+
+
+def _plan_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int) -> int:
     from hydra_tune.errors import PlanError
     from hydra_tune.plan import partition
     from hydra_tune.profile import measure_costs
@@ -181,7 +192,7 @@ def exactness(device: str) -> dict[str, Any]:
     data = token_batches(SMALL, seed=1)
     tasks = [ht.ModelTask(gpt2_factory(SMALL, p), adamw(1e-3), data, epochs=2, lr_scheduler=warmup,
                           grad_clip_norm=1.0, seed=7, name=f"exact-p{p}") for p in (0.0, 0.1)]
-    budget = budget_for(tasks[0].model, data[0], 3)
+    budget = budget_for(tasks[0].model, data[0], 3, device)
     runs, stats = device_run(device, budget, tasks)
     dev = stats["devices"][0]
     out: dict[str, Any] = {"budget": budget, "peak": dev["peak_bytes"], "resident_after": dev["current_bytes"],
@@ -228,7 +239,7 @@ def throughput(device: str, size: Size) -> dict[str, Any]:
         return ht.ModelTask(gpt2_factory(size, 0.1), adamw(1e-4), data, epochs=2, grad_clip_norm=1.0, seed=3,
                             name=name)
 
-    budget = budget_for(task("probe").model, data[0], 4)
+    budget = budget_for(task("probe").model, data[0], 4, device)
     out: dict[str, Any] = {"model": size.label()}
     for name, limit in (("sharded", budget), ("unsharded", None)):
         [(_, metrics)], stats = device_run(device, limit, [task(name)])
