@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._dispatch import UnitMode
 from .devices import Device, TaskRNG
+from .errors import HydraError
 from .plan import Plan, partition
 from .profile import measure_costs
 from .shard import ShardExec
@@ -45,10 +46,16 @@ class Unit:
 
 
 def _build(factory: Any, what: str, *args: Any) -> Any:
+    """Call a user factory; its error keeps its type and gains which factory raised it."""
     try:
         return factory(*args)
     except Exception as exc:
-        raise type(exc)(f"building the task's {what} failed: {exc}") from exc
+        message = f"building the task's {what} failed: {type(exc).__name__}: {exc}"
+        try:
+            wrapped = type(exc)(message)
+        except Exception:  # an exception type with a different constructor
+            wrapped = HydraError(message)
+        raise wrapped from exc
 
 
 def _batch_size(batch: Any) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -157,6 +158,11 @@ class Runtime:
             if task.name in self._tasks:
                 raise rule_error("task names are unique among running tasks", "give each ModelTask its own "
                                  "`name`", name=task.name)
+            shared = [n for n, a in self._tasks.items() if a.state.model is state.model]
+            if shared:
+                raise rule_error("each running task trains its own model object", "pass a factory "
+                                 "(`lambda: MyModel()`) or a fresh module per task", task=task.name,
+                                 model_also_in=shared[0])
             adm = _Admitted(handle, state)
             self._tasks[task.name] = adm
             self._push(adm)
@@ -257,6 +263,9 @@ class Runtime:
                 return  # already ended (e.g. finished while the runtime was closing)
             del self._tasks[adm.handle.name]
             self._finished[adm.handle.name] = dict(self._task_stats(adm), state=status)
+        if error is not None and error.__traceback__ is not None:
+            # The traceback's frames hold the failed unit's device tensors: drop their locals, keep the trace.
+            traceback.clear_frames(error.__traceback__)
         adm.chain.close()
         adm.state.store.clear()
         adm.handle._finish(status, error)

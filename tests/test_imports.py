@@ -20,3 +20,9 @@ def test_runtime_on_cpu_imports_no_optional_dependency():
             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_integrations_subpackage_is_installed():
+    out = subprocess.run([sys.executable, "-c", "import hydra_tune.integrations as i; print(i.__name__)"],
+                         capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "hydra_tune.integrations"

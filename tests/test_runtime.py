@@ -122,6 +122,8 @@ def test_failing_task_is_isolated():
         for t, h in zip(good, hg):
             assert max_param_diff(plain_train(t)[0], h.model()) == 0.0
         assert rt.stats()["tasks"]["bad"]["state"] == "failed"
+        gc.collect()
+        assert all(d["current_bytes"] == 0 for d in rt.stats()["devices"]), "the failed unit's memory is held"
 
 
 def test_non_scalar_loss_fails_at_submit():
@@ -183,3 +185,23 @@ def test_configure_sets_the_default_runtime_used_by_train():
         assert rt.stats()["tasks"]["via-default"]["state"] == "done"
     finally:
         ht.configure()  # back to the defaults; closes the configured runtime
+
+
+def test_one_module_in_two_running_tasks_is_rejected():
+    shared = _mlp()
+    first = ht.ModelTask(shared, _sgd, _data(50), loss=_mse, epochs=20, name="first")
+    second = ht.ModelTask(shared, _sgd, _data(2), loss=_mse, name="second")
+    with ht.Runtime(devices=["cpu"]) as rt:
+        h = rt.submit(first)
+        with pytest.raises(ValueError, match=r"each running task trains its own model object must hold, but got "
+                                             r"\(task='second', model_also_in='first'\)"):
+            rt.submit(second)
+        h.cancel()
+
+
+def test_model_factory_error_names_the_factory():
+    def broken():
+        raise KeyError("n_layer")
+
+    with ht.Runtime(devices=["cpu"]) as rt, pytest.raises(KeyError, match="building the task's model failed"):
+        rt.submit(ht.ModelTask(broken, _sgd, _data(1), loss=_mse))
