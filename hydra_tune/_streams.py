@@ -28,6 +28,9 @@ class HostCopier:
     def synchronize(self) -> None:
         """Wait for every copy issued so far (nothing to wait for on CPU)."""
 
+    def prepare_host(self, tensors: list[torch.Tensor]) -> None:
+        """Make host tensors that are copied in often cheap to copy (CPU: nothing to do)."""
+
 
 class CudaCopier(HostCopier):
     """Copies on a side stream; the compute stream waits for them through an event."""
@@ -58,6 +61,12 @@ class CudaCopier(HostCopier):
     def synchronize(self) -> None:
         self.stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
+
+    def prepare_host(self, tensors: list[torch.Tensor]) -> None:
+        # Page-locked once, so every unit's copy-in is a direct DMA instead of a staging copy plus DMA.
+        for t in tensors:
+            if not t.is_pinned():
+                t.data = t.data.pin_memory()
 
 
 def make_copier(device: torch.device) -> HostCopier:

@@ -153,6 +153,7 @@ class Runtime:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
         budgets = [d.plan_budget for d in self.devices if d.plan_budget is not None]
         state = TaskState.build(task, min(budgets) if budgets else None)
+        self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
         handle = TaskHandle(self, state)
         with self._cond:
             if task.name in self._tasks:
