@@ -13,11 +13,12 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("padded", [False, True])
-def test_gpt2_stages_equal_model_forward_backward(tied, padded):
+@pytest.mark.parametrize("tied, padded, attn", [(True, False, "sdpa"), (False, False, "sdpa"), (True, True, "sdpa"),
+                                               (False, True, "eager"), (True, False, "eager")])
+def test_gpt2_stages_equal_model_forward_backward(tied, padded, attn):
     torch.manual_seed(0)
-    model = make_gpt2(tie_word_embeddings=tied)
+    model = make_gpt2(tie_word_embeddings=tied, attn_implementation=attn)
+    assert model.config._attn_implementation == attn
     ids = torch.randint(0, 128, (3, 12))
     batch = {"input_ids": ids, "labels": ids.clone()}
     if padded:
