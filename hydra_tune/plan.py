@@ -131,7 +131,8 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
     plain = _greedy(costs, budget)
     if budget is None or (isinstance(plain, list) and (len(plain) == 1 or not prefetch)):
         return Plan(tuple(plain), budget, 0)  # type: ignore[arg-type]
-    candidates = {shard_of(costs, i, i + 1).state_bytes for i in range(len(costs))}
+    singles = [shard_of(costs, i, i + 1) for i in range(len(costs))]
+    candidates = {sh.state_bytes for sh in singles}
     if isinstance(plain, list):
         candidates |= {sh.state_bytes for sh in plain}
     best: list[Shard] | None = None
@@ -140,8 +141,8 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
         if isinstance(result, list) and (best is None or len(result) < len(best)):
             best = result
     if best is None:
-        worst = max(range(len(costs)), key=lambda i: (lambda sh: sh.peak + sh.state_bytes)(shard_of(costs, i, i + 1)))
-        raise _too_big(costs, worst, budget, shard_of(costs, worst, worst + 1).state_bytes)
+        worst = max(range(len(costs)), key=lambda i: singles[i].peak + singles[i].state_bytes)
+        raise _too_big(costs, worst, budget, singles[worst].state_bytes)
     return Plan(tuple(best), budget, max(sh.state_bytes for sh in best))
 
 

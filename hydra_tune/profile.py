@@ -26,18 +26,18 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
     acct = dev.account
     with dev.unit_scope(rng):
         with torch.no_grad():
-            copies = ex._load(dev, grad=False)
-            carry_dev = ex._to_device(dev, carry)
+            copies = ex.load(dev, grad=False)
+            carry_dev = ex.to_device(dev, carry)
             base = acct.current
             acct.reset_peak()
-            out = ex._run(carry_dev, copies)
+            out = ex.run(carry_dev, copies)
             fwd_peak = acct.peak - base
             del copies, carry_dev
-        copies = ex._load(dev, grad=True)
-        carry_dev, _ = ex._grad_inputs(dev, carry)
+        copies = ex.load(dev, grad=True)
+        carry_dev, _ = ex.grad_inputs(dev, carry)
         base = acct.current
         acct.reset_peak()
-        out_g = ex._run(carry_dev, copies)
+        out_g = ex.run(carry_dev, copies)
         if last:
             out_g = model_loss(loss_fn, out_g, batch)
         saved = acct.current - base

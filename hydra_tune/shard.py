@@ -74,7 +74,7 @@ class ShardExec:
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
 
     # -- copies ---------------------------------------------------------------------------------------------
-    def _load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None
+    def load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None
               ) -> dict[int, torch.Tensor]:
         copies = {}
         for key, t in self.tensors.items():
@@ -85,7 +85,7 @@ class ShardExec:
             copies[key] = c
         return copies
 
-    def _run(self, carry: Any, copies: dict[int, torch.Tensor]) -> Any:
+    def run(self, carry: Any, copies: dict[int, torch.Tensor]) -> Any:
         for stage, binding in zip(self.stages, self._bindings):
             state = {name: copies[key] for name, key in binding}
             carry = functional_call(stage.module, state, (carry,), tie_weights=False, strict=False)
@@ -112,10 +112,9 @@ class ShardExec:
         if train:
             store.rng[self.index] = rng.snapshot()
         with device.unit_scope(rng) as mode, torch.no_grad():
-            copies = self._load(device, grad=False)
-            carry = tree_map(lambda t: device.copier.to_device(t) if isinstance(t, torch.Tensor) else t,
-                             store.carries[self.index])
-            out = self._run(carry, copies)
+            copies = self.load(device, grad=False)
+            carry = self.to_device(device, store.carries[self.index])
+            out = self.run(carry, copies)
             if train:
                 self._write_back_buffers(copies, device, store, mode)
             with paused_accounting(mode):
@@ -126,18 +125,18 @@ class ShardExec:
     def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None) -> float:
         """The last shard in eval: forward and loss, no autograd; returns the loss value."""
         with device.unit_scope(rng), torch.no_grad():
-            copies = self._load(device, grad=False)
-            carry = self._to_device(device, store.carries[self.index])
-            out = self._run(carry, copies)
-            return float(model_loss(loss_fn, out, self._to_device(device, store.batch)).item())
+            copies = self.load(device, grad=False)
+            carry = self.to_device(device, store.carries[self.index])
+            out = self.run(carry, copies)
+            return float(model_loss(loss_fn, out, self.to_device(device, store.batch)).item())
 
     def last(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None, scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
         with device.unit_scope(rng) as mode:
-            copies = self._load(device, grad=True)
-            carry, leaves = self._grad_inputs(device, store.carries[self.index])
-            out = self._run(carry, copies)
-            loss = model_loss(loss_fn, out, self._to_device(device, store.batch))
+            copies = self.load(device, grad=True)
+            carry, leaves = self.grad_inputs(device, store.carries[self.index])
+            out = self.run(carry, copies)
+            loss = model_loss(loss_fn, out, self.to_device(device, store.batch))
             (loss / scale if scale != 1 else loss).backward()
             self._write_back_buffers(copies, device, None, mode)
             self._grads_out(device, store, copies, leaves, mode)
@@ -148,9 +147,9 @@ class ShardExec:
         replay = rng.fork()
         replay.restore(store.rng.pop(self.index))
         with device.unit_scope(replay) as mode:
-            copies = self._load(device, grad=True, buffers=store.buffers.pop(self.index, None))
-            carry, leaves = self._grad_inputs(device, store.carries[self.index])
-            out = self._run(carry, copies)
+            copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
+            carry, leaves = self.grad_inputs(device, store.carries[self.index])
+            out = self.run(carry, copies)
             grads = store.out_grads.pop(self.index)
             pairs = [(o, g) for o, g in zip(tree_flatten(out)[0], grads)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -159,14 +158,14 @@ class ShardExec:
                 torch.autograd.backward([o for o, _ in pairs], g_dev)
             self._grads_out(device, store, copies, leaves, mode)
 
-    # -- helpers --------------------------------------------------------------------------------------------
+    # -- copies and inputs, also used by profile.py --------------------------------------------------------------------------------------------
     @staticmethod
-    def _to_device(device: Device, tree: Any) -> Any:
+    def to_device(device: Device, tree: Any) -> Any:
         return tree_map(lambda t: device.copier.to_device(t) if isinstance(t, torch.Tensor) else t, tree)
 
-    def _grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, list[Any]]:
+    def grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, list[Any]]:
         """Device copy of the input carry whose floating tensors are leaves that collect input gradients."""
-        carry = self._to_device(device, host_carry)
+        carry = self.to_device(device, host_carry)
         leaves = tree_flatten(carry)[0]
         if self.index > 0:
             for t in leaves:
