@@ -158,7 +158,7 @@ class ShardExec:
                 torch.autograd.backward([o for o, _ in pairs], g_dev)
             self._grads_out(device, store, copies, leaves, mode)
 
-    # -- copies and inputs, also used by profile.py --------------------------------------------------------------------------------------------
+    # -- copies and inputs (also used by profile.py) -----------------------------------------------------
     @staticmethod
     def to_device(device: Device, tree: Any) -> Any:
         return tree_map(lambda t: device.copier.to_device(t) if isinstance(t, torch.Tensor) else t, tree)
