@@ -1,14 +1,18 @@
 """Scheduling policies over plain data: which ready task a free device runs next.
 
-    fifo([Ready("a", seq=3, last_device=1), Ready("b", seq=1, last_device=0)], device=0) == 1
+    ready = [Ready("a", seq=3, last_device=1, remaining=9.0), Ready("b", seq=1, last_device=0, remaining=2.0)]
+    lrtf(ready, device=0, idle=()) == 0          # Sharded-LRTF: the longest remaining work first
+    fifo(ready, device=0, idle=()) == 1          # the task that has waited longest
 
-A policy sees only small records, never tensors or threads, so it is tested with exact expected choices and can
-be replayed by a simulator. The runtime calls ``pick`` under its lock whenever a device is free.
+A policy sees only small records, never tensors or threads, so it is tested with exact expected choices and the
+simulator replays the very same functions. The runtime asks a policy whenever a device needs its next minibatch
+of work: a task's units within one minibatch stay on the device that holds its shards and activations (that is
+the affinity that never idles another device: the task has no other unit that could run elsewhere meanwhile).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -16,16 +20,81 @@ class Ready:
     """A task whose next unit may run now."""
 
     task: str
-    seq: int                 # when it became ready (a global counter)
-    last_device: int | None  # the device its previous unit ran on
+    seq: int                  # when it became ready (a global counter)
+    last_device: int | None   # the device its previous unit ran on (and may still hold its state)
+    remaining: float = 0.0    # estimated seconds of work left (Estimator.remaining)
+    turns: int = 0            # how many times a device has taken it so far
+    admitted: int = 0         # admission order
 
 
-Policy = Callable[[Sequence[Ready], int], int]
+Policy = Callable[[Sequence[Ready], int, Sequence[int]], int]
+"""``policy(ready, device, idle) -> index into ready``: ``device`` asks; ``idle`` lists the other devices that are
+waiting for work right now (each will ask right after)."""
 
 
-def fifo(ready: Sequence[Ready], device: int) -> int:
+def fifo(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
     """The task that has waited longest; among equals, one that last ran on this device."""
     return min(range(len(ready)), key=lambda i: (ready[i].seq, ready[i].last_device != device))
 
 
-POLICIES: dict[str, Policy] = {"fifo": fifo}
+def round_robin(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
+    """Every task in turn: the one with the fewest turns so far, then the earliest admitted."""
+    return min(range(len(ready)), key=lambda i: (ready[i].turns, ready[i].admitted, ready[i].seq))
+
+
+def lrtf(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
+    """Sharded-LRTF with affinity.
+
+    Rank by estimated remaining time (longest first, then the longest waiting). The first ``1 + len(idle)`` of
+    that ranking start now whatever this device takes, so within that window prefer a task that last ran here,
+    then one that did not last run on another idle device (that device will take it), then the longest.
+    """
+    order = sorted(range(len(ready)), key=lambda i: (-ready[i].remaining, ready[i].seq))
+    window = order[:1 + len(idle)]
+    for i in window:
+        if ready[i].last_device == device:
+            return i
+    others = set(idle)
+    for i in window:
+        if ready[i].last_device not in others:
+            return i
+    return window[0]
+
+
+POLICIES: dict[str, Policy] = {"lrtf": lrtf, "fifo": fifo, "round_robin": round_robin}
+
+
+@dataclass
+class Estimator:
+    """Smoothed unit times per task and unit kind, turned into a task's estimated remaining seconds.
+
+        est = Estimator(alpha=0.5)
+        est.observe("a", "F", 0.2); est.observe("a", "F", 0.4)      # smoothed F time of task a: 0.3
+        est.remaining("a", {"F": 10, "B": 10})                      # B not measured yet: F's time stands in
+
+    A kind not yet measured for a task is guessed as that task's mean measured unit time, and a task with no
+    measurement at all as the mean over all tasks (0.0 before anything ran): new tasks are neither starved nor
+    favoured by a made-up number.
+    """
+
+    alpha: float = 0.3
+    _times: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def observe(self, task: str, kind: str, seconds: float) -> None:
+        per = self._times.setdefault(task, {})
+        old = per.get(kind)
+        per[kind] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def unit_time(self, task: str, kind: str) -> float:
+        per = self._times.get(task)
+        if per:
+            return per.get(kind, sum(per.values()) / len(per))
+        known = [t for p in self._times.values() for t in p.values()]
+        return sum(known) / len(known) if known else 0.0
+
+    def remaining(self, task: str, counts: Mapping[str, int]) -> float:
+        """Estimated seconds for ``counts`` more units of each kind."""
+        return sum(n * self.unit_time(task, kind) for kind, n in counts.items())
+
+    def forget(self, task: str) -> None:
+        self._times.pop(task, None)
