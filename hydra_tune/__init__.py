@@ -12,7 +12,8 @@ from typing import Any
 
 from .api import configure, default_runtime, train
 from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
-from .runtime import Runtime, TaskHandle
+from .handle import TaskHandle
+from .runtime import Runtime
 from .task import ModelTask
 
 __version__ = "0.1.0"

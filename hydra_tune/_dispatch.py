@@ -29,7 +29,7 @@ class MemoryAccount:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[int, int] = {}  # storage data_ptr -> bytes
+        self._live: dict[int, tuple[int, Any]] = {}  # storage data_ptr -> (bytes, its finalizer)
         self.current = 0
         self.peak = 0
 
@@ -40,14 +40,23 @@ class MemoryAccount:
         with self._lock:
             if ptr in self._live:
                 return
-            self._live[ptr] = nbytes
+            self._live[ptr] = (nbytes, weakref.finalize(storage, self._release, ptr))
             self.current += nbytes
             self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._release, ptr)
+
+    def forget(self, storage: torch.UntypedStorage) -> None:
+        """Stop counting ``storage`` (its bytes are about to be freed by ``resize_(0)``)."""
+        with self._lock:
+            entry = self._live.pop(storage.data_ptr(), None)
+            if entry is not None:
+                self.current -= entry[0]
+                entry[1].detach()  # its address may be reused: the old finalizer must not release a new entry
 
     def _release(self, ptr: int) -> None:
         with self._lock:
-            self.current -= self._live.pop(ptr, 0)
+            entry = self._live.pop(ptr, None)
+            if entry is not None:
+                self.current -= entry[0]
 
     def reset_peak(self) -> int:
         """Restart peak tracking from the current bytes; return the old peak."""

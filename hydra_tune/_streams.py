@@ -3,6 +3,7 @@
     copier = make_copier(torch.device("cpu"))
     dev = copier.to_device(host_tensor)          # a real copy: the device's own memory
     back = copier.to_host(dev)                   # a real copy into host memory
+    copier.release(dev); copier.refill(dev, host_tensor)   # free its bytes, keep the tensor; later fill it again
 
 On CUDA, copies go through a dedicated copy stream from pinned host buffers, and the compute stream waits on an
 event, so a later prefetch can overlap the copy with compute. On CPU the same calls are plain clones, so every
@@ -10,20 +11,61 @@ code path above this module is exercised without a GPU.
 """
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s storage with its own version counter: writing it does not invalidate autograd's
+    saved references to ``t`` (whose storage we refill with the very values it held)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                t.shape, t.stride())
 
 
 class HostCopier:
     """CPU stand-in: a "device" copy is a fresh tensor in the device's accounted memory."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, account: Any = None) -> None:
         self.device = device
+        self.account = account  # the CPU device's MemoryAccount: resize_ bypasses the dispatch mode
+        self._local = threading.local()
+
+    def moved(self) -> int:
+        """Bytes this thread has copied through this copier so far (for the trace)."""
+        return getattr(self._local, "bytes", 0)
+
+    def _count(self, t: torch.Tensor) -> None:
+        self._local.bytes = self.moved() + t.numel() * t.element_size()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
         return t.detach().clone()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
         return t.detach().clone()
+
+    def release(self, t: torch.Tensor) -> None:
+        """Free ``t``'s device bytes but keep the tensor (and autograd's references to it) for ``refill``."""
+        st = t.untyped_storage()
+        if self.account is not None:
+            self.account.forget(st)
+        st.resize_(0)
+
+    def refill(self, t: torch.Tensor, src: torch.Tensor) -> None:
+        """Give a released ``t`` its bytes back, holding ``src``'s values (host tensor of the same layout)."""
+        st = t.untyped_storage()
+        st.resize_(t.numel() * t.element_size())  # device copies are dense and start at offset 0
+        self._count(src)
+        with torch.no_grad():
+            self._fill(_alias(t), src.detach())
+        if self.account is not None:
+            self.account.track(st)
+
+    def _fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (nothing to wait for on CPU)."""
@@ -40,6 +82,7 @@ class CudaCopier(HostCopier):
         self.stream = torch.cuda.Stream(device=device)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
         src = t.detach()
         if not src.is_pinned():
             src = src.pin_memory()
@@ -52,7 +95,18 @@ class CudaCopier(HostCopier):
         out.record_stream(compute)
         return out
 
+    def _fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not src.is_pinned():
+            src = src.pin_memory()
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        compute.wait_event(done)
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t.detach(), non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
@@ -69,6 +123,6 @@ class CudaCopier(HostCopier):
                 t.data = t.data.pin_memory()
 
 
-def make_copier(device: torch.device) -> HostCopier:
+def make_copier(device: torch.device, account: Any = None) -> HostCopier:
     """The copier for ``device``: CUDA streams for a GPU, plain copies for a CPU device."""
-    return CudaCopier(device) if device.type == "cuda" else HostCopier(device)
+    return CudaCopier(device) if device.type == "cuda" else HostCopier(device, account)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -58,6 +59,7 @@ class Device:
         self.budget = budget
         self.copier: HostCopier = make_copier(torch_device)
         self.overhead = 0  # bytes the device holds before any unit (library workspaces), set by start()
+        self.resident: Any = None  # the runtime's ShardCache for this device (shard copies made ahead of use)
 
     def start(self) -> None:
         """Called once in the device's worker thread before its first unit."""
@@ -68,6 +70,10 @@ class Device:
         return None if self.budget is None else self.budget - self.overhead
 
     def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode]:
+        raise NotImplementedError
+
+    def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the device's copy engine (the prefetch thread) makes device copies: counted, no RNG swap."""
         raise NotImplementedError
 
     def peak_bytes(self) -> int:
@@ -86,11 +92,16 @@ class CpuDevice(Device):
     def __init__(self, name: str, budget: int | None) -> None:
         super().__init__(name, torch.device("cpu"), budget)
         self.account = MemoryAccount()
+        self.copier = make_copier(self.torch_device, self.account)
+        self._scratch = torch.Generator()
 
     @contextlib.contextmanager
     def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode]:
         with UnitMode(rng.cpu, self.account) as mode:
             yield mode
+
+    def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return UnitMode(self._scratch, self.account)  # clones count as this device's memory
 
     def peak_bytes(self) -> int:
         return self.account.peak
@@ -129,6 +140,9 @@ class CudaDevice(Device):
                 yield mode
         finally:
             rng.accel_state = gen.get_state()
+
+    def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.torch_device)
 
     def peak_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.torch_device))

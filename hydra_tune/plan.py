@@ -16,6 +16,11 @@ P: bytes of the distinct parameters (a parameter shared by two stages is one cop
 trainable parameters of the stages after k (made earlier in the backward), Bf: buffers, in_k: stage k's input carry, and the per-stage measurements of StageCost.
 With ``prefetch`` each unit must also leave room for the next shard's parameters and buffers (the second buffer
 of double buffering), bounded by the plan's largest shard.
+
+Keeping activations: a shard's forward may run with autograd and keep its graph on the device (its parameter
+copies released, refilled for the backward) so its B unit needs no recompute. A minibatch runs on one device, so
+the kept shards of one minibatch sit next to each of its units: ``sum(kept_bytes of kept shards) + peak <= budget``.
+Which shards: the most measured forward seconds saved per kept byte (``choose_keep``).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class StageCost:
     saved_bytes: int = 0     # kept after a forward with autograd: saved tensors and the output
     grad_fwd_peak: int = 0   # above the input, at the peak of the forward with autograd
     bwd_peak: int = 0        # above everything kept, at the peak of its backward (all gradients it makes)
+    fwd_seconds: float = 0.0  # measured time of its forward: what keeping its activations saves per minibatch
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class Shard:
     state_bytes: int    # parameters + buffers copied in for every unit
     forward_peak: int   # F unit
     backward_peak: int  # B or L unit
+    kept_bytes: int = 0       # a forward with autograd keeps this much on the device (input + saved tensors)
+    fwd_seconds: float = 0.0  # measured: the recompute a kept forward saves
 
     @property
     def peak(self) -> int:
@@ -60,11 +68,39 @@ class Plan:
     shards: tuple[Shard, ...]
     budget: int | None
     prefetch_bytes: int  # room kept free on the device for the next unit's shard
+    keep: tuple[bool, ...] = ()  # per shard: its training forward keeps activations (no recompute in B)
 
     @property
     def peak(self) -> int:
-        """The largest predicted device bytes of any unit, prefetch buffer included."""
-        return max(s.peak for s in self.shards) + self.prefetch_bytes
+        """The largest predicted device bytes of any unit, prefetch buffer and kept activations included."""
+        return max(s.peak for s in self.shards) + self.prefetch_bytes + self.kept_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(s.kept_bytes for s, k in zip(self.shards, self.keep) if k)
+
+    def keeps(self, shard: int) -> bool:
+        return bool(self.keep) and self.keep[shard]
+
+
+def choose_keep(shards: Sequence[Shard], room: int | None) -> tuple[bool, ...]:
+    """Which shards' forwards keep their activations within ``room`` bytes (None: unlimited).
+
+    The last shard never needs it (its forward and backward are one unit). Greedy by measured forward seconds
+    saved per kept byte, later shards first among equals; a shard with no measured benefit is not kept.
+    """
+    keep = [False] * len(shards)
+    order = sorted(range(len(shards) - 1),
+                   key=lambda i: (-shards[i].fwd_seconds / max(shards[i].kept_bytes, 1), -i))
+    left = room
+    for i in order:
+        sh = shards[i]
+        if sh.fwd_seconds <= 0 or (left is not None and sh.kept_bytes > left):
+            continue
+        keep[i] = True
+        if left is not None:
+            left -= sh.kept_bytes
+    return tuple(keep)
 
 
 def _unique_params(costs: Sequence[StageCost]) -> dict[int, tuple[int, bool]]:
@@ -93,7 +129,8 @@ def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) 
         bwd_top = max(bwd_top, later_grads + part[k].bwd_peak)
         later_grads = sum(n for n, trainable in _unique_params(part[k:]).values() if trainable)
     bwd = base + max(grad_fwd, kept + bwd_top)
-    return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd)
+    return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd,
+                 kept_bytes=part[0].input_bytes + kept, fwd_seconds=sum(c.fwd_seconds for c in part))
 
 
 def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None = None) -> list[Shard] | int:
@@ -119,31 +156,51 @@ def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None
     return shards
 
 
-def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool = True) -> Plan:
+def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool = True,
+              keep: bool = True) -> Plan:
     """Cut ``costs`` into the fewest shards whose units fit ``budget`` (None: one shard of everything).
 
     With ``prefetch``, a plan of several shards keeps room for its largest shard's state next to every unit.
     The reserve depends on the plan, so candidate caps on shard state are tried (each stage's own state and the
-    shards of the plan without a reserve), and the plan with the fewest shards wins.
+    shards of the plan without a reserve), and the plan with the fewest shards wins. With ``keep``, the room left
+    under the budget goes to kept activations (``choose_keep``); a plan with up to twice as many shards is taken
+    instead when its smaller shards leave room to keep more and so save more measured forward seconds.
     """
     if not costs:
         raise PlanError("a model has at least one stage, but got (stages=0). Fix: give the model some layers.")
     plain = _greedy(costs, budget)
     if budget is None or (isinstance(plain, list) and (len(plain) == 1 or not prefetch)):
-        return Plan(tuple(plain), budget, 0)  # type: ignore[arg-type]
+        shards = tuple(plain)  # type: ignore[arg-type]
+        return Plan(shards, budget, 0, choose_keep(shards, None if budget is None else
+                                                   budget - max(s.peak for s in shards)) if keep else ())
     singles = [shard_of(costs, i, i + 1) for i in range(len(costs))]
     candidates = {sh.state_bytes for sh in singles}
     if isinstance(plain, list):
         candidates |= {sh.state_bytes for sh in plain}
-    best: list[Shard] | None = None
+    plans: list[list[Shard]] = []
     for cap in sorted(candidates):
         result = _greedy(costs, budget - cap, cap)
-        if isinstance(result, list) and (best is None or len(result) < len(best)):
-            best = result
-    if best is None:
+        if isinstance(result, list):
+            plans.append(result)
+    if not plans:
         worst = max(range(len(costs)), key=lambda i: singles[i].peak + singles[i].state_bytes)
         raise _too_big(costs, worst, budget, singles[worst].state_bytes)
-    return Plan(tuple(best), budget, max(sh.state_bytes for sh in best))
+    fewest = min(len(p) for p in plans)
+    best: Plan | None = None
+    for shards in sorted(plans, key=len):
+        if len(shards) > (2 * fewest if keep else fewest):
+            break
+        reserve = max(sh.state_bytes for sh in shards)
+        chosen = choose_keep(shards, budget - reserve - max(sh.peak for sh in shards)) if keep else ()
+        plan = Plan(tuple(shards), budget, reserve, chosen)
+        if best is None or _recompute_seconds(plan) < _recompute_seconds(best):
+            best = plan
+    return best  # type: ignore[return-value]
+
+
+def _recompute_seconds(plan: Plan) -> float:
+    """Forward seconds a minibatch spends recomputing (shards before the last that do not keep)."""
+    return sum(sh.fwd_seconds for sh in plan.shards[:-1] if not plan.keeps(sh.index))
 
 
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:

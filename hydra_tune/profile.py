@@ -9,6 +9,7 @@ buffers, a scratch RNG stream). Errors in the model, the batch or the loss surfa
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             carry_dev = ex.to_device(dev, carry)
             base = acct.current
             acct.reset_peak()
+            t0 = time.perf_counter()
             out = ex.run(carry_dev, copies)
+            fwd_seconds = time.perf_counter() - t0  # what recomputing it costs: the value of keeping it
             fwd_peak = acct.peak - base
             del copies, carry_dev
         copies = ex.load(dev, grad=True)
@@ -51,7 +54,7 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
     params = tuple((id(p), p.numel() * p.element_size(), p.requires_grad) for p in ex.params)
     buffers = sum(b.numel() * b.element_size() for b in ex.buffers.values())
     cost = StageCost(ex.names[0], params, buffers, tree_bytes(carry), tree_bytes(out), fwd_peak, saved,
-                     grad_fwd_peak, bwd_peak)
+                     grad_fwd_peak, bwd_peak, fwd_seconds)
     return cost, out
 
 

@@ -1,12 +1,13 @@
 """One admitted task: its built state and its training loop as a chain of units (the schedule as data).
 
     state = TaskState.build(task, budget=devices[0].budget)     # model, optimizer, stages, plan
-    for unit in state.units():                                   # Unit(kind='F', shard=0, ...), ...
-        unit.run(device)                                         # any device, one unit at a time
+    for segment in state.units(emit=print):                      # Segment: F0 F1 L2 B1 B0
+        for unit in segment.units: unit.run(device)              # one device per segment, units in order
 
-The generator does the host-side work between units in the same order as the plain loop it replaces: fetch a
-batch, run F0..F(K-2), L(K-1), B(K-2)..B0, add the minibatch's gradients, and every ``grad_accumulation``
-batches clip, step the optimizer and the LR scheduler, and zero the gradients. Epoch metrics go to ``emit``.
+The generator does the host-side work between segments in the same order as the plain loop it replaces: fetch a
+batch, run F0..F(K-2), L(K-1), B(K-2)..B0 (one segment), add the minibatch's gradients, and every
+``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and zero the gradients. Epoch
+metrics go to ``emit``.
 """
 from __future__ import annotations
 
@@ -33,16 +34,30 @@ from .task import ModelTask
 @dataclass(frozen=True)
 class Unit:
     """One schedulable piece of work: kind F (forward), L (last shard fwd+loss+bwd), B (recompute+bwd),
-    E (eval forward; on the last shard also the loss)."""
+    E (eval forward; on the last shard also the loss). ``prefetch`` prepares its shard on a device ahead of it."""
 
     task: str
     kind: str
     shard: int
-    batch: int
+    segment: int
     run: Callable[[Device], None] = field(repr=False, compare=False)
+    prefetch: Callable[[Device], int] = field(repr=False, compare=False)  # returns the bytes it copied
 
     def __str__(self) -> str:
         return f"{self.kind}{self.shard}"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Units that run back to back on one device: a training minibatch (F.. L B..) or one eval batch."""
+
+    task: str
+    index: int
+    units: tuple[Unit, ...]
+    train: bool
+
+    def __str__(self) -> str:
+        return " ".join(str(u) for u in self.units)
 
 
 def _build(factory: Any, what: str, *args: Any) -> Any:
@@ -77,6 +92,10 @@ class TaskState:
         self.store = HostStore()
         self.steps = 0
         self.epoch = 0
+        self.segments = 0
+        self.batch_in_epoch = 0
+        self.train_batches: int | None = None  # counted in the first epoch (for data without a length)
+        self.eval_batches: int | None = None
 
     @classmethod
     def build(cls, task: ModelTask, budget: int | None) -> "TaskState":
@@ -108,23 +127,29 @@ class TaskState:
         return cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
 
     # -- the loop -------------------------------------------------------------------------------------------
-    def units(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Unit]:
+    def units(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
+        """The task's training as segments of units; host work (step, data) runs while advancing."""
         task, k = self.task, self.task.grad_accumulation
         start = time.perf_counter()
         samples = 0
         for epoch in range(1, task.epochs + 1):
             self.epoch = epoch
+            self.batch_in_epoch = 0
             losses: list[float] = []
             pending = 0
-            for batch in self.train_iterable:
-                yield from self._train_batch(batch, losses)
+            for batch in self._batches(self.train_iterable):
+                yield self._train_segment(batch, losses)
+                self.store.flush_grads()
+                self.store.clear()
                 samples += _batch_size(batch)
+                self.batch_in_epoch += 1
                 pending += 1
                 if pending == k:
                     self._step()
                     pending = 0
                     if task.max_steps is not None and self.steps >= task.max_steps:
                         break
+            self.train_batches = self.batch_in_epoch if epoch == 1 else self.train_batches
             if pending:
                 self._step()
             metrics: dict[str, Any] = {
@@ -137,24 +162,42 @@ class TaskState:
             if task.max_steps is not None and self.steps >= task.max_steps:
                 break
 
-    def _train_batch(self, batch: Any, losses: list[float]) -> Iterator[Unit]:
-        store, rng, name = self.store, self.rng, self.task.name
+    def _batches(self, iterable: Any) -> Iterator[Any]:
+        # Only data loading draws random numbers on the host (shuffling, workers' seeds): it alone runs in the
+        # task's RNG mode; the optimizer step and the rest of the host work run at full speed outside it.
+        with UnitMode(self.rng.cpu):
+            it = iter(iterable)
+        while True:
+            with UnitMode(self.rng.cpu):
+                batch = next(it, _END)
+            if batch is _END:
+                return
+            yield batch
+
+    def _segment(self, units: list[tuple[str, ShardExec, Callable[[Device], Any], Callable[[Device], int]]],
+                 train: bool) -> Segment:
+        self.segments += 1
+        return Segment(self.task.name, self.segments, tuple(
+            Unit(self.task.name, kind, ex.index, self.segments, run, pre) for kind, ex, run, pre in units), train)
+
+    def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
+        store, rng, plan = self.store, self.rng, self.plan
         store.batch = batch
         store.carries[0] = self.cut.prepare(batch)
-        n = len(self.execs)
-        b = self.steps
-        for ex in self.execs[:-1]:
-            yield Unit(name, "F", ex.index, b, lambda d, ex=ex: ex.forward(d, store, rng))
         last = self.execs[-1]
 
         def run_last(d: Device) -> None:
             losses.append(last.last(d, store, rng, self.task.loss, self.task.grad_accumulation))
 
-        yield Unit(name, "L", n - 1, b, run_last)
-        for ex in reversed(self.execs[:-1]):
-            yield Unit(name, "B", ex.index, b, lambda d, ex=ex: ex.backward(d, store, rng))
-        store.flush_grads()
-        store.clear()
+        def pre(ex: ShardExec, kind: str) -> Callable[[Device], int]:
+            return lambda d: ex.prefetch(d, store, kind)
+
+        units = [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index)), pre(ex, "F"))
+                 for ex in self.execs[:-1]]
+        units.append(("L", last, run_last, pre(last, "L")))
+        units += [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng), pre(ex, "B"))
+                  for ex in reversed(self.execs[:-1])]
+        return self._segment(units, True)
 
     def _step(self) -> None:
         if self.task.grad_clip_norm is not None:
@@ -165,23 +208,41 @@ class TaskState:
         self.optimizer.zero_grad()
         self.steps += 1
 
-    def _evaluate(self) -> Iterator[Unit]:
-        store, rng, name = self.store, self.rng, self.task.name
+    def _evaluate(self) -> Iterator[Segment]:
+        store, rng = self.store, self.rng
         self.model.eval()
         losses: list[float] = []
+        n = 0
         try:
-            for batch in self.eval_iterable:
+            for batch in self._batches(self.eval_iterable):
                 store.batch = batch
                 store.carries[0] = self.cut.prepare(batch)
-                for ex in self.execs[:-1]:
-                    yield Unit(name, "E", ex.index, -1, lambda d, ex=ex: ex.forward(d, store, rng, train=False))
                 last = self.execs[-1]
-                yield Unit(name, "E", last.index, -1,
-                           lambda d: losses.append(last.evaluate(d, store, rng, self.task.loss)))
+                units = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False),
+                          lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in self.execs[:-1]]
+                units.append(("E", last, lambda d: losses.append(last.evaluate(d, store, rng, self.task.loss)),
+                              lambda d: last.prefetch(d, store, "E")))
+                yield self._segment(units, False)
                 store.clear()
+                n += 1
         finally:
             self.model.train()
+        self.eval_batches = n
         return sum(losses) / max(len(losses), 1)
+
+    def remaining(self) -> dict[str, int]:
+        """Estimated units left per kind (for the scheduler): from the data's length when it has one, else from
+        the first epoch's count; capped by ``max_steps``."""
+        task, n_sh = self.task, len(self.execs)
+        per_epoch = self.train_batches or _length(self.train_iterable) or max(self.batch_in_epoch + 1, 1)
+        batches = max(per_epoch - self.batch_in_epoch, 0) + per_epoch * (task.epochs - max(self.epoch, 1))
+        if task.max_steps is not None:
+            batches = min(batches, max(task.max_steps - self.steps, 0) * task.grad_accumulation)
+        epochs_left = task.epochs - max(self.epoch, 1) + 1
+        evals = 0
+        if self.eval_iterable is not None:
+            evals = (self.eval_batches or _length(self.eval_iterable) or 1) * epochs_left * n_sh
+        return {"F": batches * (n_sh - 1), "L": batches, "B": batches * (n_sh - 1), "E": evals}
 
     def host_bytes(self) -> int:
         """Host bytes this task holds: parameters, gradients, buffers, optimizer state, minibatch in flight."""
@@ -194,6 +255,16 @@ class TaskState:
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values()) + self.store.nbytes()
+
+
+_END = object()
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return int(len(data))
+    except TypeError:
+        return None
 
 
 def _iterable(data: Any) -> Any:

@@ -1,136 +1,78 @@
 """The runtime: one per node; owns the devices, admits tasks, and runs every task's units on every device.
 
-    with Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
+    with Runtime(devices=["cpu", "cpu"], device_memory="64MiB", policy="lrtf") as rt:
         handles = [rt.submit(task) for task in tasks]
-        print([h.result()["train_loss"] for h in handles], rt.stats())
+        print([h.result()["train_loss"] for h in handles], rt.stats()); rt.trace().save("trace.json")
 
-One worker thread per device loops: take the ready task the policy picks, advance its unit chain by one unit
-(host-side work included), run that unit on the device, make the task ready again. A task runs on at most one
-device at a time and may move between units; tasks are independent, so all devices stay busy while enough tasks
-are ready. A task's failure or cancellation ends that task only.
+Each device has a worker thread and a copy thread. The worker asks the policy for a ready task, advances the
+task's chain to its next segment (a minibatch's F.. L B.. units, or one eval batch) and runs those units back to
+back: the device keeps the task's shards and kept activations between them. While a unit runs, the copy thread
+prepares the next unit's shard (double buffering); while a segment's last unit runs, it already picks the
+device's next task, does that task's host work (optimizer step, data) and copies its first shard. A task runs on
+one device at a time; tasks are independent, so every device stays busy while enough tasks are ready. A task's
+failure or cancellation ends that task only.
 """
 from __future__ import annotations
 
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ._dispatch import UnitMode
 from .devices import Device, resolve_devices
 from .errors import RuntimeClosed, TaskCancelled, rule_error
-from .program import TaskState, Unit
-from .schedule import POLICIES, Ready
+from .handle import TaskHandle
+from .program import Segment, TaskState, Unit
+from .schedule import POLICIES, Estimator, Ready
+from .shard import ShardCache
 from .task import ModelTask
+from .trace import COPY, Recorder, Trace
 
-_STATES = ("queued", "running", "done", "failed", "cancelled")
-
-
-class TaskHandle:
-    """The caller's view of a submitted task: metrics as they come, the result, the trained model, cancel."""
-
-    def __init__(self, runtime: "Runtime", state: TaskState) -> None:
-        self.name = state.task.name
-        self._runtime = runtime
-        self._state: TaskState | None = state
-        self._cond = threading.Condition()
-        self._metrics: list[dict[str, Any]] = []
-        self._status = "queued"
-        self._error: BaseException | None = None
-        self._model: Any = None
-        self.cancel_requested = False
-
-    @property
-    def status(self) -> str:
-        return self._status
-
-    def metrics(self) -> Iterator[dict[str, Any]]:
-        """Per-epoch metrics as they are produced; raises the task's error (or TaskCancelled) at the end."""
-        i = 0
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: len(self._metrics) > i or self._status in _STATES[2:])
-                fresh, ended = self._metrics[i:], self._status in _STATES[2:]
-            yield from fresh
-            i += len(fresh)
-            if ended and i == len(self._metrics):
-                self._raise()
-                return
-
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """Block until the task ends; the last epoch's metrics, or the task's error re-raised."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._status in _STATES[2:], timeout):
-                raise TimeoutError(f"task {self.name!r} still {self._status} after {timeout} s")
-        self._raise()
-        return dict(self._metrics[-1]) if self._metrics else {}
-
-    def model(self) -> Any:
-        """The trained model (on CPU, host memory) once the task is done."""
-        self.result()
-        return self._model
-
-    def cancel(self) -> None:
-        """Stop the task at its next unit boundary and free its state; a finished task is left as it is."""
-        self._runtime._cancel(self)
-
-    def done(self) -> bool:
-        return self._status in _STATES[2:]
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _finish(self, status: str, error: BaseException | None = None) -> None:
-        with self._cond:
-            if self._status in _STATES[2:]:
-                return
-            if status == "done" and self._state is not None:
-                self._model = self._state.model
-            self._status, self._error, self._state = status, error, None
-            self._cond.notify_all()
-
-    def _set_running(self) -> None:
-        with self._cond:
-            if self._status == "queued":
-                self._status = "running"
-
-    def _emit(self, metrics: dict[str, Any]) -> None:
-        with self._cond:
-            self._metrics.append(dict(metrics, task=self.name))
-            self._cond.notify_all()
-
-    def __repr__(self) -> str:
-        return f"TaskHandle({self.name!r}, {self._status})"
+__all__ = ["Runtime", "TaskHandle"]
 
 
 class _Admitted:
-    """Runtime-private bookkeeping of one task between units."""
+    """Runtime-private bookkeeping of one task between segments."""
 
-    def __init__(self, handle: TaskHandle, state: TaskState) -> None:
-        self.handle, self.state = handle, state
-        self.chain: Iterator[Unit] = state.units(handle._emit)
+    def __init__(self, handle: TaskHandle, state: TaskState, order: int) -> None:
+        self.handle, self.state, self.order = handle, state, order
+        self.chain = state.units(handle._emit)
+        self.segment: Segment | None = None  # taken from the chain, not yet run
         self.last_device: int | None = None
         self.units = 0
+        self.turns = 0
 
 
 class Runtime:
-    """Owns the node's devices and runs the units of every admitted task on them."""
+    """Owns the node's devices and runs the units of every admitted task on them.
+
+    ``policy``: "lrtf" (Sharded-LRTF with affinity, the default), "fifo" or "round_robin" (schedule.py).
+    """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
-                 *, policy: str = "fifo") -> None:
+                 *, policy: str = "lrtf") -> None:
         if policy not in POLICIES:
             raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=policy)
         self.devices: list[Device] = resolve_devices(devices, device_memory)
+        self.policy = policy
         self._pick = POLICIES[policy]
         self._cond = threading.Condition()
         self._ready: list[tuple[Ready, _Admitted]] = []
         self._tasks: dict[str, _Admitted] = {}
         self._finished: dict[str, dict[str, Any]] = {}
         self._seq = 0
+        self._admitted = 0
         self._closed = False
-        self._dev_stats = [{"units": 0, "busy_seconds": 0.0} for _ in self.devices]
+        self._idle: set[int] = set()
+        self._estimator = Estimator()
+        self._recorder = Recorder([d.name for d in self.devices], time.perf_counter())
+        self._dev_stats = [{"units": 0, "busy_seconds": 0.0, "prefetches": 0, "prefetched_bytes": 0}
+                           for _ in self.devices]
+        for d in self.devices:
+            d.resident = ShardCache()
+        self._copiers = [ThreadPoolExecutor(1, thread_name_prefix=f"hydra-copy-{d.name}") for d in self.devices]
         self._workers = [threading.Thread(target=self._work, args=(i,), name=f"hydra-{d.name}", daemon=True)
                          for i, d in enumerate(self.devices)]
         self._started = [threading.Event() for _ in self.devices]
@@ -164,19 +106,25 @@ class Runtime:
                 raise rule_error("each running task trains its own model object", "pass a factory "
                                  "(`lambda: MyModel()`) or a fresh module per task", task=task.name,
                                  model_also_in=shared[0])
-            adm = _Admitted(handle, state)
+            self._admitted += 1
+            adm = _Admitted(handle, state, self._admitted)
             self._tasks[task.name] = adm
             self._push(adm)
         return handle
 
     def stats(self) -> dict[str, Any]:
-        """Per device: units run, busy seconds, measured peak/current bytes, budget. Per task: shards, state."""
+        """Per device: units run, busy seconds, prefetches, measured peak/current bytes, budget. Per task: shards,
+        kept shards, state."""
         with self._cond:
             tasks = {name: self._task_stats(a) for name, a in self._tasks.items()}
             tasks.update({n: s for n, s in self._finished.items() if n not in tasks})
             devices = [dict(name=d.name, budget=d.budget, overhead_bytes=d.overhead, peak_bytes=d.peak_bytes(),
                             current_bytes=d.current_bytes(), **self._dev_stats[i]) for i, d in enumerate(self.devices)]
-        return {"devices": devices, "tasks": tasks}
+        return {"devices": devices, "tasks": tasks, "policy": self.policy}
+
+    def trace(self) -> Trace:
+        """Every unit and prefetch copy so far: ``.save("trace.json")`` for Perfetto, or ``plot_timeline``."""
+        return self._recorder.snapshot()
 
     def close(self) -> None:
         """Cancel what is still running, stop the workers. Idempotent."""
@@ -189,9 +137,13 @@ class Runtime:
         for w in self._workers:
             if w is not threading.current_thread():
                 w.join()
+        for c in self._copiers:
+            c.shutdown(wait=True)
         for adm in pending:
             self._end(adm, "cancelled", RuntimeClosed(f"the runtime was closed before task {adm.handle.name!r} "
                                                       "finished"))
+        for d in self.devices:
+            d.resident.clear()
 
     def __enter__(self) -> "Runtime":
         return self
@@ -199,12 +151,76 @@ class Runtime:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- workers --------------------------------------------------------------------------------------------
+    # -- choosing work --------------------------------------------------------------------------------------
     def _push(self, adm: _Admitted) -> None:
+        """Make ``adm`` ready (caller holds the lock)."""
         self._seq += 1
-        self._ready.append((Ready(adm.handle.name, self._seq, adm.last_device), adm))
+        remaining = self._estimator.remaining(adm.handle.name, adm.state.remaining())
+        rec = Ready(adm.handle.name, self._seq, adm.last_device, remaining, adm.turns, adm.order)
+        self._ready.append((rec, adm))
         self._cond.notify()
 
+    def _choose(self, index: int) -> _Admitted:
+        """Pop the ready task the policy gives device ``index`` (caller holds the lock; the list is not empty)."""
+        idle = sorted(self._idle - {index})
+        pos = self._pick([r for r, _ in self._ready], index, idle)
+        return self._ready.pop(pos)[1]
+
+    def _take(self, index: int) -> _Admitted | None:
+        """Block until a task is ready for device ``index`` and its next segment is open; None once closed."""
+        while True:
+            with self._cond:
+                self._idle.add(index)
+                self._cond.wait_for(lambda: self._closed or self._ready)
+                self._idle.discard(index)
+                if self._closed:
+                    return None
+                adm = self._choose(index)
+            if self._open(adm):
+                return adm
+
+    def _open(self, adm: _Admitted) -> bool:
+        """Advance ``adm``'s chain to its next segment (its host work runs here); False if the task ended."""
+        if adm.handle.cancel_requested:
+            self._end(adm, "cancelled", TaskCancelled(f"task {adm.handle.name!r} was cancelled"))
+            return False
+        adm.handle._set_running()
+        try:
+            adm.segment = next(adm.chain)
+        except StopIteration:
+            self._end(adm, "done")
+            return False
+        except BaseException as exc:  # one task's failure is that task's alone
+            self._end(adm, "failed", exc)
+            return False
+        return True
+
+    def _next_segment(self, index: int, room: int | None) -> _Admitted | None:
+        """Copy thread, while the device's current segment ends: pick its next task, open its segment and copy
+        its first shard in when ``room`` (device bytes free next to the running unit) allows."""
+        with self._cond:
+            if self._closed or not self._ready:
+                return None
+            adm = self._choose(index)
+        if not self._open(adm):
+            return None
+        first = adm.segment.units[0]  # type: ignore[union-attr]
+        state_bytes = adm.state.plan.shards[first.shard].state_bytes
+        if room is None or state_bytes <= room:
+            self._prefetch(index, adm, first)
+        return adm
+
+    def _prefetch(self, index: int, adm: _Admitted, unit: Unit) -> None:
+        t0 = time.perf_counter()
+        nbytes = unit.prefetch(self.devices[index])
+        if nbytes:
+            self._recorder.add(index, unit.task, unit.shard, "H2D", t0, time.perf_counter(), nbytes, COPY,
+                               unit.segment)
+            with self._cond:
+                self._dev_stats[index]["prefetches"] += 1
+                self._dev_stats[index]["prefetched_bytes"] += nbytes
+
+    # -- workers --------------------------------------------------------------------------------------------
     def _work(self, index: int) -> None:
         device = self.devices[index]
         try:
@@ -214,39 +230,65 @@ class Runtime:
             return
         finally:
             self._started[index].set()
+        nxt: Future[_Admitted | None] | None = None
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._ready)
-                if self._closed:
+            adm = nxt.result() if nxt is not None else None
+            if self._closed:
+                return  # close() ends every task still admitted, the one picked for us included
+            if adm is None:
+                adm = self._take(index)
+                if adm is None:
                     return
-                pos = self._pick([r for r, _ in self._ready], index)
-                _, adm = self._ready.pop(pos)
-            self._advance(adm, index, device)
+            nxt = self._run_segment(adm, index, device)
 
-    def _advance(self, adm: _Admitted, index: int, device: Device) -> None:
-        if adm.handle.cancel_requested:
-            self._end(adm, "cancelled", TaskCancelled(f"task {adm.handle.name!r} was cancelled"))
-            return
-        adm.handle._set_running()
+    def _run_segment(self, adm: _Admitted, index: int, device: Device) -> Future[_Admitted | None] | None:
+        """Run the open segment's units in order, each with the next one's shard prefetched; returns the future
+        of the device's next task (picked by the copy thread during the last unit)."""
+        segment, state, copier = adm.segment, adm.state, self._copiers[index]
+        units = segment.units  # type: ignore[union-attr]
+        adm.segment = None
+        nxt: Future[_Admitted | None] | None = None
+        pending: Future[None] | None = None
         try:
-            with UnitMode(adm.state.rng.cpu):  # host work between units draws from the task's stream
-                unit = next(adm.chain)
-            t0 = time.perf_counter()
-            unit.run(device)
-            busy = time.perf_counter() - t0
-        except StopIteration:
-            self._end(adm, "done")
-            return
-        except BaseException as exc:  # one task's failure is that task's alone
-            self._end(adm, "failed", exc)
-            return
+            for j, unit in enumerate(units):
+                if adm.handle.cancel_requested:
+                    raise TaskCancelled(f"task {adm.handle.name!r} was cancelled")
+                if pending is not None:
+                    pending.result()
+                    pending = None
+                later = units[j + 1] if j + 1 < len(units) else None
+                device.resident.retain([state.execs[u.shard] for u in (unit, later) if u is not None])
+                if later is not None:
+                    pending = copier.submit(self._prefetch, index, adm, later)
+                elif not self._closed:
+                    room = None if device.plan_budget is None else device.plan_budget - (
+                        state.plan.peak - state.plan.prefetch_bytes)
+                    nxt = copier.submit(self._next_segment, index, room)
+                t0 = time.perf_counter()
+                moved = device.copier.moved()
+                unit.run(device)
+                t1 = time.perf_counter()
+                self._recorder.add(index, unit.task, unit.shard, unit.kind, t0, t1, device.copier.moved() - moved,
+                                   segment=unit.segment)
+                with self._cond:
+                    self._estimator.observe(unit.task, unit.kind, t1 - t0)
+                    self._dev_stats[index]["units"] += 1
+                    self._dev_stats[index]["busy_seconds"] += t1 - t0
+                    adm.units += 1
+        except BaseException as exc:
+            if pending is not None:
+                pending.exception()  # let a prefetch of this task finish before its state is freed
+            if isinstance(exc, TaskCancelled):
+                self._end(adm, "cancelled", exc)
+            else:
+                self._end(adm, "failed", exc)
+            return nxt
         with self._cond:
-            self._dev_stats[index]["units"] += 1
-            self._dev_stats[index]["busy_seconds"] += busy
-            adm.units += 1
             adm.last_device = index
-            if not self._closed:
+            adm.turns += 1
+            if not self._closed and self._tasks.get(adm.handle.name) is adm:
                 self._push(adm)
+        return nxt
 
     def _cancel(self, handle: TaskHandle) -> None:
         with self._cond:
@@ -264,17 +306,22 @@ class Runtime:
                 return  # already ended (e.g. finished while the runtime was closing)
             del self._tasks[adm.handle.name]
             self._finished[adm.handle.name] = dict(self._task_stats(adm), state=status)
+            self._estimator.forget(adm.handle.name)
         if error is not None and error.__traceback__ is not None:
             # The traceback's frames hold the failed unit's device tensors: drop their locals, keep the trace.
             traceback.clear_frames(error.__traceback__)
         adm.chain.close()
         adm.state.store.clear()
+        for d in self.devices:
+            for ex in adm.state.execs:
+                d.resident.drop(ex)
         adm.handle._finish(status, error)
         adm.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
 
     @staticmethod
     def _task_stats(adm: _Admitted) -> dict[str, Any]:
         st = adm.state
-        return {"state": adm.handle.status, "shards": [list(ex.names) for ex in st.execs], "steps": st.steps,
+        return {"state": adm.handle.status, "shards": [list(ex.names) for ex in st.execs],
+                "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)], "steps": st.steps,
                 "epoch": st.epoch, "units": adm.units, "host_bytes": st.host_bytes(),
                 "predicted_peak": st.plan.peak}

@@ -4,12 +4,16 @@
     ex.forward(device, store, rng)                       # F: store.carries[1] -> store.carries[2]
     ex.backward(device, store, rng)                      # B: recompute from store.carries[1], backward
 
-Device copies of the shard's parameters and buffers are made for each unit and dropped after it; the host
-model's own tensors are never touched by device code. Parameters shared by several stages get one copy per unit.
+Device copies of the shard's parameters and buffers live in the device's ShardCache (made ahead by the copy
+thread, or left by the previous unit) and are used only while the host tensors are unchanged; the host model's
+own tensors are never touched by device code. Parameters shared by several stages get one copy per shard. A kept
+forward (``keep=True``) leaves its graph on the device so its backward needs no recompute.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +58,62 @@ def model_loss(loss_fn: LossFn | None, outputs: Any, batch: Any) -> torch.Tensor
     return check_loss(loss, "the model's `outputs.loss`")
 
 
+@dataclass
+class Kept:
+    """A forward kept on its device for the backward: outputs (with their graph), input leaves, state copies."""
+
+    out: Any
+    leaves: list[Any]
+    copies: dict[int, torch.Tensor]
+    filled: bool = False
+
+
+class ShardCache:
+    """One device's resident shard copies: left by the last unit or made ahead by the copy thread (the second
+    buffer of double buffering). A copy is used only while the host tensors it was made from are unchanged."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[ShardExec, tuple[tuple[int, int], ...], dict[int, torch.Tensor]]] = {}
+
+    def put(self, ex: "ShardExec", copies: dict[int, torch.Tensor]) -> None:
+        with self._lock:
+            self._entries[id(ex)] = (ex, ex.versions(), copies)
+
+    def take(self, ex: "ShardExec") -> dict[int, torch.Tensor] | None:
+        with self._lock:
+            entry = self._entries.get(id(ex))
+        if entry is None or entry[0] is not ex or entry[1] != ex.versions():
+            return None
+        return dict(entry[2])
+
+    def prefetch(self, ex: "ShardExec", device: Device) -> int:
+        if self.take(ex) is not None:
+            return 0
+        with device.copy_scope():
+            copies = ex.copy_in(device)
+        self.put(ex, copies)
+        return sum(t.numel() * t.element_size() for t in copies.values())
+
+    def drop(self, ex: "ShardExec") -> None:
+        with self._lock:
+            self._entries.pop(id(ex), None)
+
+    def retain(self, keep: Sequence["ShardExec"]) -> None:
+        """Free every resident copy except those of ``keep`` (the running unit's and the next one's)."""
+        ids = {id(ex) for ex in keep}
+        with self._lock:
+            for key in [k for k in self._entries if k not in ids]:
+                del self._entries[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class ShardExec:
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
@@ -74,15 +134,32 @@ class ShardExec:
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
 
     # -- copies ---------------------------------------------------------------------------------------------
-    def load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None
-              ) -> dict[int, torch.Tensor]:
-        copies = {}
-        for key, t in self.tensors.items():
-            src = buffers.get(key, t) if buffers else t
-            c = device.copier.to_device(src)
-            if grad and isinstance(t, nn.Parameter) and t.requires_grad:
-                c.requires_grad_(True)
-            copies[key] = c
+    def versions(self) -> tuple[tuple[int, int], ...]:
+        """Identity and version of every host tensor: a device copy made at equal versions is still exact."""
+        return tuple((t.data_ptr(), t._version) for t in self.tensors.values())
+
+    def copy_in(self, device: Device) -> dict[int, torch.Tensor]:
+        """Fresh device copies of the shard's parameters and buffers (no autograd flags)."""
+        return {key: device.copier.to_device(t) for key, t in self.tensors.items()}
+
+    def load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None,
+             cache: bool = True) -> dict[int, torch.Tensor]:
+        """The shard's state on ``device``: the resident copies when they are still exact, else fresh copies
+        (left resident for the next unit of this shard). With ``grad``, trainable parameters are new leaves
+        over the same storage, so their ``.grad`` starts empty."""
+        resident: ShardCache | None = device.resident if cache and not buffers else None
+        copies = resident.take(self) if resident is not None else None
+        if copies is None:
+            copies = self.copy_in(device)
+            if buffers:
+                for key, value in buffers.items():
+                    copies[key] = device.copier.to_device(value)
+            elif resident is not None:
+                resident.put(self, copies)
+        if grad:
+            copies = {key: c.detach().requires_grad_(True)
+                      if isinstance(self.tensors[key], nn.Parameter) and self.tensors[key].requires_grad else c
+                      for key, c in copies.items()}
         return copies
 
     def run(self, carry: Any, copies: dict[int, torch.Tensor]) -> Any:
@@ -107,10 +184,15 @@ class ShardExec:
                 self.buffers[k].copy_(back[k])
 
     # -- units ----------------------------------------------------------------------------------------------
-    def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True) -> None:
-        """F: no autograd; the output carry becomes the next shard's input in host memory."""
+    def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False
+                ) -> None:
+        """F: the output carry becomes the next shard's input in host memory. Without ``keep`` no autograd (B
+        recomputes); with ``keep`` the graph stays on the device, parameter bytes released until B refills them."""
         if train:
             store.rng[self.index] = rng.snapshot()
+        if keep:
+            self._forward_keep(device, store, rng)
+            return
         with device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index])
@@ -121,6 +203,32 @@ class ShardExec:
                 store.carries[self.index + 1] = tree_map(
                     lambda t: device.copier.to_host(t) if isinstance(t, torch.Tensor) else t, out)
             del copies, carry, out
+
+    def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
+        with device.unit_scope(rng) as mode:
+            copies = self.load(device, grad=True)
+            if device.resident is not None:
+                device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
+            carry, leaves = self.grad_inputs(device, store.carries[self.index])
+            out = self.run(carry, copies)
+            self._write_back_buffers(copies, device, None, mode)
+            with paused_accounting(mode):
+                store.carries[self.index + 1] = tree_map(
+                    lambda t: device.copier.to_host(t.detach()) if isinstance(t, torch.Tensor) else t, out)
+            for p in self.params:
+                device.copier.release(copies[id(p)])
+        store.kept[self.index] = Kept(out, leaves, copies)
+
+    def refill(self, device: Device, kept: "Kept") -> int:
+        """Give a kept forward's released parameter copies their values back (the prefetch of a kept B); returns
+        the bytes copied."""
+        if kept.filled:
+            return 0
+        with device.copy_scope():
+            for p in self.params:
+                device.copier.refill(kept.copies[id(p)], p)
+        kept.filled = True
+        return sum(p.numel() * p.element_size() for p in self.params)
 
     def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None) -> float:
         """The last shard in eval: forward and loss, no autograd; returns the loss value."""
@@ -143,20 +251,42 @@ class ShardExec:
             return float(loss.detach().item())
 
     def backward(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
-        """B: recompute the forward from the saved input with the saved RNG state, then backward."""
+        """B: backward through the kept graph, or recompute the forward from the saved input with the saved RNG
+        state, then backward."""
+        kept = store.kept.pop(self.index, None)
+        snap = store.rng.pop(self.index)
+        if kept is not None:
+            with device.unit_scope(rng) as mode:
+                self.refill(device, kept)
+                self._backward_from(device, store, kept.out, kept.copies, kept.leaves, mode)
+            return
         replay = rng.fork()
-        replay.restore(store.rng.pop(self.index))
+        replay.restore(snap)
         with device.unit_scope(replay) as mode:
             copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             out = self.run(carry, copies)
-            grads = store.out_grads.pop(self.index)
-            pairs = [(o, g) for o, g in zip(tree_flatten(out)[0], grads)
-                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-            if pairs:
-                g_dev = [device.copier.to_device(g) for _, g in pairs]
-                torch.autograd.backward([o for o, _ in pairs], g_dev)
-            self._grads_out(device, store, copies, leaves, mode)
+            self._backward_from(device, store, out, copies, leaves, mode)
+
+    def _backward_from(self, device: Device, store: HostStore, out: Any, copies: dict[int, torch.Tensor],
+                       leaves: list[Any], mode: Any) -> None:
+        grads = store.out_grads.pop(self.index)
+        pairs = [(o, g) for o, g in zip(tree_flatten(out)[0], grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            g_dev = [device.copier.to_device(g) for _, g in pairs]
+            torch.autograd.backward([o for o, _ in pairs], g_dev)
+        self._grads_out(device, store, copies, leaves, mode)
+
+    def prefetch(self, device: Device, store: HostStore, kind: str) -> int:
+        """Prepare this shard on ``device`` ahead of its ``kind`` unit (run by the device's copy thread); returns
+        the bytes copied (0 when it was already resident)."""
+        kept = store.kept.get(self.index) if kind == "B" else None
+        if kept is not None:
+            return self.refill(device, kept)
+        if device.resident is not None and not (kind == "B" and self.index in store.buffers):
+            return device.resident.prefetch(self, device)
+        return 0
 
     # -- copies and inputs (also used by profile.py) -----------------------------------------------------
     @staticmethod

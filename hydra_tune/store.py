@@ -34,6 +34,7 @@ class HostStore:
         self.rng: dict[int, Any] = {}                # shard index -> RNG snapshot taken before its forward
         self.buffers: dict[int, dict[int, torch.Tensor]] = {}   # shard -> buffers as its forward saw them
         self.out_grads: dict[int, list[torch.Tensor | None]] = {}  # shard -> grads of its output leaves
+        self.kept: dict[int, Any] = {}               # shard -> shard.Kept: its forward's graph, on its device
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -59,6 +60,7 @@ class HostStore:
         self.rng.clear()
         self.buffers.clear()
         self.out_grads.clear()
+        self.kept.clear()  # frees kept device memory of an abandoned minibatch (failure, cancel)
         self._pending.clear()
 
     def nbytes(self) -> int:

@@ -80,8 +80,9 @@ class Trace:
             "name": f"{e.task} {e.kind}{e.shard}", "cat": e.lane, "ph": "X", "pid": e.device,
             "tid": 0 if e.lane == COMPUTE else 1, "ts": round(e.start * 1e6, 3),
             "dur": round(max(e.seconds, 0.0) * 1e6, 3),
-            "args": {"task": e.task, "shard": e.shard, "kind": e.kind, "bytes": e.bytes, "segment": e.segment},
-        } for e in sorted(self.events, key=lambda e: e.start)]
+            "args": {"task": e.task, "shard": e.shard, "kind": e.kind, "bytes": e.bytes, "segment": e.segment,
+                     "index": i, "start": e.start, "end": e.end},  # exact floats and order, for load()
+        } for i, e in enumerate(self.events)]
         return {"traceEvents": meta + events, "displayTimeUnit": "ms",
                 "otherData": {"producer": "hydra_tune", "devices": list(self.devices)}}
 
@@ -94,10 +95,11 @@ class Trace:
         """Read back a file written by ``save``."""
         with open(path) as f:
             data = json.load(f)
+        xs = sorted((e for e in data["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["args"].get("index", 0))
         events = [Event(device=e["pid"], task=e["args"]["task"], shard=e["args"]["shard"], kind=e["args"]["kind"],
-                        start=e["ts"] / 1e6, end=(e["ts"] + e["dur"]) / 1e6, bytes=e["args"]["bytes"],
-                        lane=e["cat"], segment=e["args"]["segment"])
-                  for e in data["traceEvents"] if e.get("ph") == "X"]
+                        start=e["args"].get("start", e["ts"] / 1e6),
+                        end=e["args"].get("end", (e["ts"] + e["dur"]) / 1e6), bytes=e["args"]["bytes"],
+                        lane=e["cat"], segment=e["args"]["segment"]) for e in xs]
         return cls(list(data["otherData"]["devices"]), events)
 
     def as_dicts(self) -> list[dict[str, Any]]:

@@ -1,0 +1,370 @@
+"""Discrete-event simulator of hydra_tune schedules: makespans for clusters we do not have, in pure Python.
+
+    tasks = synthetic_tasks(1000, seed=0)                       # or tasks_from_trace(runtime.trace())
+    res = simulate(tasks, devices=512, policy="lrtf")           # replays hydra_tune.schedule.lrtf itself
+    print(res.makespan / lower_bound(tasks, 512), res.utilisation())
+
+The model, as the runtime behaves: a task is a chain of units (F, L, B, E) grouped into segments (one minibatch's
+F..L..B, or one eval batch). A device that needs work asks the policy which ready task to take, then runs that
+task's whole next segment back to back. Devices that can start now ask first, then those still finishing a unit,
+each group in ascending index; ``idle`` is the devices that ask after this one at the same instant.
+
+Copies (``bandwidth`` bytes/s; None: free): each unit first copies ``SimUnit.bytes`` in on its device's copy engine,
+unless the device's previous unit was the same task's same shard (still resident: B0 then the next F0). A
+segment's first copy never starts before its task's previous segment ended (that state is being updated).
+With ``prefetch`` (double buffering) a copy starts as soon as the device's current unit starts, and a device asks
+for its next segment when its current segment's last unit starts; the task of that segment becomes ready at that
+moment too (it may start wherever, once its segment ends). Without ``prefetch`` a copy runs after the previous unit
+ends, and tasks become ready and devices ask when a segment ends.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import rule_error
+from .schedule import POLICIES, Ready, fifo, lrtf, round_robin
+from .trace import COMPUTE, COPY, Event, Trace
+
+KINDS = ("F", "L", "B", "E")
+BASELINES = ("task_parallel", "model_parallel", "lower_bound")
+
+
+@dataclass(frozen=True, slots=True)
+class SimUnit:
+    kind: str          # "F", "L", "B", "E"
+    shard: int
+    seconds: float     # compute time
+    bytes: int = 0     # shard state copied in before it runs
+    segment: int = 0   # units with the same segment number (consecutive) form one segment
+
+
+@dataclass(frozen=True)
+class SimTask:
+    name: str
+    units: tuple[SimUnit, ...]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    makespan: float
+    busy: tuple[float, ...]   # compute seconds per device
+    trace: Trace | None       # the simulated run (units; copies on the COPY lane) when record=True
+
+    def utilisation(self) -> float:
+        """Share of device time spent computing: sum(busy) / (devices * makespan)."""
+        return sum(self.busy) / (len(self.busy) * self.makespan) if self.busy and self.makespan > 0 else 0.0
+
+
+def policy_names() -> list[str]:
+    return list(POLICIES) + list(BASELINES)
+
+
+def simulate(tasks: Sequence[SimTask], devices: int, policy: str = "lrtf", *, bandwidth: float | None = None,
+             prefetch: bool = True, record: bool = False) -> SimResult:
+    """Simulate ``tasks`` on ``devices`` identical devices under ``policy`` (see the module docstring)."""
+    return _run(tasks, devices, policy, bandwidth, prefetch, record, fast=True)
+
+
+def lower_bound(tasks: Sequence[SimTask], devices: int) -> float:
+    """No schedule beats max(total compute / devices, the longest task's chain); copies are not counted."""
+    plans = _plans(tasks, devices)
+    return max(sum(p.total for p in plans) / devices, max(p.total for p in plans))
+
+
+def tasks_from_trace(trace: Trace) -> list[SimTask]:
+    """Tasks as a recorded run ran them: unit seconds = end - start, segments as recorded (-1: one unit each),
+    an H2D copy's bytes on the next unit of its task on the same device and shard. Tasks in order of first start."""
+    units = sorted(trace.units(), key=lambda e: e.start)
+    index: dict[tuple[str, int, int], list[int]] = {}
+    for i, e in enumerate(units):
+        index.setdefault((e.task, e.device, e.shard), []).append(i)
+    extra = [0] * len(units)
+    for c in trace.copies():
+        if c.kind != "H2D" or c.bytes <= 0:
+            continue
+        cands = index.get((c.task, c.device, c.shard), [])
+        lo, hi = 0, len(cands)  # first unit of that key that starts at or after the copy started
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if units[cands[mid]].start < c.start else (lo, mid)
+        if lo < len(cands):
+            extra[cands[lo]] += c.bytes
+    per_task: dict[str, list[SimUnit]] = {}
+    last: dict[str, tuple[int, int]] = {}   # task -> (recorded segment, our segment number)
+    for i, e in enumerate(units):
+        rec, ours = last.get(e.task, (-2, -1))
+        if e.segment < 0 or e.segment != rec:
+            ours += 1
+        last[e.task] = (e.segment, ours)
+        per_task.setdefault(e.task, []).append(SimUnit(e.kind, e.shard, max(e.end - e.start, 0.0), extra[i], ours))
+    return [SimTask(name, tuple(us)) for name, us in per_task.items()]
+
+
+def synthetic_tasks(n: int, *, seed: int = 0, shards: tuple[int, int] = (1, 8),
+                    minibatches: tuple[int, int] = (20, 200), forward_seconds: tuple[float, float] = (0.05, 0.5),
+                    epochs: tuple[int, int] = (1, 3), eval_batches: tuple[int, int] = (0, 4),
+                    copy_fraction: float = 0.5, bandwidth: float = 16e9) -> list[SimTask]:
+    """A heterogeneous search, deterministic by ``seed``: per task 1-8 shards, 20-200 minibatches over 1-3
+    epochs with 0-4 eval batches after each, a forward time per shard drawn log-uniformly over a 10x range (model
+    sizes differ) with +-25% between its shards; L = 3x and B = 2x the shard's F, E = F. A unit's bytes take
+    ``copy_fraction`` of its compute time to copy at ``bandwidth`` bytes/s."""
+    if n < 1:
+        raise rule_error("`n >= 1`", "ask for at least one task", n=n)
+    rng = random.Random(seed)
+    lo, hi = math.log(forward_seconds[0]), math.log(forward_seconds[1])
+    out: list[SimTask] = []
+    for t in range(n):
+        k, mb, ep = rng.randint(*shards), rng.randint(*minibatches), rng.randint(*epochs)
+        base = math.exp(rng.uniform(lo, hi))
+        fwd = [base * rng.uniform(0.75, 1.25) for _ in range(k)]
+        evals = [rng.randint(*eval_batches) for _ in range(ep)]
+
+        def unit(kind: str, s: int, seconds: float, seg: int) -> SimUnit:
+            return SimUnit(kind, s, seconds, int(copy_fraction * seconds * bandwidth), seg)
+
+        units: list[SimUnit] = []
+        seg = 0
+        for e in range(ep):
+            for _ in range(mb // ep + (mb % ep if e == ep - 1 else 0)):
+                units += [unit("F", s, fwd[s], seg) for s in range(k - 1)]
+                units.append(unit("L", k - 1, 3 * fwd[k - 1], seg))
+                units += [unit("B", s, 2 * fwd[s], seg) for s in range(k - 2, -1, -1)]
+                seg += 1
+            for _ in range(evals[e]):
+                units += [unit("E", s, fwd[s], seg) for s in range(k)]
+                seg += 1
+        out.append(SimTask(f"t{t:04d}-k{k}", tuple(units)))
+    return out
+
+
+# -- internals -------------------------------------------------------------------------------------------------
+class _Plan:
+    """One task as flat lists, with per-segment sums precomputed once (the loop below touches only these)."""
+
+    __slots__ = ("tid", "name", "kinds", "shards", "secs", "nbytes", "bounds", "work", "pre_last", "rem", "total")
+
+    def __init__(self, tid: int, task: SimTask) -> None:
+        self.tid, self.name = tid, task.name
+        self.kinds, self.shards, self.secs, self.nbytes = [], [], [], []
+        self.bounds: list[tuple[int, int]] = []
+        self.work: list[float] = []       # compute seconds of each segment, summed in unit order
+        self.pre_last: list[float] = []   # the same sum without the segment's last unit
+        prev, start, acc, before = None, 0, 0.0, 0.0
+        for i, u in enumerate(task.units):
+            if u.kind not in KINDS or not 0.0 <= u.seconds < math.inf or u.bytes < 0 or u.shard < 0:
+                raise rule_error(f"every unit has kind in {KINDS}, finite seconds >= 0, bytes >= 0, shard >= 0",
+                                 "fix that unit", task=task.name, unit=i, value=u)
+            if i and u.segment != prev:
+                self.bounds.append((start, i)); self.work.append(acc); self.pre_last.append(before)
+                start, acc = i, 0.0
+            prev, before = u.segment, acc
+            acc += u.seconds
+            self.kinds.append(u.kind); self.shards.append(u.shard); self.secs.append(u.seconds)
+            self.nbytes.append(u.bytes)
+        self.bounds.append((start, len(task.units))); self.work.append(acc); self.pre_last.append(before)
+        self.rem = [0.0] * (len(self.work) + 1)   # rem[s]: compute seconds of segments s.. (exact remaining)
+        for s in range(len(self.work) - 1, -1, -1):
+            self.rem[s] = self.rem[s + 1] + self.work[s]
+        self.total = self.rem[0]
+
+
+def _plans(tasks: Sequence[SimTask], devices: int) -> list[_Plan]:
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise rule_error("`devices` is an int >= 1", "pass how many devices to simulate", devices=devices)
+    if not tasks:
+        raise rule_error("`tasks` is not empty", "pass at least one SimTask", tasks=tasks)
+    names = [getattr(t, "name", None) for t in tasks]
+    if len(set(names)) != len(names) or not all(isinstance(t, SimTask) and t.units for t in tasks):
+        raise rule_error("`tasks` are SimTasks with unique names and at least one unit each",
+                         "rename duplicates and drop empty tasks", names=names)
+    return [_Plan(i, t) for i, t in enumerate(tasks)]
+
+
+class _Dev:
+    __slots__ = ("free", "copy_free", "unit_start", "held", "busy")
+
+    def __init__(self) -> None:
+        self.free = self.copy_free = self.unit_start = self.busy = 0.0   # compute end, copy engine end, ...
+        self.held: tuple[int, int] = (-1, -1)                            # (task, shard) of its last unit
+
+
+def _place(p: _Plan, s: int, dev: _Dev, d: int, t: float, task_free: float, bw: float | None, prefetch: bool,
+           events: list[Event] | None) -> tuple[float, float]:
+    """Run segment ``s`` of ``p`` on ``dev``, decided at ``t``; returns (start of its last unit, its end)."""
+    i0, i1 = p.bounds[s]
+    start = max(dev.free, task_free, t)
+    dev.busy += p.work[s]
+    if bw is None:  # no copies: unit times are prefix sums, the same floats with or without recording
+        if events is not None:
+            acc = 0.0
+            for i in range(i0, i1):
+                a, acc = acc, acc + p.secs[i]
+                events.append(Event(d, p.name, p.shards[i], p.kinds[i], start + a, start + acc, 0, COMPUTE, s))
+        dev.free, dev.unit_start, dev.held = start + p.work[s], start + p.pre_last[s], (p.tid, p.shards[i1 - 1])
+        return dev.unit_start, dev.free
+    prev_end, floor = start, max(t, task_free)
+    for i in range(i0, i1):
+        shard, nbytes = p.shards[i], p.nbytes[i]
+        ustart = prev_end
+        if nbytes and dev.held != (p.tid, shard):
+            cs = max(dev.copy_free, dev.unit_start if prefetch else prev_end, floor)
+            dev.copy_free = ce = cs + nbytes / bw
+            ustart = max(prev_end, ce)
+            if events is not None:
+                events.append(Event(d, p.name, shard, "H2D", cs, ce, nbytes, COPY, s))
+        prev_end = ustart + p.secs[i]
+        dev.unit_start, dev.held = ustart, (p.tid, shard)
+        if events is not None:
+            events.append(Event(d, p.name, shard, p.kinds[i], ustart, prev_end, 0, COMPUTE, s))
+    dev.free = prev_end
+    return dev.unit_start, prev_end
+
+
+class _ListPool:
+    """Reference pool: calls the policy function on the full ready list, as the runtime does."""
+
+    def __init__(self, policy, plans: list[_Plan]) -> None:  # type: ignore[no-untyped-def]
+        self.policy, self.plans, self.items = policy, plans, []  # items: (Ready, task id)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, tid: int, seq: int, last: int | None, rem: float, turns: int) -> None:
+        self.items.append((Ready(self.plans[tid].name, seq, last, rem, turns, tid), tid))
+
+    def take(self, device: int, idle: Sequence[int]) -> int:
+        i = self.policy([r for r, _ in self.items], device, tuple(idle))
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.items):
+            raise rule_error("a policy returns an index into `ready`", "return an int in range",
+                             index=i, ready=len(self.items))
+        return self.items.pop(i)[1]
+
+
+class _LrtfPool(_ListPool):
+    """Heap on (-remaining, seq): the same total order lrtf sorts by, so the window is the heap's first entries."""
+
+    def push(self, tid: int, seq: int, last: int | None, rem: float, turns: int) -> None:
+        heapq.heappush(self.items, (-rem, seq, -1 if last is None else last, tid))
+
+    def take(self, device: int, idle: Sequence[int]) -> int:
+        window = [heapq.heappop(self.items) for _ in range(min(1 + len(idle), len(self.items)))]
+        pick = next((e for e in window if e[2] == device), None)
+        if pick is None:
+            others = set(idle)
+            pick = next((e for e in window if e[2] not in others), window[0])
+        for e in window:
+            if e is not pick:
+                heapq.heappush(self.items, e)
+        return pick[3]
+
+
+class _KeyPool(_ListPool):
+    """Heap on a device-independent key: fifo's (seq) (seqs are unique), round_robin's (turns, admitted, seq)."""
+
+    def push(self, tid: int, seq: int, last: int | None, rem: float, turns: int) -> None:
+        heapq.heappush(self.items, (seq, tid) if self.policy is fifo else (turns, tid, seq, tid))
+
+    def take(self, device: int, idle: Sequence[int]) -> int:
+        return heapq.heappop(self.items)[-1]
+
+
+def _pool(name: str, plans: list[_Plan], fast: bool) -> _ListPool:
+    fn = POLICIES[name]
+    if fast and fn is lrtf:
+        return _LrtfPool(fn, plans)
+    if fast and fn in (fifo, round_robin):
+        return _KeyPool(fn, plans)
+    return _ListPool(fn, plans)
+
+
+def _run(tasks: Sequence[SimTask], devices: int, policy: str, bandwidth: float | None, prefetch: bool,
+         record: bool, fast: bool) -> SimResult:
+    if policy not in POLICIES and policy not in BASELINES:
+        raise rule_error(f"`policy` in {policy_names()}", "pick one of those names", policy=policy)
+    if bandwidth is not None and not 0 < bandwidth < math.inf:
+        raise rule_error("`bandwidth` is None or a finite number > 0", "pass bytes per second, or None for free "
+                         "copies", bandwidth=bandwidth)
+    plans = _plans(tasks, devices)
+    if policy == "lower_bound":
+        lb = lower_bound(tasks, devices)
+        return SimResult(policy, lb, (sum(p.total for p in plans) / devices,) * devices, None)
+    events: list[Event] | None = [] if record else None
+    if policy == "model_parallel":
+        makespan, busy = _model_parallel(plans, devices, events)
+    elif policy == "task_parallel":
+        makespan, busy = _task_parallel(plans, devices, bandwidth, prefetch, events)
+    else:
+        makespan, busy = _shard_parallel(plans, devices, _pool(policy, plans, fast), bandwidth, prefetch, events)
+    trace = Trace([f"sim:{d}" for d in range(devices)], events) if events is not None else None
+    return SimResult(policy, makespan, tuple(busy), trace)
+
+
+def _shard_parallel(plans: list[_Plan], devices: int, pool: _ListPool, bw: float | None, prefetch: bool,
+                    events: list[Event] | None) -> tuple[float, list[float]]:
+    devs = [_Dev() for _ in range(devices)]
+    nxt, free_at, turns = [0] * len(plans), [0.0] * len(plans), [0] * len(plans)
+    for p in plans:
+        pool.push(p.tid, p.tid, None, p.rem[0], 0)
+    seq, waiting, makespan = len(plans), set(range(devices)), 0.0
+    heap: list[tuple[float, int, int]] = []   # (time the device asks again, device, task it ran)
+    t = 0.0
+    while True:
+        if pool and waiting:   # free devices first, then those finishing a unit; ascending index within each
+            order = sorted(waiting, key=lambda d: (devs[d].free > t, d))
+            for i, d in enumerate(order):
+                if not pool:
+                    break
+                tid = pool.take(d, order[i + 1:])
+                waiting.discard(d)
+                p = plans[tid]
+                s_last, end = _place(p, nxt[tid], devs[d], d, t, free_at[tid], bw, prefetch, events)
+                nxt[tid] += 1
+                turns[tid] += 1
+                free_at[tid] = end
+                makespan = max(makespan, end)
+                heapq.heappush(heap, (s_last if prefetch else end, d, tid))
+        if not heap:
+            break
+        t = heap[0][0]
+        while heap and heap[0][0] == t:   # everything that happens at t, in device order, before anyone asks
+            _, d, tid = heapq.heappop(heap)
+            waiting.add(d)
+            if nxt[tid] < len(plans[tid].work):
+                pool.push(tid, seq, d, plans[tid].rem[nxt[tid]], turns[tid])
+                seq += 1
+    return makespan, [dv.busy for dv in devs]
+
+
+def _task_parallel(plans: list[_Plan], devices: int, bw: float | None, prefetch: bool,
+                   events: list[Event] | None) -> tuple[float, list[float]]:
+    """Each task wholly on one device, in order, on the device that frees first (lowest index on ties)."""
+    devs = [_Dev() for _ in range(devices)]
+    heap = [(0.0, d) for d in range(devices)]
+    for p in plans:
+        _, d = heapq.heappop(heap)
+        done = 0.0
+        for s in range(len(p.work)):
+            _, done = _place(p, s, devs[d], d, 0.0, done, bw, prefetch, events)
+        heapq.heappush(heap, (done, d))
+    return max(dv.free for dv in devs), [dv.busy for dv in devs]
+
+
+def _model_parallel(plans: list[_Plan], devices: int, events: list[Event] | None) -> tuple[float, list[float]]:
+    """One model at a time, shard s of K on device min(s*D//K, D-1); its shards stay resident there (no copies),
+    so every unit runs right after the previous one: the makespan is the serial sum."""
+    busy, t = [0.0] * devices, 0.0
+    for p in plans:
+        k = max(p.shards) + 1
+        for s, (i0, i1) in enumerate(p.bounds):
+            for i in range(i0, i1):
+                d = min(p.shards[i] * devices // k, devices - 1)
+                busy[d] += p.secs[i]
+                if events is not None:
+                    events.append(Event(d, p.name, p.shards[i], p.kinds[i], t, t + p.secs[i], 0, COMPUTE, s))
+                t += p.secs[i]
+    return t, busy
