@@ -50,7 +50,7 @@ class Size:
 
 
 DEFAULT = Size(4, 256, 4, 4096, 128, 8)
-QUICK = Size(2, 128, 4, 2048, 64, 8, batches=4, epochs=3)
+QUICK = Size(4, 128, 4, 2048, 64, 8, batches=4, epochs=3)
 
 
 def setup(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
@@ -258,28 +258,30 @@ def find_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int,
 
     whole = probe(None)
     assert whole is not None
-    hi = whole[1]                      # the unsharded plan's peak: >= this budget gives 1 shard
-    bad, good, best, shards = hi, None, (1, hi), 1
-    while good is None:                # shrink until >= min_shards, or until no plan fits
-        b = int(bad * 0.7)
+    fail, few, few_shards = 0, whole[1], 1   # no plan fits at `fail`; `few` plans < min_shards shards
+    good, shards = None, 0
+    for _ in range(3 * steps):               # find any budget with >= min_shards shards
+        b = int(few * 0.7) if fail == 0 else (fail + few) // 2
         got = probe(b)
         if got is None:
-            break
-        best = max(best, (got[0], b), key=lambda sb: sb[0])
-        if got[0] >= min_shards:
+            fail = b
+        elif got[0] >= min_shards:
             good, shards = b, got[0]
+            break
         else:
-            bad = b
+            few, few_shards = b, got[0]
+        if few - fail < few >> steps:
+            break
     if good is None:
-        print(f"note: at most {best[0]} shards (< {min_shards}) for any budget; using {mib(best[1])}")
-        return best[1], best[0]
-    for _ in range(steps):             # bisect between good (>= min_shards) and bad (< min_shards)
-        mid = (good + bad) // 2
+        print(f"note: at most {few_shards} shards (< {min_shards}) for any budget; using {mib(few)}")
+        return few, few_shards
+    for _ in range(steps):                   # the largest such budget: bisect between good and few
+        mid = (good + few) // 2
         got = probe(mid)
         if got is not None and got[0] >= min_shards:
             good, shards = mid, got[0]
         else:
-            bad = mid
+            few = mid
     return good, shards
 
 

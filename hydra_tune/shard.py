@@ -245,6 +245,7 @@ class ShardExec:
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             out = self.run(carry, copies)
             loss = model_loss(loss_fn, out, self.to_device(device, store.batch))
+            del out  # e.g. the logits: free them before the backward, as the profile measured it
             (loss / scale if scale != 1 else loss).backward()
             self._write_back_buffers(copies, device, None, mode)
             self._grads_out(device, store, copies, leaves, mode)

@@ -10,15 +10,16 @@ task's whole next segment back to back. Devices that can start now ask first, th
 each group in ascending index; ``idle`` is the devices that ask after this one at the same instant.
 
 Copies (``bandwidth`` bytes/s; None: free): each unit first copies ``SimUnit.bytes`` in on its device's copy engine,
-unless the device's previous unit was the same task's same shard (still resident: B0 then the next F0). A
-segment's first copy never starts before its task's previous segment ended (that state is being updated).
-With ``prefetch`` (double buffering) a copy starts as soon as the device's current unit starts, and a device asks
-for its next segment when its current segment's last unit starts; the task of that segment becomes ready at that
-moment too (it may start wherever, once its segment ends). Without ``prefetch`` a copy runs after the previous unit
-ends, and tasks become ready and devices ask when a segment ends.
+unless the device's previous unit was the same task's same shard (still resident: B0, then the next F0 there).
+With ``prefetch`` (double buffering) a unit's copy starts as soon as the device's previous unit starts, and the
+device asks for its next task when its current segment's last unit starts (so it cannot pick the task it is
+running: that one becomes ready when its segment ends), and copies that task's first shard during that last unit.
+Without ``prefetch`` a copy starts when the previous unit ends, and the device asks when its segment ends. Host
+work between segments (data, optimizer steps run on the host) is not modelled: it is in no unit's seconds.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -124,19 +125,17 @@ def synthetic_tasks(n: int, *, seed: int = 0, shards: tuple[int, int] = (1, 8),
         fwd = [base * rng.uniform(0.75, 1.25) for _ in range(k)]
         evals = [rng.randint(*eval_batches) for _ in range(ep)]
 
-        def unit(kind: str, s: int, seconds: float, seg: int) -> SimUnit:
-            return SimUnit(kind, s, seconds, int(copy_fraction * seconds * bandwidth), seg)
+        def cost(kind: str, s: int, seconds: float) -> tuple[str, int, float, int]:
+            return kind, s, seconds, int(copy_fraction * seconds * bandwidth)
 
+        step = ([cost("F", s, fwd[s]) for s in range(k - 1)] + [cost("L", k - 1, 3 * fwd[k - 1])]
+                + [cost("B", s, 2 * fwd[s]) for s in range(k - 2, -1, -1)])
+        look = [cost("E", s, fwd[s]) for s in range(k)]
         units: list[SimUnit] = []
         seg = 0
         for e in range(ep):
-            for _ in range(mb // ep + (mb % ep if e == ep - 1 else 0)):
-                units += [unit("F", s, fwd[s], seg) for s in range(k - 1)]
-                units.append(unit("L", k - 1, 3 * fwd[k - 1], seg))
-                units += [unit("B", s, 2 * fwd[s], seg) for s in range(k - 2, -1, -1)]
-                seg += 1
-            for _ in range(evals[e]):
-                units += [unit("E", s, fwd[s], seg) for s in range(k)]
+            for batch in [step] * (mb // ep + (mb % ep if e == ep - 1 else 0)) + [look] * evals[e]:
+                units += [SimUnit(kind, s, sec, nb, seg) for kind, s, sec, nb in batch]
                 seg += 1
         out.append(SimTask(f"t{t:04d}-k{k}", tuple(units)))
     return out
@@ -149,24 +148,27 @@ class _Plan:
     __slots__ = ("tid", "name", "kinds", "shards", "secs", "nbytes", "bounds", "work", "pre_last", "rem", "total")
 
     def __init__(self, tid: int, task: SimTask) -> None:
+        us = task.units
         self.tid, self.name = tid, task.name
-        self.kinds, self.shards, self.secs, self.nbytes = [], [], [], []
-        self.bounds: list[tuple[int, int]] = []
+        self.kinds, self.shards = [u.kind for u in us], [u.shard for u in us]
+        self.secs, self.nbytes = [u.seconds for u in us], [u.bytes for u in us]
+        if (not set(self.kinds) <= set(KINDS) or not 0.0 <= min(self.secs) <= max(self.secs) < math.inf
+                or min(self.nbytes) < 0 or min(self.shards) < 0):
+            bad = next(i for i, u in enumerate(us) if u.kind not in KINDS or not 0.0 <= u.seconds < math.inf
+                       or u.bytes < 0 or u.shard < 0)
+            raise rule_error(f"every unit has kind in {KINDS}, finite seconds >= 0, bytes >= 0, shard >= 0",
+                             "fix that unit", task=task.name, unit=bad, value=us[bad])
+        segs = [u.segment for u in us]
+        cuts = [i for i in range(1, len(us)) if segs[i] != segs[i - 1]]
+        self.bounds = list(zip([0] + cuts, cuts + [len(us)]))
         self.work: list[float] = []       # compute seconds of each segment, summed in unit order
         self.pre_last: list[float] = []   # the same sum without the segment's last unit
-        prev, start, acc, before = None, 0, 0.0, 0.0
-        for i, u in enumerate(task.units):
-            if u.kind not in KINDS or not 0.0 <= u.seconds < math.inf or u.bytes < 0 or u.shard < 0:
-                raise rule_error(f"every unit has kind in {KINDS}, finite seconds >= 0, bytes >= 0, shard >= 0",
-                                 "fix that unit", task=task.name, unit=i, value=u)
-            if i and u.segment != prev:
-                self.bounds.append((start, i)); self.work.append(acc); self.pre_last.append(before)
-                start, acc = i, 0.0
-            prev, before = u.segment, acc
-            acc += u.seconds
-            self.kinds.append(u.kind); self.shards.append(u.shard); self.secs.append(u.seconds)
-            self.nbytes.append(u.bytes)
-        self.bounds.append((start, len(task.units))); self.work.append(acc); self.pre_last.append(before)
+        for i0, i1 in self.bounds:
+            acc = 0.0
+            for i in range(i0, i1 - 1):
+                acc += self.secs[i]
+            self.pre_last.append(acc)
+            self.work.append(acc + self.secs[i1 - 1])
         self.rem = [0.0] * (len(self.work) + 1)   # rem[s]: compute seconds of segments s.. (exact remaining)
         for s in range(len(self.work) - 1, -1, -1):
             self.rem[s] = self.rem[s + 1] + self.work[s]
@@ -254,9 +256,8 @@ class _LrtfPool(_ListPool):
     def take(self, device: int, idle: Sequence[int]) -> int:
         window = [heapq.heappop(self.items) for _ in range(min(1 + len(idle), len(self.items)))]
         pick = next((e for e in window if e[2] == device), None)
-        if pick is None:
-            others = set(idle)
-            pick = next((e for e in window if e[2] not in others), window[0])
+        if pick is None:   # the rest of lrtf: not one that last ran on another idle device, else the longest
+            pick = next((e for e in window if e[2] not in idle), window[0])
         for e in window:
             if e is not pick:
                 heapq.heappush(self.items, e)
@@ -304,37 +305,84 @@ def _run(tasks: Sequence[SimTask], devices: int, policy: str, bandwidth: float |
     return SimResult(policy, makespan, tuple(busy), trace)
 
 
+class _Waiting:
+    """The devices waiting for work, in the order they ask: those whose compute is free (ascending index), then
+    those still finishing a unit (ascending index). It is also the ``idle`` a policy sees, cheap to keep when
+    hundreds of devices wait: length and membership in O(1), the order built only when iterated."""
+
+    def __init__(self, devs: list[_Dev]) -> None:
+        self.devs, self.where = devs, [1] * len(devs)   # where: 0 busy, 1 free and waiting, 2 finishing a unit
+        self.free, self.finishing, self.count = list(range(len(devs))), [], len(devs)  # sorted; heap (end, d)
+
+    def add(self, d: int, t: float) -> None:
+        self.count += 1
+        if self.devs[d].free <= t:
+            self.where[d] = 1
+            bisect.insort(self.free, d)
+        else:
+            self.where[d] = 2
+            heapq.heappush(self.finishing, (self.devs[d].free, d))
+
+    def settle(self, t: float) -> None:
+        """Move the devices whose unit has ended by ``t`` to the free group (stale heap entries are skipped)."""
+        while self.finishing and self.finishing[0][0] <= t:
+            _, d = heapq.heappop(self.finishing)
+            if self.where[d] == 2 and self.devs[d].free <= t:
+                self.where[d] = 1
+                bisect.insort(self.free, d)
+
+    def _finishing(self) -> list[int]:
+        return sorted({d for _, d in self.finishing if self.where[d] == 2})
+
+    def pop_first(self) -> int:
+        d = self.free.pop(0) if self.free else self._finishing()[0]
+        self.where[d], self.count = 0, self.count - 1
+        return d
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __contains__(self, d: object) -> bool:
+        return isinstance(d, int) and 0 <= d < len(self.where) and self.where[d] != 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.free + self._finishing())
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        return list(self)[i]
+
+
 def _shard_parallel(plans: list[_Plan], devices: int, pool: _ListPool, bw: float | None, prefetch: bool,
                     events: list[Event] | None) -> tuple[float, list[float]]:
     devs = [_Dev() for _ in range(devices)]
     nxt, free_at, turns = [0] * len(plans), [0.0] * len(plans), [0] * len(plans)
     for p in plans:
         pool.push(p.tid, p.tid, None, p.rem[0], 0)
-    seq, waiting, makespan = len(plans), set(range(devices)), 0.0
-    heap: list[tuple[float, int, int]] = []   # (time the device asks again, device, task it ran)
+    seq, waiting, makespan = len(plans), _Waiting(devs), 0.0
+    heap: list[tuple[float, int, int, int]] = []   # (time, device, 0: its task is ready / 1: it asks, task)
     t = 0.0
     while True:
-        if pool and waiting:   # free devices first, then those finishing a unit; ascending index within each
-            order = sorted(waiting, key=lambda d: (devs[d].free > t, d))
-            for i, d in enumerate(order):
-                if not pool:
-                    break
-                tid = pool.take(d, order[i + 1:])
-                waiting.discard(d)
+        if pool and waiting:
+            waiting.settle(t)
+            while pool and waiting:
+                d = waiting.pop_first()
+                tid = pool.take(d, waiting)   # ``waiting`` now holds exactly the devices that ask after d
                 p = plans[tid]
                 s_last, end = _place(p, nxt[tid], devs[d], d, t, free_at[tid], bw, prefetch, events)
                 nxt[tid] += 1
                 turns[tid] += 1
                 free_at[tid] = end
                 makespan = max(makespan, end)
-                heapq.heappush(heap, (s_last if prefetch else end, d, tid))
+                heapq.heappush(heap, (end, d, 0, tid))
+                heapq.heappush(heap, (s_last if prefetch else end, d, 1, tid))
         if not heap:
             break
         t = heap[0][0]
         while heap and heap[0][0] == t:   # everything that happens at t, in device order, before anyone asks
-            _, d, tid = heapq.heappop(heap)
-            waiting.add(d)
-            if nxt[tid] < len(plans[tid].work):
+            _, d, asks, tid = heapq.heappop(heap)
+            if asks:
+                waiting.add(d, t)
+            elif nxt[tid] < len(plans[tid].work):
                 pool.push(tid, seq, d, plans[tid].rem[nxt[tid]], turns[tid])
                 seq += 1
     return makespan, [dv.busy for dv in devs]

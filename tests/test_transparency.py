@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -71,18 +72,22 @@ def _gpt2_task(i: int, lr: float, shuffled_loader: bool) -> ht.ModelTask:
                         grad_clip_norm=1.0, grad_accumulation=2, lr_scheduler=_warmup, name=f"gpt2-{i}")
 
 
-def test_gpt2_three_tasks_sharded_on_two_devices_match_plain():
+@pytest.mark.parametrize("budget,policy,kept", [("600KiB", "fifo", 1), ("800KiB", "lrtf", 2)])
+def test_gpt2_three_tasks_sharded_on_two_devices_match_plain(budget, policy, kept):
     tasks = [_gpt2_task(0, 1e-3, False), _gpt2_task(1, 3e-3, True), _gpt2_task(2, 5e-4, False)]
     probe = make_gpt2()
     assert probe.lm_head.weight is probe.transformer.wte.weight  # the tied case is the one under test
-    with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=budget, policy=policy) as rt:
         handles = [rt.submit(t) for t in tasks]
         results = [list(h.metrics()) for h in handles]
         stats = rt.stats()
+        trace = rt.trace()
     for task, h, metrics in zip(tasks, handles, results):
         shards = stats["tasks"][task.name]["shards"]
         assert len(shards) >= 3, shards
         assert "embed" in shards[0] and "head" in shards[-1]  # the tied weight spans the first and last shard
+        # Some shards keep their activations (which: by measured forward time per byte), others recompute.
+        assert len(stats["tasks"][task.name]["kept"]) >= kept and len(shards) - 1 > kept
         model, history = plain_train(task)
         diff = max_param_diff(model, h.model())
         print(f"{task.name}: shards={len(shards)} max|w_hydra - w_plain|={diff:.3g}")
@@ -91,6 +96,9 @@ def test_gpt2_three_tasks_sharded_on_two_devices_match_plain():
         assert metrics[-1]["steps"] == 6  # 6 batches/epoch, accumulation 2, 2 epochs
     assert all(d["units"] > 0 for d in stats["devices"]), "both devices ran units"
     assert all(d["peak_bytes"] <= d["budget"] for d in stats["devices"])
+    assert all(d["prefetches"] > 0 for d in stats["devices"]), "the copy threads prefetched shards"
+    assert len(trace.units()) == sum(d["units"] for d in stats["devices"])
+    assert len(trace.copies()) == sum(d["prefetches"] for d in stats["devices"])
 
 
 def test_weights_do_not_depend_on_co_scheduled_tasks():
