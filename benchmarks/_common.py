@@ -29,6 +29,7 @@ import torch.nn as nn
 
 import hydra_tune as ht
 
+LOAD_AT_IMPORT = os.getloadavg()
 Batch = dict[str, torch.Tensor]
 Result = dict[str, Any]
 
@@ -137,9 +138,10 @@ def steady_rate(datas: Sequence[TimedData], epochs: int, sequential: bool = Fals
     return n * size / sum(p[-1][-1] - p[1][0] for p in passes)
 
 
-def _summary(datas: Sequence[TimedData], epochs: int, wall: float, sequential: bool = False) -> Result:
+def _summary(datas: Sequence[TimedData], epochs: int, wall: float, cpu: float, sequential: bool = False) -> Result:
+    """``cpu``: this process's CPU seconds over the run; cores = cpu / wall shows what the machine let us use."""
     samples = sum(len(d) * d.batches[0]["input_ids"].shape[0] * epochs for d in datas)
-    return {"wall_s": wall, "samples": samples, "total_sps": samples / wall,
+    return {"wall_s": wall, "samples": samples, "total_sps": samples / wall, "cores": cpu / wall,
             "steady_sps": steady_rate(datas, epochs, sequential)}
 
 
@@ -165,9 +167,9 @@ def plain_train(spec: Spec, data: TimedData) -> list[float]:
 def plain_run(specs: Sequence[Spec]) -> Result:
     """The specs trained one after another with the plain loop, in this thread."""
     datas = [TimedData(s.batches) for s in specs]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     losses = [plain_train(s, d)[-1] for s, d in zip(specs, datas)]
-    res = _summary(datas, specs[0].epochs, time.perf_counter() - t0, sequential=True)
+    res = _summary(datas, specs[0].epochs, time.perf_counter() - t0, time.process_time() - c0, sequential=True)
     res["final_loss"] = losses
     return res
 
@@ -182,7 +184,7 @@ def make_runtime(devices: int, budget: int | None) -> ht.Runtime:
 def hydra_run(specs: Sequence[Spec], devices: int, budget: int | None, trace: str | None = None) -> Result:
     """All specs submitted at once to one runtime with ``devices`` CPU devices and ``budget`` bytes each."""
     datas = [TimedData(s.batches) for s in specs]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with make_runtime(devices, budget) as rt:
         handles = [rt.submit(s.task(d)) for s, d in zip(specs, datas)]
         t_planned = time.perf_counter()
@@ -191,7 +193,7 @@ def hydra_run(specs: Sequence[Spec], devices: int, budget: int | None, trace: st
         if trace and hasattr(rt, "trace"):
             rt.trace().save(trace)
     wall = time.perf_counter() - t0
-    res = _summary(datas, specs[0].epochs, wall)
+    res = _summary(datas, specs[0].epochs, wall, time.process_time() - c0)
     res.update(submit_s=t_planned - t0, final_loss=[m["train_loss"] for m in finals],
                shards=[len(stats["tasks"][s.name]["shards"]) for s in specs],
                plan=stats["tasks"][specs[0].name]["shards"],
@@ -211,7 +213,8 @@ def alternate(sides: dict[str, Callable[[], Result]], repeats: int) -> dict[str,
         for name in (names if r % 2 == 0 else names[::-1]):
             out[name].append(sides[name]())
             print(f"  {name:<22} run {r + 1}: steady {out[name][-1]['steady_sps']:7.2f} samples/s, "
-                  f"total {out[name][-1]['total_sps']:7.2f} samples/s, wall {out[name][-1]['wall_s']:6.2f} s",
+                  f"total {out[name][-1]['total_sps']:7.2f} samples/s, wall {out[name][-1]['wall_s']:6.2f} s, "
+                  f"cores {out[name][-1]['cores']:.2f}",
                   flush=True)
     return out
 
@@ -234,11 +237,11 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 def side_rows(runs: dict[str, list[Result]]) -> list[list[Any]]:
     """One table row per side: medians of steady and total samples/s, wall, and every run's steady value."""
-    return [[name, median(rs, "steady_sps"), median(rs, "total_sps"), median(rs, "wall_s"),
+    return [[name, median(rs, "steady_sps"), median(rs, "total_sps"), median(rs, "wall_s"), median(rs, "cores"),
              " ".join(f"{r['steady_sps']:.1f}" for r in rs)] for name, rs in runs.items()]
 
 
-SIDE_HEADERS = ("side", "steady sps", "total sps", "wall s", "steady per run")
+SIDE_HEADERS = ("side", "steady sps", "total sps", "wall s", "cores used", "steady per run")
 
 
 def find_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int, steps: int = 7) -> tuple[int, int]:
@@ -287,7 +290,7 @@ def find_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int,
 
 def emit(results: Result, args: argparse.Namespace, t_start: float) -> None:
     """The final line: every raw number as JSON (also to --json)."""
-    results["meta"] = {"size": asdict(args.size), "quick": args.quick, "repeats": args.repeats,
+    results["meta"] = {"loadavg_at_start": LOAD_AT_IMPORT, "size": asdict(args.size), "quick": args.quick, "repeats": args.repeats,
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                        "loadavg_at_end": os.getloadavg(), "script_wall_s": time.perf_counter() - t_start}
     line = json.dumps(results)

@@ -15,13 +15,16 @@ from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
 from .handle import TaskHandle
 from .runtime import Runtime
 from .task import ModelTask
+from .trace import Trace
 
 __version__ = "0.1.0"
 __all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "configure", "default_runtime", "HydraError",
-           "PlanError", "TaskCancelled", "RuntimeClosed", "__version__"]
+           "PlanError", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
-         "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study")}
+         "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),
+         "plot_timeline": ("hydra_tune.plot", "plot_timeline"),   # matplotlib is imported when it is called
+         "simulate": ("hydra_tune.simulate", "simulate")}
 
 
 def __getattr__(name: str) -> Any:

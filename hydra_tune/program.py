@@ -94,6 +94,7 @@ class TaskState:
         self.epoch = 0
         self.segments = 0
         self.batch_in_epoch = 0
+        self.eval_in_epoch = 0
         self.train_batches: int | None = None  # counted in the first epoch (for data without a length)
         self.eval_batches: int | None = None
 
@@ -134,15 +135,15 @@ class TaskState:
         samples = 0
         for epoch in range(1, task.epochs + 1):
             self.epoch = epoch
-            self.batch_in_epoch = 0
+            self.batch_in_epoch = self.eval_in_epoch = 0
             losses: list[float] = []
             pending = 0
             for batch in self._batches(self.train_iterable):
+                self.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
                 yield self._train_segment(batch, losses)
                 self.store.flush_grads()
                 self.store.clear()
                 samples += _batch_size(batch)
-                self.batch_in_epoch += 1
                 pending += 1
                 if pending == k:
                     self._step()
@@ -222,6 +223,7 @@ class TaskState:
                           lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in self.execs[:-1]]
                 units.append(("E", last, lambda d: losses.append(last.evaluate(d, store, rng, self.task.loss)),
                               lambda d: last.prefetch(d, store, "E")))
+                self.eval_in_epoch += 1
                 yield self._segment(units, False)
                 store.clear()
                 n += 1
@@ -234,14 +236,15 @@ class TaskState:
         """Estimated units left per kind (for the scheduler): from the data's length when it has one, else from
         the first epoch's count; capped by ``max_steps``."""
         task, n_sh = self.task, len(self.execs)
-        per_epoch = self.train_batches or _length(self.train_iterable) or max(self.batch_in_epoch + 1, 1)
+        per_epoch = self.train_batches or _length(self.train_iterable) or self.batch_in_epoch + 1
         batches = max(per_epoch - self.batch_in_epoch, 0) + per_epoch * (task.epochs - max(self.epoch, 1))
         if task.max_steps is not None:
             batches = min(batches, max(task.max_steps - self.steps, 0) * task.grad_accumulation)
         epochs_left = task.epochs - max(self.epoch, 1) + 1
         evals = 0
         if self.eval_iterable is not None:
-            evals = (self.eval_batches or _length(self.eval_iterable) or 1) * epochs_left * n_sh
+            per_eval = self.eval_batches or _length(self.eval_iterable) or 1
+            evals = max(per_eval * epochs_left - self.eval_in_epoch, 0) * n_sh
         return {"F": batches * (n_sh - 1), "L": batches, "B": batches * (n_sh - 1), "E": evals}
 
     def host_bytes(self) -> int:

@@ -59,7 +59,7 @@ class Runtime:
         self.policy = policy
         self._pick = POLICIES[policy]
         self._cond = threading.Condition()
-        self._ready: list[tuple[Ready, _Admitted]] = []
+        self._ready: list[tuple[int, _Admitted]] = []  # (when it became ready, task)
         self._tasks: dict[str, _Admitted] = {}
         self._finished: dict[str, dict[str, Any]] = {}
         self._seq = 0
@@ -155,16 +155,23 @@ class Runtime:
     def _push(self, adm: _Admitted) -> None:
         """Make ``adm`` ready (caller holds the lock)."""
         self._seq += 1
-        remaining = self._estimator.remaining(adm.handle.name, adm.state.remaining())
-        rec = Ready(adm.handle.name, self._seq, adm.last_device, remaining, adm.turns, adm.order)
-        self._ready.append((rec, adm))
+        self._ready.append((self._seq, adm))
         self._cond.notify()
 
-    def _choose(self, index: int) -> _Admitted:
-        """Pop the ready task the policy gives device ``index`` (caller holds the lock; the list is not empty)."""
+    def _choose(self, index: int, current: _Admitted | None = None) -> _Admitted | None:
+        """Pop the ready task the policy gives device ``index`` (caller holds the lock). ``current``, the task
+        whose segment the device is finishing, competes too (as if ready now, last run here): picking it means
+        the device continues with it (returned, not popped). Records are made now, so remaining-time estimates
+        include every unit measured so far."""
         idle = sorted(self._idle - {index})
-        pos = self._pick([r for r, _ in self._ready], index, idle)
-        return self._ready.pop(pos)[1]
+        cands = list(self._ready) + ([(self._seq + 1, current)] if current is not None else [])
+        if not cands:
+            return None
+        records = [Ready(a.handle.name, seq, index if a is current else a.last_device,
+                         self._estimator.remaining(a.handle.name, a.state.remaining()),
+                         a.turns + (a is current), a.order) for seq, a in cands]
+        pos = self._pick(records, index, idle)
+        return cands[pos][1] if pos == len(self._ready) else self._ready.pop(pos)[1]
 
     def _take(self, index: int) -> _Admitted | None:
         """Block until a task is ready for device ``index`` and its next segment is open; None once closed."""
@@ -176,7 +183,7 @@ class Runtime:
                 if self._closed:
                     return None
                 adm = self._choose(index)
-            if self._open(adm):
+            if adm is not None and self._open(adm):
                 return adm
 
     def _open(self, adm: _Admitted) -> bool:
@@ -195,15 +202,16 @@ class Runtime:
             return False
         return True
 
-    def _next_segment(self, index: int, room: int | None) -> _Admitted | None:
+    def _next_segment(self, index: int, room: int | None, current: _Admitted) -> _Admitted | None:
         """Copy thread, while the device's current segment ends: pick its next task, open its segment and copy
-        its first shard in when ``room`` (device bytes free next to the running unit) allows."""
+        its first shard in when ``room`` (device bytes free next to the running unit) allows. Returns ``current``
+        itself when the policy keeps the device on it (its host work must wait for its segment to end)."""
         with self._cond:
-            if self._closed or not self._ready:
+            if self._closed:
                 return None
-            adm = self._choose(index)
-        if not self._open(adm):
-            return None
+            adm = self._choose(index, current)
+        if adm is None or adm is current or not self._open(adm):
+            return adm if adm is current else None
         first = adm.segment.units[0]  # type: ignore[union-attr]
         state_bytes = adm.state.plan.shards[first.shard].state_bytes
         if room is None or state_bytes <= room:
@@ -230,20 +238,19 @@ class Runtime:
             return
         finally:
             self._started[index].set()
-        nxt: Future[_Admitted | None] | None = None
+        adm: _Admitted | None = None  # the device's next task, its segment open
         while True:
-            adm = nxt.result() if nxt is not None else None
             if self._closed:
                 return  # close() ends every task still admitted, the one picked for us included
             if adm is None:
                 adm = self._take(index)
                 if adm is None:
                     return
-            nxt = self._run_segment(adm, index, device)
+            adm = self._run_segment(adm, index, device)
 
-    def _run_segment(self, adm: _Admitted, index: int, device: Device) -> Future[_Admitted | None] | None:
-        """Run the open segment's units in order, each with the next one's shard prefetched; returns the future
-        of the device's next task (picked by the copy thread during the last unit)."""
+    def _run_segment(self, adm: _Admitted, index: int, device: Device) -> _Admitted | None:
+        """Run the open segment's units in order, each with the next one's shard prefetched; returns the
+        device's next task with its segment open (picked by the copy thread during the last unit), if any."""
         segment, state, copier = adm.segment, adm.state, self._copiers[index]
         units = segment.units  # type: ignore[union-attr]
         adm.segment = None
@@ -263,7 +270,7 @@ class Runtime:
                 elif not self._closed:
                     room = None if device.plan_budget is None else device.plan_budget - (
                         state.plan.peak - state.plan.prefetch_bytes)
-                    nxt = copier.submit(self._next_segment, index, room)
+                    nxt = copier.submit(self._next_segment, index, room, adm)
                 t0 = time.perf_counter()
                 moved = device.copier.moved()
                 unit.run(device)
@@ -278,17 +285,18 @@ class Runtime:
         except BaseException as exc:
             if pending is not None:
                 pending.exception()  # let a prefetch of this task finish before its state is freed
-            if isinstance(exc, TaskCancelled):
-                self._end(adm, "cancelled", exc)
-            else:
-                self._end(adm, "failed", exc)
-            return nxt
+            self._end(adm, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
+            following = nxt.result() if nxt is not None else None
+            return None if following is adm else following
+        following = nxt.result() if nxt is not None else None
         with self._cond:
             adm.last_device = index
             adm.turns += 1
-            if not self._closed and self._tasks.get(adm.handle.name) is adm:
+            if following is not adm and not self._closed and self._tasks.get(adm.handle.name) is adm:
                 self._push(adm)
-        return nxt
+        if following is adm:  # the policy keeps this device on the same task: open its next segment here
+            return adm if self._open(adm) else None
+        return following
 
     def _cancel(self, handle: TaskHandle) -> None:
         with self._cond:
@@ -296,7 +304,7 @@ class Runtime:
             adm = self._tasks.get(handle.name)
             queued = adm is not None and any(a is adm for _, a in self._ready)
             if queued:
-                self._ready = [(r, a) for r, a in self._ready if a is not adm]
+                self._ready = [(q, a) for q, a in self._ready if a is not adm]
         if queued:
             self._end(adm, "cancelled", TaskCancelled(f"task {handle.name!r} was cancelled"))
 

@@ -77,10 +77,27 @@ def lower_bound(tasks: Sequence[SimTask], devices: int) -> float:
     return max(sum(p.total for p in plans) / devices, max(p.total for p in plans))
 
 
-def tasks_from_trace(trace: Trace) -> list[SimTask]:
-    """Tasks as a recorded run ran them: unit seconds = end - start, segments as recorded (-1: one unit each),
-    an H2D copy's bytes on the next unit of its task on the same device and shard. Tasks in order of first start."""
+def tasks_from_trace(trace: Trace, *, gaps: bool = True) -> list[SimTask]:
+    """Tasks as a recorded run ran them, in order of first start: segments as recorded (-1: one unit each), an H2D
+    copy's bytes on the next unit of its task on the same device and shard, unit seconds = end - start. With
+    ``gaps``, each unit also holds the device while it waited for the segment's next unit, and a segment's first
+    unit the wait before it once both its device and its task were free (host work, copies not done): so that
+    ``simulate(..., bandwidth=None)`` replays the run. ``gaps=False``: compute alone (to model copies instead)."""
     units = sorted(trace.units(), key=lambda e: e.start)
+    held = [e.end - e.start for e in units]
+    if gaps and units:
+        after: dict[tuple[str, int], float] = {}   # (task, segment) -> start of the unit after this one
+        for i in range(len(units) - 1, -1, -1):
+            e = units[i]
+            if e.segment >= 0:
+                held[i] = max(e.end, after.get((e.task, e.segment), e.end)) - e.start
+                after[(e.task, e.segment)] = e.start
+        t0, dev_end, task_end, seg = units[0].start, {}, {}, {}   # type: ignore[var-annotated]
+        for i, e in enumerate(units):
+            if e.segment < 0 or seg.get(e.task) != e.segment:
+                held[i] += max(0.0, e.start - max(dev_end.get(e.device, t0), task_end.get(e.task, t0)))
+            dev_end[e.device] = max(dev_end.get(e.device, t0), e.end)
+            task_end[e.task], seg[e.task] = e.end, e.segment
     index: dict[tuple[str, int, int], list[int]] = {}
     for i, e in enumerate(units):
         index.setdefault((e.task, e.device, e.shard), []).append(i)
@@ -102,7 +119,7 @@ def tasks_from_trace(trace: Trace) -> list[SimTask]:
         if e.segment < 0 or e.segment != rec:
             ours += 1
         last[e.task] = (e.segment, ours)
-        per_task.setdefault(e.task, []).append(SimUnit(e.kind, e.shard, max(e.end - e.start, 0.0), extra[i], ours))
+        per_task.setdefault(e.task, []).append(SimUnit(e.kind, e.shard, max(held[i], 0.0), extra[i], ours))
     return [SimTask(name, tuple(us)) for name, us in per_task.items()]
 
 

@@ -1,0 +1,87 @@
+"""Usage: .venv/bin/python benchmarks/p3_scaling.py [--quick] [--json out.json] [--trace trace.json] [--spilled]
+
+P3, scaling over devices: 4 GPT-2 tasks (seeds 0..3, learning rates 1e-4..3e-3) submitted at once to a runtime
+with 2 CPU devices, against the same 4 tasks on a runtime with 1 CPU device; both unsharded (device_memory=None),
+and with --spilled also both with a budget that cuts each task into >= 2 shards. Runs alternate 2-dev, 1-dev,
+1-dev, 2-dev, ... after one untimed warm-up of each; medians are reported. Headline: throughput(2 devices) /
+throughput(1 device) over the steady state (all 4 tasks past epoch 1, none finished); total samples/s (incl.
+build, planning and the tail) alongside, and each device's busy share (busy_seconds / run wall).
+Prints tables, the headline, then one JSON line with every raw number.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from _common import (SIDE_HEADERS, Result, Spec, alternate, emit, find_budget, gpt2_factory, hydra_run, median,
+                     mib, print_table, replace, setup, side_rows, token_batches)
+
+GOAL = 1.8
+LRS = (1e-4, 3e-4, 1e-3, 3e-3)
+
+
+def options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spilled", action="store_true", help="also compare 2 vs 1 device with every task in >= 2 "
+                   "shards (about doubles the run time)")
+
+
+def compare(specs: list[Spec], budget: int | None, repeats: int, trace: str | None) -> dict[str, Any]:
+    warm = [replace(s, batches=s.batches[:2], epochs=2) for s in specs]
+    hydra_run(warm, 2, budget)
+    hydra_run(warm, 1, budget)
+    runs = alternate({"2 devices": lambda: hydra_run(specs, 2, budget),
+                      "1 device": lambda: hydra_run(specs, 1, budget)}, repeats)
+    if trace:
+        hydra_run(specs, 2, budget, trace=trace)
+    two, one = runs["2 devices"], runs["1 device"]
+    print()
+    print_table(SIDE_HEADERS, side_rows(runs))
+    rows = []
+    for name, rs in runs.items():
+        for i in range(len(rs[0]["devices"])):
+            busy = [r["devices"][i]["busy_share"] for r in rs]
+            rows.append([f"{name} / cpu:{i}", sorted(busy)[len(busy) // 2], " ".join(f"{b:.2f}" for b in busy),
+                         sum(r["devices"][i]["units"] for r in rs) // len(rs)])
+    print_table(("device", "busy share", "per run", "units/run"), rows)
+    diff = max(abs(a - b) for r2 in two for r1 in one for a, b in zip(r2["final_loss"], r1["final_loss"]))
+    print(f"shards per task {two[0]['shards']}; submit (build + plan, 4 tasks) {median(two, 'submit_s'):.2f} s; "
+          f"final-epoch loss |2 dev - 1 dev| max {diff:.2e}")
+    return {"ratio": median(two, "steady_sps") / median(one, "steady_sps"),
+            "total_ratio": median(two, "total_sps") / median(one, "total_sps"), "budget": budget,
+            "shards": two[0]["shards"], "final_loss_max_diff": diff, "runs": runs}
+
+
+def main() -> int:
+    t_start = time.perf_counter()
+    args = setup(__doc__, options)
+    size = replace(args.size, batches=4) if not args.quick else args.size
+    args.size = size
+    specs = [Spec(f"lr{lr:g}", gpt2_factory(size), lr, seed, token_batches(size, seed=seed), size.epochs)
+             for seed, lr in enumerate(LRS)]
+    print(f"P3 scaling: 4 tasks of {size.label()}, AdamW, dropout 0.1, 1 thread per device; "
+          f"{args.repeats} runs per side")
+    results: dict[str, Result] = {"benchmark": "p3_scaling", "goal": GOAL}
+    print("\n== unsharded (device_memory=None)")
+    results["unsharded"] = compare(specs, None, args.repeats, None if args.spilled else args.trace)
+    if args.spilled:
+        budget, shards = find_budget(specs[0].factory, specs[0].batches[0], 2)
+        print(f"\n== spilled: budget {mib(budget)} per device, {shards} shards")
+        results["spilled"] = compare(specs, budget, args.repeats, args.trace)
+    print()
+    for kind in ("unsharded", "spilled"):
+        if kind in results:
+            r = results[kind]
+            print(f"P3 {kind}: 2-dev/1-dev total throughput (incl. build+plan+tail) = {r['total_ratio']:.3f}x")
+    for kind in ("spilled", "unsharded"):
+        if kind in results:
+            print(f"P3 {kind}: 2-dev/1-dev throughput = {results[kind]['ratio']:.3f}x (steady state, median of "
+                  f"{args.repeats}; goal >= {GOAL}x)")
+    results["ratio"] = results["unsharded"]["ratio"]
+    emit(results, args, t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
