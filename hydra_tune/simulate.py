@@ -15,7 +15,8 @@ With ``prefetch`` (double buffering) a unit's copy starts as soon as the device'
 device asks for its next task when its current segment's last unit starts (so it cannot pick the task it is
 running: that one becomes ready when its segment ends), and copies that task's first shard during that last unit.
 Without ``prefetch`` a copy starts when the previous unit ends, and the device asks when its segment ends. Host
-work between segments (data, optimizer steps run on the host) is not modelled: it is in no unit's seconds.
+work (data, host-side optimizer steps) is not modelled apart: ``tasks_from_trace`` folds the waits it caused into
+the unit seconds.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import bisect
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .errors import rule_error
@@ -61,10 +62,6 @@ class SimResult:
         return sum(self.busy) / (len(self.busy) * self.makespan) if self.busy and self.makespan > 0 else 0.0
 
 
-def policy_names() -> list[str]:
-    return list(POLICIES) + list(BASELINES)
-
-
 def simulate(tasks: Sequence[SimTask], devices: int, policy: str = "lrtf", *, bandwidth: float | None = None,
              prefetch: bool = True, record: bool = False) -> SimResult:
     """Simulate ``tasks`` on ``devices`` identical devices under ``policy`` (see the module docstring)."""
@@ -73,7 +70,10 @@ def simulate(tasks: Sequence[SimTask], devices: int, policy: str = "lrtf", *, ba
 
 def lower_bound(tasks: Sequence[SimTask], devices: int) -> float:
     """No schedule beats max(total compute / devices, the longest task's chain); copies are not counted."""
-    plans = _plans(tasks, devices)
+    return _bound(_plans(tasks, devices), devices)
+
+
+def _bound(plans: list["_Plan"], devices: int) -> float:
     return max(sum(p.total for p in plans) / devices, max(p.total for p in plans))
 
 
@@ -92,7 +92,8 @@ def tasks_from_trace(trace: Trace, *, gaps: bool = True) -> list[SimTask]:
             if e.segment >= 0:
                 held[i] = max(e.end, after.get((e.task, e.segment), e.end)) - e.start
                 after[(e.task, e.segment)] = e.start
-        t0, dev_end, task_end, seg = units[0].start, {}, {}, {}   # type: ignore[var-annotated]
+        t0, dev_end, task_end = units[0].start, dict[int, float](), dict[str, float]()
+        seg: dict[str, int] = {}
         for i, e in enumerate(units):
             if e.segment < 0 or seg.get(e.task) != e.segment:
                 held[i] += max(0.0, e.start - max(dev_end.get(e.device, t0), task_end.get(e.task, t0)))
@@ -105,11 +106,8 @@ def tasks_from_trace(trace: Trace, *, gaps: bool = True) -> list[SimTask]:
     for c in trace.copies():
         if c.kind != "H2D" or c.bytes <= 0:
             continue
-        cands = index.get((c.task, c.device, c.shard), [])
-        lo, hi = 0, len(cands)  # first unit of that key that starts at or after the copy started
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (mid + 1, hi) if units[cands[mid]].start < c.start else (lo, mid)
+        cands = index.get((c.task, c.device, c.shard), [])   # its first unit starting after the copy started
+        lo = bisect.bisect_left(cands, c.start, key=lambda i: units[i].start)
         if lo < len(cands):
             extra[cands[lo]] += c.bytes
     per_task: dict[str, list[SimUnit]] = {}
@@ -303,14 +301,13 @@ def _pool(name: str, plans: list[_Plan], fast: bool) -> _ListPool:
 def _run(tasks: Sequence[SimTask], devices: int, policy: str, bandwidth: float | None, prefetch: bool,
          record: bool, fast: bool) -> SimResult:
     if policy not in POLICIES and policy not in BASELINES:
-        raise rule_error(f"`policy` in {policy_names()}", "pick one of those names", policy=policy)
+        raise rule_error(f"`policy` in {list(POLICIES) + list(BASELINES)}", "pick one of those names", policy=policy)
     if bandwidth is not None and not 0 < bandwidth < math.inf:
         raise rule_error("`bandwidth` is None or a finite number > 0", "pass bytes per second, or None for free "
                          "copies", bandwidth=bandwidth)
     plans = _plans(tasks, devices)
     if policy == "lower_bound":
-        lb = lower_bound(tasks, devices)
-        return SimResult(policy, lb, (sum(p.total for p in plans) / devices,) * devices, None)
+        return SimResult(policy, _bound(plans, devices), (sum(p.total for p in plans) / devices,) * devices, None)
     events: list[Event] | None = [] if record else None
     if policy == "model_parallel":
         makespan, busy = _model_parallel(plans, devices, events)
@@ -329,7 +326,9 @@ class _Waiting:
 
     def __init__(self, devs: list[_Dev]) -> None:
         self.devs, self.where = devs, [1] * len(devs)   # where: 0 busy, 1 free and waiting, 2 finishing a unit
-        self.free, self.finishing, self.count = list(range(len(devs))), [], len(devs)  # sorted; heap (end, d)
+        self.free, self.finishing = list(range(len(devs))), []   # both sorted by index
+        self.ends: list[tuple[float, int]] = []                   # heap of (unit end, device); stale ones skipped
+        self.count = len(devs)
 
     def add(self, d: int, t: float) -> None:
         self.count += 1
@@ -338,21 +337,20 @@ class _Waiting:
             bisect.insort(self.free, d)
         else:
             self.where[d] = 2
-            heapq.heappush(self.finishing, (self.devs[d].free, d))
+            bisect.insort(self.finishing, d)
+            heapq.heappush(self.ends, (self.devs[d].free, d))
 
     def settle(self, t: float) -> None:
-        """Move the devices whose unit has ended by ``t`` to the free group (stale heap entries are skipped)."""
-        while self.finishing and self.finishing[0][0] <= t:
-            _, d = heapq.heappop(self.finishing)
+        """Move the devices whose unit has ended by ``t`` to the free group."""
+        while self.ends and self.ends[0][0] <= t:
+            _, d = heapq.heappop(self.ends)
             if self.where[d] == 2 and self.devs[d].free <= t:
                 self.where[d] = 1
+                del self.finishing[bisect.bisect_left(self.finishing, d)]
                 bisect.insort(self.free, d)
 
-    def _finishing(self) -> list[int]:
-        return sorted({d for _, d in self.finishing if self.where[d] == 2})
-
     def pop_first(self) -> int:
-        d = self.free.pop(0) if self.free else self._finishing()[0]
+        d = self.free.pop(0) if self.free else self.finishing.pop(0)
         self.where[d], self.count = 0, self.count - 1
         return d
 
@@ -362,11 +360,11 @@ class _Waiting:
     def __contains__(self, d: object) -> bool:
         return isinstance(d, int) and 0 <= d < len(self.where) and self.where[d] != 0
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.free + self._finishing())
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.free + self.finishing)
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        return list(self)[i]
+    def __getitem__(self, i: int) -> int:
+        return (self.free + self.finishing)[i]
 
 
 def _shard_parallel(plans: list[_Plan], devices: int, pool: _ListPool, bw: float | None, prefetch: bool,

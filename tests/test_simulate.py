@@ -11,7 +11,7 @@ from hydra_tune import simulate as sim
 from hydra_tune.schedule import POLICIES
 from hydra_tune.simulate import (SimResult, SimTask, SimUnit, lower_bound, simulate, synthetic_tasks,
                                  tasks_from_trace)
-from hydra_tune.trace import COMPUTE, COPY, Event, Trace
+from hydra_tune.trace import COPY, Event, Trace
 
 
 def _chain(name: str, segments: int, seconds: float = 1.0) -> SimTask:
