@@ -69,7 +69,8 @@ class Estimator:
     """Smoothed unit times per task and unit kind, turned into a task's estimated remaining seconds.
 
         est = Estimator(alpha=0.5)
-        est.observe("a", "F", 0.2); est.observe("a", "F", 0.4)      # smoothed F time of task a: 0.3
+        est.observe("a", "F", 9.0); est.observe("a", "F", 0.2)      # the first (warm-up) one is replaced
+        est.observe("a", "F", 0.4)                                  # smoothed F time of task a: 0.3
         est.remaining("a", {"F": 10, "B": 10})                      # B not measured yet: F's time stands in
 
     A kind not yet measured for a task is guessed as that task's mean measured unit time, and a task with no
@@ -77,13 +78,18 @@ class Estimator:
     favoured by a made-up number.
     """
 
-    alpha: float = 0.3
+    alpha: float = 0.5
     _times: dict[str, dict[str, float]] = field(default_factory=dict)
+    _counts: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def observe(self, task: str, kind: str, seconds: float) -> None:
         per = self._times.setdefault(task, {})
+        seen = self._counts.get((task, kind), 0)
+        self._counts[(task, kind)] = seen + 1
         old = per.get(kind)
-        per[kind] = seconds if old is None else old + self.alpha * (seconds - old)
+        # The first unit of a kind pays warm-up costs (first-touch allocations, kernel selection): the second
+        # replaces it instead of being averaged with it.
+        per[kind] = seconds if old is None or seen == 1 else old + self.alpha * (seconds - old)
 
     def unit_time(self, task: str, kind: str) -> float:
         per = self._times.get(task)
@@ -98,3 +104,5 @@ class Estimator:
 
     def forget(self, task: str) -> None:
         self._times.pop(task, None)
+        for key in [k for k in self._counts if k[0] == task]:
+            del self._counts[key]

@@ -54,9 +54,11 @@ def test_policies_table_names_all_three():
 def test_estimator_smooths_per_task_and_kind():
     est = Estimator(alpha=0.5)
     assert est.remaining("a", {"F": 3}) == 0.0          # nothing measured anywhere yet
+    est.observe("a", "F", 5.0)   # warm-up: replaced by the second observation
     est.observe("a", "F", 0.2)
     est.observe("a", "F", 0.4)
     assert est.unit_time("a", "F") == pytest.approx(0.3)
+    est.observe("a", "B", 0.9)
     est.observe("a", "B", 0.9)
     assert est.remaining("a", {"F": 10, "B": 2}) == pytest.approx(10 * 0.3 + 2 * 0.9)
     # An unmeasured kind of a measured task: that task's mean unit time.
