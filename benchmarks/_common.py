@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -67,6 +68,8 @@ def setup(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = No
     args = p.parse_args()
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.size = QUICK if args.quick else DEFAULT
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs (others' work "
+          "shows here; 'cores used' below is this process's CPU seconds / wall)")
     return args
 
 
@@ -164,12 +167,28 @@ def plain_train(spec: Spec, data: TimedData) -> list[float]:
     return history
 
 
-def plain_run(specs: Sequence[Spec]) -> Result:
-    """The specs trained one after another with the plain loop, in this thread."""
+def plain_run(specs: Sequence[Spec], threads: int = 1) -> Result:
+    """The specs trained with the plain loop: one after another in this thread, or dealt round-robin to
+    ``threads`` threads (each trains its share one after another; steady = sum of the threads' steady rates)."""
     datas = [TimedData(s.batches) for s in specs]
+    losses: list[float] = [0.0] * len(specs)
+
+    def train(idx: list[int]) -> None:
+        for i in idx:
+            losses[i] = plain_train(specs[i], datas[i])[-1]
+
+    shares = [list(range(t, len(specs), threads)) for t in range(threads)]
     t0, c0 = time.perf_counter(), time.process_time()
-    losses = [plain_train(s, d)[-1] for s, d in zip(specs, datas)]
+    if threads == 1:
+        train(shares[0])
+    else:
+        pool = [threading.Thread(target=train, args=(idx,)) for idx in shares]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
     res = _summary(datas, specs[0].epochs, time.perf_counter() - t0, time.process_time() - c0, sequential=True)
+    res["steady_sps"] = sum(steady_rate([datas[i] for i in idx], specs[0].epochs, True) for idx in shares)
     res["final_loss"] = losses
     return res
 
