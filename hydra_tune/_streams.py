@@ -11,7 +11,9 @@ code path above this module is exercised without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,16 +58,28 @@ class HostCopier:
 
     def refill(self, t: torch.Tensor, src: torch.Tensor) -> None:
         """Give a released ``t`` its bytes back, holding ``src``'s values (host tensor of the same layout)."""
-        st = t.untyped_storage()
-        st.resize_(t.numel() * t.element_size())  # device copies are dense and start at offset 0
         self._count(src)
         with torch.no_grad():
-            self._fill(_alias(t), src.detach())
+            self._fill(t, src.detach())
         if self.account is not None:
-            self.account.track(st)
+            self.account.track(t.untyped_storage())
 
-    def _fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+    def _fill(self, t: torch.Tensor, src: torch.Tensor) -> None:
+        t.untyped_storage().resize_(t.numel() * t.element_size())  # device copies are dense, at offset 0
+        _alias(t).copy_(src)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Copies issued here (by the copy thread, ahead of use) are joined by ``wait_prefetched`` in the compute
+        thread when their unit starts, not at once: the running unit's queued kernels must not wait for them."""
+        self._local.deferred = True
+        try:
+            yield
+        finally:
+            self._local.deferred = False
+
+    def wait_prefetched(self) -> None:
+        """Make the compute stream wait for the deferred copies (CPU: they are done when the call returns)."""
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (nothing to wait for on CPU)."""
@@ -80,6 +94,24 @@ class CudaCopier(HostCopier):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.stream = torch.cuda.Stream(device=device)
+        self._lock = threading.Lock()
+        self._pending: list[torch.cuda.Event] = []
+
+    def _join(self, compute: torch.cuda.Stream) -> None:
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        if getattr(self._local, "deferred", False):
+            with self._lock:
+                self._pending.append(done)
+        else:
+            compute.wait_event(done)
+
+    def wait_prefetched(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        compute = torch.cuda.current_stream(self.device)
+        for done in pending:
+            compute.wait_event(done)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         self._count(t)
@@ -89,21 +121,22 @@ class CudaCopier(HostCopier):
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             out = src.to(self.device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        compute.wait_event(done)
+        self._join(compute)
         out.record_stream(compute)
         return out
 
-    def _fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _fill(self, t: torch.Tensor, src: torch.Tensor) -> None:
         if not src.is_pinned():
             src = src.pin_memory()
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
+            # Allocated from the copy stream's pool: a block the compute stream freed may still be read by its
+            # queued kernels, so it must not be written here before they ran.
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            dst = _alias(t)
             dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        compute.wait_event(done)
+        self._join(compute)
+        dst.record_stream(compute)  # freed later by the compute stream: the allocator waits for its use
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         self._count(t)

@@ -263,6 +263,7 @@ class Runtime:
                 if pending is not None:
                     pending.result()
                     pending = None
+                device.copier.wait_prefetched()  # the compute stream waits for this unit's prefetched shard
                 later = units[j + 1] if j + 1 < len(units) else None
                 device.resident.retain([state.execs[u.shard] for u in (unit, later) if u is not None])
                 if later is not None:

@@ -90,7 +90,7 @@ class ShardCache:
     def prefetch(self, ex: "ShardExec", device: Device) -> int:
         if self.take(ex) is not None:
             return 0
-        with device.copy_scope():
+        with device.copy_scope(), device.copier.deferred():
             copies = ex.copy_in(device)
         self.put(ex, copies)
         return sum(t.numel() * t.element_size() for t in copies.values())
@@ -224,7 +224,7 @@ class ShardExec:
         the bytes copied."""
         if kept.filled:
             return 0
-        with device.copy_scope():
+        with device.copy_scope(), device.copier.deferred():
             for p in self.params:
                 device.copier.refill(kept.copies[id(p)], p)
         kept.filled = True
