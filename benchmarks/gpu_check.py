@@ -9,8 +9,11 @@ Sections: (a) a small tied GPT-2 trained through Runtime(devices=["cuda:0"]) in 
 plain PyTorch on CUDA, with dropout off (should agree to float noise) and on (same seed: same masks expected);
 the plain-CPU-vs-plain-CUDA difference is printed as the floor set by the device change alone. (b) measured
 device peak vs budget. (c) pinned vs pageable host-to-device copies of 256 MiB, and pin_memory()+copy (the path
-hydra_tune takes for pageable host tensors). (d) GPT-2 12x768, seq 512, batch 8 (--quick: 8x384, vocab 8192,
-seq 256, batch 4): >= 4 shards vs unsharded vs plain CUDA, steady-state samples/s (epoch 2 only) and peaks.
+hydra_tune takes for pageable host tensors), and device-to-host pinned vs pageable. (d) GPT-2 12x768, seq 512,
+batch 8 (--quick: 8x384, vocab 8192, seq 256, batch 4), spilled under an artificial budget into >= 4 shards vs
+unsharded vs plain CUDA: steady-state samples/s (epoch 2 only), peaks, kept shards, prefetched bytes. (e) from the
+spilled run's trace (saved as gpu_check_sharded_trace.json): the share of prefetch copy time that overlapped a
+unit on the same device.
 Without CUDA (and without --cpu) it prints "no CUDA device: skipped" and exits 0. Exit status 1 when a check fails.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hydra_tune.errors import format_bytes
 
 Batch = dict[str, torch.Tensor]
 EXACT_TOL = 1e-4  # hydra_tune on CUDA vs plain CUDA; the optimizer runs on the host, so not bit-for-bit
+OVERLAP_MIN = 0.5  # share of prefetch copy time that must run while the device computes
 
 
 @dataclass(frozen=True)
@@ -177,13 +181,20 @@ def steady_rate(history: list[dict[str, Any]]) -> float:
     return (b["samples"] - a["samples"]) / (b["seconds"] - a["seconds"])
 
 
-def device_run(device: str, budget: int | None, tasks: list[ht.ModelTask]) -> tuple[list[Any], dict[str, Any]]:
-    """Train ``tasks`` on one device; returns [(model, metrics)] and the runtime's stats."""
+def device_run(device: str, budget: int | None, tasks: list[ht.ModelTask], trace: str | None = None
+               ) -> tuple[list[Any], dict[str, Any]]:
+    """Train ``tasks`` on one device; returns [(model, metrics)] and the runtime's stats (with the trace's
+    per-device copy/compute overlap; the trace is saved to ``trace`` when given)."""
     free_cuda()
     with ht.Runtime(devices=[device], device_memory=budget) as rt:
         handles = [rt.submit(t) for t in tasks]
         out = [(h.model(), list(h.metrics())) for h in handles]
         stats = rt.stats()
+        timeline = rt.trace()
+    stats["overlap"] = timeline.overlap()[0]
+    stats["copy_seconds"] = sum(e.seconds for e in timeline.copies())
+    if trace:
+        timeline.save(trace)
     return out, stats
 
 
@@ -207,26 +218,30 @@ def exactness(device: str) -> dict[str, Any]:
 
 
 def bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> dict[str, float]:
-    """(c) H2D GB/s (best of ``reps``): pinned, pageable (events), and pin_memory() + copy (wall clock)."""
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    """(c) GB/s (best of ``reps``) host-to-device and device-to-host: pinned and pageable host memory (CUDA
+    events), and pin_memory() + copy (wall clock: the path hydra_tune takes for a pageable host tensor)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     out = {}
-    for kind in ("pinned", "pageable", "pin+copy"):
-        src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")  # ones: pages touched
+    for kind in ("H2D pinned", "H2D pageable", "H2D pin+copy", "D2H pinned", "D2H pageable"):
+        host = torch.ones(nbytes, dtype=torch.uint8, pin_memory="pinned" in kind)  # ones: pages touched
         best = float("inf")
         for i in range(reps + 1):  # the first is a warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             start.record()
-            dst.copy_(src.pin_memory() if kind == "pin+copy" else src, non_blocking=kind != "pageable")
+            if kind.startswith("H2D"):
+                dev.copy_(host.pin_memory() if "pin+copy" in kind else host, non_blocking="pageable" not in kind)
+            else:
+                host.copy_(dev, non_blocking="pinned" in kind)
             end.record()
             end.synchronize()
-            seconds = time.perf_counter() - t0 if kind == "pin+copy" else start.elapsed_time(end) / 1e3
+            seconds = time.perf_counter() - t0 if "pin+copy" in kind else start.elapsed_time(end) / 1e3
             if i:
                 best = min(best, seconds)
         out[kind] = nbytes / best / 1e9
-        del src
-    del dst
+        del host
+    del dev
     free_cuda()
     return out
 
@@ -242,16 +257,19 @@ def throughput(device: str, size: Size) -> dict[str, Any]:
     budget = budget_for(task("probe").model, data[0], 4, device)
     out: dict[str, Any] = {"model": size.label()}
     for name, limit in (("sharded", budget), ("unsharded", None)):
-        [(_, metrics)], stats = device_run(device, limit, [task(name)])
+        [(_, metrics)], stats = device_run(device, limit, [task(name)], trace=f"gpu_check_{name}_trace.json")
         dev = stats["devices"][0]
         out[name] = {"samples_per_s": steady_rate(metrics), "peak": dev["peak_bytes"], "budget": dev["budget"],
-                     "shards": len(stats["tasks"][name]["shards"])}
+                     "shards": len(stats["tasks"][name]["shards"]), "kept": stats["tasks"][name]["kept"],
+                     "prefetched_bytes": dev["prefetched_bytes"], "copy_seconds": stats["copy_seconds"],
+                     "overlap": stats["overlap"]}
     free_cuda()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     _, hist = plain_train(task("plain"), device)
     peak = torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
-    out["plain"] = {"samples_per_s": steady_rate(hist), "peak": peak, "budget": None, "shards": 1}
+    out["plain"] = {"samples_per_s": steady_rate(hist), "peak": peak, "budget": None, "shards": 1, "kept": [],
+                    "prefetched_bytes": 0, "copy_seconds": 0.0, "overlap": 0.0}
     out["ratio"] = out["sharded"]["samples_per_s"] / out["unsharded"]["samples_per_s"]
     return out
 
@@ -274,21 +292,29 @@ def report(res: dict[str, Any]) -> bool:
     print(f"\n(b) measured peak {format_bytes(ex['peak'])} vs budget {format_bytes(ex['budget'])} "
           f"(predicted {format_bytes(ex['predicted_peak'])}, still allocated after the tasks "
           f"{format_bytes(ex['resident_after'])}): {'PASS' if good else 'FAIL'}")
-    if res["h2d_gbps"]:
-        print("\n(c) host-to-device, 256 MiB: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in res["h2d_gbps"].items()))
+    if res["copy_gbps"]:
+        print("\n(c) copies of 256 MiB: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in res["copy_gbps"].items()))
     tp = res["throughput"]
     print(f"\n(d) {tp['model']}")
-    print(f"{'run':<11}{'shards':>7}{'samples/s':>11}{'peak':>12}{'budget':>12}")
+    print(f"{'run':<11}{'shards':>7}{'kept':>6}{'samples/s':>11}{'peak':>12}{'budget':>12}{'prefetched':>12}"
+          f"{'copy s':>8}{'overlap':>9}")
     for name in ("sharded", "unsharded", "plain"):
         r = tp[name]
         peak = "-" if r["peak"] is None else format_bytes(r["peak"])
         limit = "-" if r["budget"] is None else format_bytes(r["budget"])
-        print(f"{name:<11}{r['shards']:>7}{r['samples_per_s']:>11.2f}{peak:>12}{limit:>12}")
+        print(f"{name:<11}{r['shards']:>7}{len(r['kept']):>6}{r['samples_per_s']:>11.2f}{peak:>12}{limit:>12}"
+              f"{format_bytes(r['prefetched_bytes']):>12}{r['copy_seconds']:>8.2f}{r['overlap']:>9.2f}")
         if r["budget"] is not None and r["peak"] > r["budget"]:
             ok = False
             print(f"FAIL: {name} peak above its budget")
     print(f"sharded / unsharded = {tp['ratio']:.3f}; sharded / plain = "
           f"{tp['sharded']['samples_per_s'] / tp['plain']['samples_per_s']:.3f}")
+    sh = tp["sharded"]
+    good = sh["prefetched_bytes"] > 0 and sh["overlap"] >= OVERLAP_MIN
+    ok &= good
+    print(f"(e) prefetch copies under compute (trace): {sh['overlap']:.0%} of {sh['copy_seconds']:.2f} s of copies "
+          f"overlapped a unit on the same device (>= {OVERLAP_MIN:.0%}): {'PASS' if good else 'FAIL'}; traces in "
+          "gpu_check_*_trace.json")
     return ok
 
 
@@ -306,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res: dict[str, Any] = {"device": device, "device_name": name}
     res["exact"] = exactness(device)
-    res["h2d_gbps"] = None if args.cpu else bandwidth()
+    res["copy_gbps"] = None if args.cpu else bandwidth()
     res["throughput"] = throughput(device, TINY if args.cpu else QUICK if args.quick else FULL)
     ok = report(res)
     res["seconds"] = time.perf_counter() - t0

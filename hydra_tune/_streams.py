@@ -81,6 +81,9 @@ class HostCopier:
     def wait_prefetched(self) -> None:
         """Make the compute stream wait for the deferred copies (CPU: they are done when the call returns)."""
 
+    def finish_copies(self) -> None:
+        """Block the calling (copy) thread until its copies are done, so the trace times real transfers."""
+
     def synchronize(self) -> None:
         """Wait for every copy issued so far (nothing to wait for on CPU)."""
 
@@ -105,6 +108,9 @@ class CudaCopier(HostCopier):
                 self._pending.append(done)
         else:
             compute.wait_event(done)
+
+    def finish_copies(self) -> None:
+        self.stream.synchronize()
 
     def wait_prefetched(self) -> None:
         with self._lock:

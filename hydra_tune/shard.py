@@ -92,6 +92,7 @@ class ShardCache:
             return 0
         with device.copy_scope(), device.copier.deferred():
             copies = ex.copy_in(device)
+            device.copier.finish_copies()
         self.put(ex, copies)
         return sum(t.numel() * t.element_size() for t in copies.values())
 
@@ -227,6 +228,7 @@ class ShardExec:
         with device.copy_scope(), device.copier.deferred():
             for p in self.params:
                 device.copier.refill(kept.copies[id(p)], p)
+            device.copier.finish_copies()
         kept.filled = True
         return sum(p.numel() * p.element_size() for p in self.params)
 

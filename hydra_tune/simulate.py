@@ -5,18 +5,21 @@
     print(res.makespan / lower_bound(tasks, 512), res.utilisation())
 
 The model, as the runtime behaves: a task is a chain of units (F, L, B, E) grouped into segments (one minibatch's
-F..L..B, or one eval batch). A device that needs work asks the policy which ready task to take, then runs that
-task's whole next segment back to back. Devices that can start now ask first, then those still finishing a unit,
-each group in ascending index; ``idle`` is the devices that ask after this one at the same instant.
+F..L..B, or one eval batch). A device runs a task's whole segment back to back, then the segment the policy gave
+it next. It asks when its segment's last unit starts (``prefetch``; at the segment's end without), and the task
+it is running competes (the newest seq, last run here, one more turn, its remaining after this segment). Picked:
+the device continues with it once the segment ends (its host work waits for that end, so its first copy cannot
+overlap the last unit). Not picked: the picked segment is placed now, and the running task becomes ready when
+its segment ends. A device whose task ended waits for a ready task; at one instant waiting devices take first
+(ascending index; ``idle`` is those taking after this one), then the askers (ascending index; ``idle`` is the
+waiting devices still there).
 
 Copies (``bandwidth`` bytes/s; None: free): each unit first copies ``SimUnit.bytes`` in on its device's copy engine,
 unless the device's previous unit was the same task's same shard (still resident: B0, then the next F0 there).
-With ``prefetch`` (double buffering) a unit's copy starts as soon as the device's previous unit starts, and the
-device asks for its next task when its current segment's last unit starts (so it cannot pick the task it is
-running: that one becomes ready when its segment ends), and copies that task's first shard during that last unit.
-Without ``prefetch`` a copy starts when the previous unit ends, and the device asks when its segment ends. Host
-work (data, host-side optimizer steps) is not modelled apart: ``tasks_from_trace`` folds the waits it caused into
-the unit seconds.
+With ``prefetch`` (double buffering) a unit's copy starts as soon as the device's previous unit starts (so
+another task's first shard copies during the last unit); without, when the previous unit ends. Host work (data,
+host-side optimizer steps) is not modelled apart: ``tasks_from_trace`` folds the waits it caused into the unit
+seconds.
 """
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ import bisect
 import heapq
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._simpool import ListPool, Waiting, make_pool
 from .errors import rule_error
-from .schedule import POLICIES, Ready, fifo, lrtf, round_robin
+from .schedule import POLICIES
 from .trace import COMPUTE, COPY, Event, Trace
 
 KINDS = ("F", "L", "B", "E")
@@ -242,62 +246,6 @@ def _place(p: _Plan, s: int, dev: _Dev, d: int, t: float, task_free: float, bw: 
     return dev.unit_start, prev_end
 
 
-class _ListPool:
-    """Reference pool: calls the policy function on the full ready list, as the runtime does."""
-
-    def __init__(self, policy, plans: list[_Plan]) -> None:  # type: ignore[no-untyped-def]
-        self.policy, self.plans, self.items = policy, plans, []  # items: (Ready, task id)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def push(self, tid: int, seq: int, last: int | None, rem: float, turns: int) -> None:
-        self.items.append((Ready(self.plans[tid].name, seq, last, rem, turns, tid), tid))
-
-    def take(self, device: int, idle: Sequence[int]) -> int:
-        i = self.policy([r for r, _ in self.items], device, tuple(idle))
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.items):
-            raise rule_error("a policy returns an index into `ready`", "return an int in range",
-                             index=i, ready=len(self.items))
-        return self.items.pop(i)[1]
-
-
-class _LrtfPool(_ListPool):
-    """Heap on (-remaining, seq): the same total order lrtf sorts by, so the window is the heap's first entries."""
-
-    def push(self, tid: int, seq: int, last: int | None, rem: float, turns: int) -> None:
-        heapq.heappush(self.items, (-rem, seq, -1 if last is None else last, tid))
-
-    def take(self, device: int, idle: Sequence[int]) -> int:
-        window = [heapq.heappop(self.items) for _ in range(min(1 + len(idle), len(self.items)))]
-        pick = next((e for e in window if e[2] == device), None)
-        if pick is None:   # the rest of lrtf: not one that last ran on another idle device, else the longest
-            pick = next((e for e in window if e[2] not in idle), window[0])
-        for e in window:
-            if e is not pick:
-                heapq.heappush(self.items, e)
-        return pick[3]
-
-
-class _KeyPool(_ListPool):
-    """Heap on a device-independent key: fifo's (seq) (seqs are unique), round_robin's (turns, admitted, seq)."""
-
-    def push(self, tid: int, seq: int, last: int | None, rem: float, turns: int) -> None:
-        heapq.heappush(self.items, (seq, tid) if self.policy is fifo else (turns, tid, seq, tid))
-
-    def take(self, device: int, idle: Sequence[int]) -> int:
-        return heapq.heappop(self.items)[-1]
-
-
-def _pool(name: str, plans: list[_Plan], fast: bool) -> _ListPool:
-    fn = POLICIES[name]
-    if fast and fn is lrtf:
-        return _LrtfPool(fn, plans)
-    if fast and fn in (fifo, round_robin):
-        return _KeyPool(fn, plans)
-    return _ListPool(fn, plans)
-
-
 def _run(tasks: Sequence[SimTask], devices: int, policy: str, bandwidth: float | None, prefetch: bool,
          record: bool, fast: bool) -> SimResult:
     if policy not in POLICIES and policy not in BASELINES:
@@ -314,92 +262,59 @@ def _run(tasks: Sequence[SimTask], devices: int, policy: str, bandwidth: float |
     elif policy == "task_parallel":
         makespan, busy = _task_parallel(plans, devices, bandwidth, prefetch, events)
     else:
-        makespan, busy = _shard_parallel(plans, devices, _pool(policy, plans, fast), bandwidth, prefetch, events)
+        pool = make_pool(policy, [p.name for p in plans], fast)
+        makespan, busy = _shard_parallel(plans, devices, pool, bandwidth, prefetch, events)
     trace = Trace([f"sim:{d}" for d in range(devices)], events) if events is not None else None
     return SimResult(policy, makespan, tuple(busy), trace)
 
 
-class _Waiting:
-    """The devices waiting for work, in the order they ask: those whose compute is free (ascending index), then
-    those still finishing a unit (ascending index). It is also the ``idle`` a policy sees, cheap to keep when
-    hundreds of devices wait: length and membership in O(1), the order built only when iterated."""
-
-    def __init__(self, devs: list[_Dev]) -> None:
-        self.devs, self.where = devs, [1] * len(devs)   # where: 0 busy, 1 free and waiting, 2 finishing a unit
-        self.free, self.finishing = list(range(len(devs))), []   # both sorted by index
-        self.ends: list[tuple[float, int]] = []                   # heap of (unit end, device); stale ones skipped
-        self.count = len(devs)
-
-    def add(self, d: int, t: float) -> None:
-        self.count += 1
-        if self.devs[d].free <= t:
-            self.where[d] = 1
-            bisect.insort(self.free, d)
-        else:
-            self.where[d] = 2
-            bisect.insort(self.finishing, d)
-            heapq.heappush(self.ends, (self.devs[d].free, d))
-
-    def settle(self, t: float) -> None:
-        """Move the devices whose unit has ended by ``t`` to the free group."""
-        while self.ends and self.ends[0][0] <= t:
-            _, d = heapq.heappop(self.ends)
-            if self.where[d] == 2 and self.devs[d].free <= t:
-                self.where[d] = 1
-                del self.finishing[bisect.bisect_left(self.finishing, d)]
-                bisect.insort(self.free, d)
-
-    def pop_first(self) -> int:
-        d = self.free.pop(0) if self.free else self.finishing.pop(0)
-        self.where[d], self.count = 0, self.count - 1
-        return d
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __contains__(self, d: object) -> bool:
-        return isinstance(d, int) and 0 <= d < len(self.where) and self.where[d] != 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.free + self.finishing)
-
-    def __getitem__(self, i: int) -> int:
-        return (self.free + self.finishing)[i]
+READY, BLOCK, ASK = 0, 1, 2   # events: a task becomes ready, a device waits for one, a device asks for its next
 
 
-def _shard_parallel(plans: list[_Plan], devices: int, pool: _ListPool, bw: float | None, prefetch: bool,
+def _shard_parallel(plans: list[_Plan], devices: int, pool: ListPool, bw: float | None, prefetch: bool,
                     events: list[Event] | None) -> tuple[float, list[float]]:
     devs = [_Dev() for _ in range(devices)]
     nxt, free_at, turns = [0] * len(plans), [0.0] * len(plans), [0] * len(plans)
     for p in plans:
         pool.push(p.tid, p.tid, None, p.rem[0], 0)
-    seq, waiting, makespan = len(plans), _Waiting(devs), 0.0
-    heap: list[tuple[float, int, int, int]] = []   # (time, device, 0: its task is ready / 1: it asks, task)
+    seq, waiting, makespan = len(plans), Waiting(devices), 0.0
+    heap: list[tuple[float, int, int, int]] = []   # (time, device, READY/BLOCK/ASK, task)
+
+    def run(d: int, tid: int, at: float) -> None:   # task tid's next segment on device d, decided at ``at``
+        nonlocal makespan
+        s_last, end = _place(plans[tid], nxt[tid], devs[d], d, at, free_at[tid], bw, prefetch, events)
+        nxt[tid], turns[tid], free_at[tid], makespan = nxt[tid] + 1, turns[tid] + 1, end, max(makespan, end)
+        heapq.heappush(heap, (s_last if prefetch else end, d, ASK, tid))
+
     t = 0.0
     while True:
-        if pool and waiting:
-            waiting.settle(t)
-            while pool and waiting:
-                d = waiting.pop_first()
-                tid = pool.take(d, waiting)   # ``waiting`` now holds exactly the devices that ask after d
-                p = plans[tid]
-                s_last, end = _place(p, nxt[tid], devs[d], d, t, free_at[tid], bw, prefetch, events)
-                nxt[tid] += 1
-                turns[tid] += 1
-                free_at[tid] = end
-                makespan = max(makespan, end)
-                heapq.heappush(heap, (end, d, 0, tid))
-                heapq.heappush(heap, (s_last if prefetch else end, d, 1, tid))
+        asks = []
+        while heap and heap[0][0] == t:   # everything that happens at t, in device order, before anyone chooses
+            _, d, what, tid = heapq.heappop(heap)
+            if what == READY:
+                pool.push(tid, seq, d, plans[tid].rem[nxt[tid]], turns[tid])
+                seq += 1
+            elif what == BLOCK:
+                waiting.add(d)
+            else:
+                asks.append((d, tid))
+        while pool and waiting:   # blocked devices first; ``waiting`` then holds those that take after d
+            d = waiting.pop_first()
+            run(d, pool.take(d, waiting), t)
+        for d, c in asks:         # then the running task competes for its device's next segment
+            more = nxt[c] < len(plans[c].work)
+            pick = pool.take(d, waiting, (c, seq, d, plans[c].rem[nxt[c]], turns[c]))
+            if pick != c:
+                run(d, pick, t)
+                if more:
+                    heapq.heappush(heap, (free_at[c], d, READY, c))
+            elif more:
+                run(d, c, free_at[c])   # its host work waits for the segment's end: no prefetch of its first unit
+            else:
+                heapq.heappush(heap, (free_at[c], d, BLOCK, c))
         if not heap:
             break
         t = heap[0][0]
-        while heap and heap[0][0] == t:   # everything that happens at t, in device order, before anyone asks
-            _, d, asks, tid = heapq.heappop(heap)
-            if asks:
-                waiting.add(d, t)
-            elif nxt[tid] < len(plans[tid].work):
-                pool.push(tid, seq, d, plans[tid].rem[nxt[tid]], turns[tid])
-                seq += 1
     return makespan, [dv.busy for dv in devs]
 
 

@@ -68,6 +68,19 @@ class Trace:
             out[e.device] += e.seconds
         return out
 
+    def overlap(self) -> list[float]:
+        """Per device: the share of its copy seconds during which it was also computing (1.0: copies hidden
+        entirely behind units; 0.0 for a device without copies)."""
+        out = []
+        for d in range(len(self.devices)):
+            units = sorted((e.start, e.end) for e in self.units() if e.device == d)
+            copies = [e for e in self.copies() if e.device == d]
+            total = sum(e.seconds for e in copies)
+            hidden = sum(max(0.0, min(e.end, b) - max(e.start, a)) for e in copies for a, b in units
+                         if a < e.end and b > e.start)  # units of one device never overlap each other
+            out.append(hidden / total if total > 0 else 0.0)
+        return out
+
     def to_chrome(self) -> dict[str, Any]:
         """The trace-event format's JSON object form: complete ("X") events plus track names."""
         meta: list[dict[str, Any]] = []

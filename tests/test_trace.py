@@ -211,3 +211,11 @@ def test_import_plot_is_light_and_plotting_leaves_pyplot_alone(tmp_path):
     assert lines[0] == "False", "import hydra_tune.plot imported matplotlib"
     if lines[1:] != ["skip"]:
         assert lines[1:] == ["False"], "plot_timeline imported pyplot"
+
+
+def test_overlap_is_the_share_of_copy_time_under_compute():
+    t = Trace(["cpu:0", "cpu:1"], [
+        Event(0, "a", 0, "F", 0.0, 1.0), Event(0, "a", 1, "F", 2.0, 3.0),
+        Event(0, "a", 1, "H2D", 0.5, 2.5, 8, COPY),      # 0.5 s under F0, 0.5 s under F1, 1.0 s exposed
+        Event(1, "b", 0, "F", 0.0, 1.0)])               # no copies on device 1
+    assert t.overlap() == [0.5, 0.0]
