@@ -29,6 +29,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from ._simpool import ListPool, Waiting, make_pool
 from .errors import rule_error
@@ -183,11 +184,9 @@ class _Plan:
         self.work: list[float] = []       # compute seconds of each segment, summed in unit order
         self.pre_last: list[float] = []   # the same sum without the segment's last unit
         for i0, i1 in self.bounds:
-            acc = 0.0
-            for i in range(i0, i1 - 1):
-                acc += self.secs[i]
-            self.pre_last.append(acc)
-            self.work.append(acc + self.secs[i1 - 1])
+            sums = list(accumulate(self.secs[i0:i1]))
+            self.pre_last.append(sums[-2] if len(sums) > 1 else 0.0)
+            self.work.append(sums[-1])
         self.rem = [0.0] * (len(self.work) + 1)   # rem[s]: compute seconds of segments s.. (exact remaining)
         for s in range(len(self.work) - 1, -1, -1):
             self.rem[s] = self.rem[s + 1] + self.work[s]
