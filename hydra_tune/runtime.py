@@ -164,6 +164,8 @@ class Runtime:
         the device continues with it (returned, not popped). Records are made now, so remaining-time estimates
         include every unit measured so far."""
         idle = sorted(self._idle - {index})
+        if current is not None and not any(current.state.remaining().values()):
+            current = None  # its last segment is running: nothing to continue with
         cands = list(self._ready) + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
