@@ -1,7 +1,8 @@
 """Shared pieces of the speed benchmarks p1..p4: GPT-2 factory, data, plain loop, hydra runs, timing, output.
 
-    from _common import setup, DEFAULT, gpt2_factory, token_batches, hydra_run, plain_run, alternate, emit
-    args = setup(__doc__)            # torch.set_num_threads(1); --quick, --json, --trace, --repeats
+    args = setup(__doc__)            # torch.set_num_threads(1); --quick, --json, --trace, --repeats; args.size
+    spec = Spec("a", gpt2_factory(args.size), 1e-3, 0, token_batches(args.size), args.size.epochs)
+    runs = alternate({"hydra": lambda: hydra_run([spec], 1, None), "plain": lambda: plain_run([spec])}, 3)
 
 Timing. Every run gets its own ``TimedData`` per task: a list of batches that stamps ``time.perf_counter()`` each
 time the training loop fetches a batch, one list per pass. Two numbers per run:
@@ -22,7 +23,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,7 +31,6 @@ import torch.nn as nn
 
 import hydra_tune as ht
 
-LOAD_AT_IMPORT = os.getloadavg()
 Batch = dict[str, torch.Tensor]
 Result = dict[str, Any]
 
@@ -68,8 +68,9 @@ def setup(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = No
     args = p.parse_args()
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.size = QUICK if args.quick else DEFAULT
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs (others' work "
-          "shows here; 'cores used' below is this process's CPU seconds / wall)")
+    args.loadavg = os.getloadavg()
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; per run below: "
+          "cores = this process's CPU s / wall, others = other processes' busy cores (/proc/stat)")
     return args
 
 
@@ -100,7 +101,8 @@ class TimedData:
     """The batches, iterable once per epoch; records when each batch is fetched (one list per pass)."""
 
     def __init__(self, batches: Sequence[Batch]) -> None:
-        self.batches, self.passes = list(batches), []  # type: list[Batch], list[list[float]]
+        self.batches: list[Batch] = list(batches)
+        self.passes: list[list[float]] = []
 
     def __iter__(self) -> Iterator[Batch]:
         stamps: list[float] = []
@@ -141,20 +143,37 @@ def steady_rate(datas: Sequence[TimedData], epochs: int, sequential: bool = Fals
     return n * size / sum(p[-1][-1] - p[1][0] for p in passes)
 
 
-def _summary(datas: Sequence[TimedData], epochs: int, wall: float, cpu: float, sequential: bool = False) -> Result:
-    """``cpu``: this process's CPU seconds over the run; cores = cpu / wall shows what the machine let us use."""
+Clock = tuple[float, float, int, int]
+
+
+def machine() -> Clock:
+    """Now: wall, this process's CPU seconds, the machine's busy and total jiffies (/proc/stat; 0, 0 if absent)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        v = [0] * 5
+    return time.perf_counter(), time.process_time(), sum(v) - v[3] - v[4], sum(v)
+
+
+def summary(datas: Sequence[TimedData], epochs: int, start: Clock, sequential: bool = False) -> Result:
+    """cores: this process's CPU seconds / wall; others: the other processes' busy cores over the run."""
+    end = machine()
+    wall, cores = end[0] - start[0], (end[1] - start[1]) / (end[0] - start[0])
     samples = sum(len(d) * d.batches[0]["input_ids"].shape[0] * epochs for d in datas)
-    return {"wall_s": wall, "samples": samples, "total_sps": samples / wall, "cores": cpu / wall,
-            "steady_sps": steady_rate(datas, epochs, sequential)}
+    busy = (end[2] - start[2]) / max(end[3] - start[3], 1) * (os.cpu_count() or 1)
+    return {"wall_s": wall, "samples": samples, "total_sps": samples / wall, "cores": cores,
+            "others": max(0.0, busy - cores), "steady_sps": steady_rate(datas, epochs, sequential)}
 
 
-def plain_train(spec: Spec, data: TimedData) -> list[float]:
-    """The plain PyTorch loop (as tests/reference.py's plain_train): seed, build, AdamW, fwd/bwd/step/zero_grad."""
+def plain_train(spec: Spec, data: TimedData) -> float:
+    """The plain PyTorch loop (tests/reference.py's plain_train): seed, build, AdamW, fwd, bwd, step, zero_grad.
+    Returns the last epoch's mean loss."""
     torch.manual_seed(spec.seed)
     model = spec.factory()
     model.train()
     opt = adamw(spec.lr)(model)
-    history = []
+    losses: list[float] = []
     for _ in range(spec.epochs):
         losses = []
         for batch in data:
@@ -163,8 +182,7 @@ def plain_train(spec: Spec, data: TimedData) -> list[float]:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        history.append(sum(losses) / len(losses))
-    return history
+    return sum(losses) / len(losses)
 
 
 def plain_run(specs: Sequence[Spec], threads: int = 1) -> Result:
@@ -175,19 +193,17 @@ def plain_run(specs: Sequence[Spec], threads: int = 1) -> Result:
 
     def train(idx: list[int]) -> None:
         for i in idx:
-            losses[i] = plain_train(specs[i], datas[i])[-1]
+            losses[i] = plain_train(specs[i], datas[i])
 
     shares = [list(range(t, len(specs), threads)) for t in range(threads)]
-    t0, c0 = time.perf_counter(), time.process_time()
-    if threads == 1:
-        train(shares[0])
-    else:
-        pool = [threading.Thread(target=train, args=(idx,)) for idx in shares]
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-    res = _summary(datas, specs[0].epochs, time.perf_counter() - t0, time.process_time() - c0, sequential=True)
+    pool = [threading.Thread(target=train, args=(idx,)) for idx in shares[1:]]
+    start = machine()
+    for th in pool:
+        th.start()
+    train(shares[0])  # the first share in this thread
+    for th in pool:
+        th.join()
+    res = summary(datas, specs[0].epochs, start, sequential=True)
     res["steady_sps"] = sum(steady_rate([datas[i] for i in idx], specs[0].epochs, True) for idx in shares)
     res["final_loss"] = losses
     return res
@@ -203,24 +219,22 @@ def make_runtime(devices: int, budget: int | None) -> ht.Runtime:
 def hydra_run(specs: Sequence[Spec], devices: int, budget: int | None, trace: str | None = None) -> Result:
     """All specs submitted at once to one runtime with ``devices`` CPU devices and ``budget`` bytes each."""
     datas = [TimedData(s.batches) for s in specs]
-    t0, c0 = time.perf_counter(), time.process_time()
+    start = machine()
     with make_runtime(devices, budget) as rt:
         handles = [rt.submit(s.task(d)) for s, d in zip(specs, datas)]
-        t_planned = time.perf_counter()
+        t_planned = time.perf_counter() - start[0]
         finals = [h.result() for h in handles]
         stats = rt.stats()
         if trace and hasattr(rt, "trace"):
             rt.trace().save(trace)
-    wall = time.perf_counter() - t0
-    res = _summary(datas, specs[0].epochs, wall, time.process_time() - c0)
-    res.update(submit_s=t_planned - t0, final_loss=[m["train_loss"] for m in finals],
+    res = summary(datas, specs[0].epochs, start)
+    first = stats["tasks"][specs[0].name]
+    res.update(submit_s=t_planned, final_loss=[m["train_loss"] for m in finals], plan=first["shards"],
                shards=[len(stats["tasks"][s.name]["shards"]) for s in specs],
-               plan=stats["tasks"][specs[0].name]["shards"],
-               predicted_peak=stats["tasks"][specs[0].name].get("predicted_peak"),
-               devices=[{k: d.get(k) for k in ("units", "busy_seconds", "peak_bytes", "budget")}
+               predicted_peak=first.get("predicted_peak"), kept=first.get("kept"),
+               devices=[{"units": d.get("units"), "busy_seconds": d["busy_seconds"], "peak_bytes": d["peak_bytes"],
+                         "budget": d["budget"], "busy_share": d["busy_seconds"] / res["wall_s"]}
                         for d in stats["devices"]])
-    for d in res["devices"]:
-        d["busy_share"] = d["busy_seconds"] / wall
     return res
 
 
@@ -230,10 +244,10 @@ def alternate(sides: dict[str, Callable[[], Result]], repeats: int) -> dict[str,
     names = list(sides)
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
-            out[name].append(sides[name]())
-            print(f"  {name:<22} run {r + 1}: steady {out[name][-1]['steady_sps']:7.2f} samples/s, "
-                  f"total {out[name][-1]['total_sps']:7.2f} samples/s, wall {out[name][-1]['wall_s']:6.2f} s, "
-                  f"cores {out[name][-1]['cores']:.2f}",
+            res = sides[name]()
+            out[name].append(res)
+            print(f"  {name:<24} run {r + 1}: steady {res['steady_sps']:7.2f} samples/s, total {res['total_sps']:7.2f}"
+                  f" samples/s, wall {res['wall_s']:6.2f} s, cores {res['cores']:.2f} (others {res['others']:.2f})",
                   flush=True)
     return out
 
@@ -256,17 +270,17 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 def side_rows(runs: dict[str, list[Result]]) -> list[list[Any]]:
     """One table row per side: medians of steady and total samples/s, wall, and every run's steady value."""
-    return [[name, median(rs, "steady_sps"), median(rs, "total_sps"), median(rs, "wall_s"), median(rs, "cores"),
+    return [[name, *(median(rs, k) for k in ("steady_sps", "total_sps", "wall_s", "cores", "others")),
              " ".join(f"{r['steady_sps']:.1f}" for r in rs)] for name, rs in runs.items()]
 
 
-SIDE_HEADERS = ("side", "steady sps", "total sps", "wall s", "cores used", "steady per run")
+SIDE_HEADERS = ("side", "steady sps", "total sps", "wall s", "cores used", "others' cores", "steady per run")
 
 
 def find_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int, steps: int = 7) -> tuple[int, int]:
-    """The largest budget (bytes, to ~1/2**steps of the unsharded peak) whose plan has >= ``min_shards`` shards,
-    found through the public API (submit, read ``stats()``); else the budget with the most shards. -> (budget,
-    shards)."""
+    """-> (budget, shards): by bisection, a budget whose plan has >= min_shards shards while a budget 1/2**steps of
+    the unsharded peak larger has fewer (the largest such if shards fall as the budget grows; hydra_tune's planner
+    need not be monotone), else the smallest budget that plans at all. Probes via submit + stats()."""
 
     def probe(budget: int | None) -> tuple[int, int] | None:  # (shards, predicted peak), None: no plan fits
         with make_runtime(1, budget) as rt:
@@ -280,45 +294,30 @@ def find_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int,
 
     whole = probe(None)
     assert whole is not None
-    fail, few, few_shards = 0, whole[1], 1   # no plan fits at `fail`; `few` plans < min_shards shards
-    good, shards = None, 0
-    for _ in range(3 * steps):               # find any budget with >= min_shards shards
-        b = int(few * 0.7) if fail == 0 else (fail + few) // 2
+    fail, few, few_shards = 0, whole[1], 1  # no plan fits at `fail`; `few` plans < min_shards shards
+    good, shards = 0, 0                     # `good` plans >= min_shards shards (0: none found yet)
+    while few - max(fail, good) > whole[1] >> steps:
+        b = (good + few) // 2 if good else int(few * 0.7) if not fail else (fail + few) // 2
         got = probe(b)
         if got is None:
             fail = b
         elif got[0] >= min_shards:
             good, shards = b, got[0]
-            break
         else:
             few, few_shards = b, got[0]
-        if few - fail < few >> steps:
-            break
-    if good is None:
+    if not good:
         print(f"note: at most {few_shards} shards (< {min_shards}) for any budget; using {mib(few)}")
         return few, few_shards
-    for _ in range(steps):                   # the largest such budget: bisect between good and few
-        mid = (good + few) // 2
-        got = probe(mid)
-        if got is not None and got[0] >= min_shards:
-            good, shards = mid, got[0]
-        else:
-            few = mid
     return good, shards
 
 
 def emit(results: Result, args: argparse.Namespace, t_start: float) -> None:
     """The final line: every raw number as JSON (also to --json)."""
-    results["meta"] = {"loadavg_at_start": LOAD_AT_IMPORT, "size": asdict(args.size), "quick": args.quick, "repeats": args.repeats,
-                       "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+    results["meta"] = {"size": asdict(args.size), "quick": args.quick, "repeats": args.repeats, "cpus": os.cpu_count(),
+                       "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_at_start": args.loadavg,
                        "loadavg_at_end": os.getloadavg(), "script_wall_s": time.perf_counter() - t_start}
     line = json.dumps(results)
     if args.json:
         with open(args.json, "w") as f:
             f.write(line + "\n")
     print(line)
-
-
-__all__ = ["Size", "DEFAULT", "QUICK", "setup", "gpt2_factory", "token_batches", "adamw", "TimedData", "Spec",
-           "steady_rate", "plain_train", "plain_run", "hydra_run", "make_runtime", "alternate", "median", "mib",
-           "print_table", "side_rows", "SIDE_HEADERS", "find_budget", "emit", "replace"]

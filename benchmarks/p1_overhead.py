@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 from _common import (SIDE_HEADERS, Spec, alternate, emit, gpt2_factory, hydra_run, median, plain_run, print_table,
-                     replace, setup, side_rows, token_batches)
+                     setup, side_rows, token_batches)
 
 GOAL = 0.97
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from _common import (SIDE_HEADERS, Spec, alternate, emit, find_budget, gpt2_factory, hydra_run, median, mib,
-                     print_table, replace, setup, side_rows, token_batches)
+                     print_table, setup, side_rows, token_batches)
 
 GOAL = 0.90
 
@@ -47,7 +48,8 @@ def main() -> int:
 
     print()
     print_table(SIDE_HEADERS, side_rows(runs))
-    print("plan: " + " | ".join("+".join(s) for s in spilled[0]["plan"]))
+    for plan in sorted({" | ".join("+".join(s) for s in r["plan"]) + f"  kept {r['kept']}" for r in spilled}):
+        print(f"spilled plan: {plan}")
     print()
     rows = []
     for name, rs in runs.items():

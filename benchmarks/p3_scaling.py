@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from _common import (SIDE_HEADERS, Result, Spec, alternate, emit, find_budget, gpt2_factory, hydra_run, median,
-                     mib, plain_run, print_table, replace, setup, side_rows, token_batches)
+                     mib, plain_run, print_table, setup, side_rows, token_batches)
 
 GOAL = 1.8
 LRS = (1e-4, 3e-4, 1e-3, 3e-3)
@@ -70,7 +71,7 @@ def compare(specs: list[Spec], budget: int | None, repeats: int, trace: str | No
 def main() -> int:
     t_start = time.perf_counter()
     args = setup(__doc__, options)
-    size = args.size = replace(args.size, batches=4) if not args.quick else args.size
+    size = args.size = replace(args.size, batches=3 if args.quick else 4)
     if not args.quick and "--repeats" not in sys.argv:
         args.repeats = 2  # 4 sides of 4 tasks each: 3 repeats would take over 3 minutes on 2 cores
     specs = [Spec(f"lr{lr:g}", gpt2_factory(size), lr, seed, token_batches(size, seed=seed), size.epochs)

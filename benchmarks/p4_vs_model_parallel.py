@@ -16,14 +16,15 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _common import (SIDE_HEADERS, Batch, Result, Spec, TimedData, adamw, alternate, emit, find_budget,
-                     gpt2_factory, hydra_run, median, mib, print_table, replace, setup, side_rows, steady_rate,
+from _common import (SIDE_HEADERS, Batch, Result, Size, Spec, TimedData, alternate, emit, find_budget,
+                     gpt2_factory, hydra_run, machine, median, mib, print_table, setup, side_rows, summary,
                      token_batches)
 
 GOAL = 1.8
@@ -73,7 +74,7 @@ def mp_train(spec: Spec, data: TimedData, dev0: ThreadPoolExecutor, dev1: Thread
     model = spec.factory()
     model.train()
     halves = Halves(model)
-    opts = [adamw(spec.lr)(nn.ParameterList(ps)) for ps in (halves.params0, halves.params1)]
+    opts = [torch.optim.AdamW(ps, lr=spec.lr) for ps in (halves.params0, halves.params1)]
 
     def last(x: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
         loss = halves.loss1(x, labels)
@@ -102,18 +103,17 @@ def mp_train(spec: Spec, data: TimedData, dev0: ThreadPoolExecutor, dev1: Thread
 def mp_run(specs: list[Spec]) -> Result:
     datas = [TimedData(s.batches) for s in specs]
     with make_device() as dev0, make_device() as dev1:
-        t0, c0 = time.perf_counter(), time.process_time()
+        start = machine()
         losses = [mp_train(s, d, dev0, dev1) for s, d in zip(specs, datas)]
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    samples = sum(len(d) * d.batches[0]["input_ids"].shape[0] * s.epochs for s, d in zip(specs, datas))
-    return {"wall_s": wall, "samples": samples, "total_sps": samples / wall, "cores": cpu / wall,
-            "steady_sps": steady_rate(datas, specs[0].epochs, sequential=True), "final_loss": losses}
+        res = summary(datas, specs[0].epochs, start, sequential=True)
+    res["final_loss"] = losses
+    return res
 
 
-def check_split(spec: Spec, batch: Batch) -> dict[str, float]:
+def check_split(size: Size, batch: Batch) -> dict[str, float]:
     """Max |difference| of loss and gradients: split forward/backward vs the unsplit model, dropout off."""
-    torch.manual_seed(spec.seed)
-    model = gpt2_factory_no_dropout(spec)()
+    torch.manual_seed(0)
+    model = gpt2_factory(size, dropout=0.0)()
     model.train()
     ref = model(**batch).loss
     ref.backward()
@@ -130,22 +130,15 @@ def check_split(spec: Spec, batch: Batch) -> dict[str, float]:
     return {"loss": ref.item(), "loss_diff": abs(loss.item() - ref.item()), "grad_diff": grad_diff}
 
 
-def gpt2_factory_no_dropout(spec: Spec) -> Any:
-    cfg = spec.factory().config
-    from _common import Size
-    return gpt2_factory(Size(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_positions, 1), dropout=0.0)
-
-
 def main() -> int:
     t_start = time.perf_counter()
     args = setup(__doc__)
-    size = replace(args.size, batches=4) if not args.quick else args.size
-    args.size = size
+    size = args.size = replace(args.size, batches=3 if args.quick else 4)
     specs = [Spec(f"lr{lr:g}", gpt2_factory(size), lr, seed, token_batches(size, seed=seed), size.epochs)
              for seed, lr in enumerate(LRS)]
     print(f"P4 vs model parallel: 4 tasks of {size.label()}, AdamW, dropout 0.1, 2 CPU devices, 1 thread each; "
           f"{args.repeats} runs per side")
-    check = check_split(specs[0], specs[0].batches[0])
+    check = check_split(size, specs[0].batches[0])
     print(f"split check (dropout off, one batch): loss {check['loss']:.6f}, |split - unsplit| loss "
           f"{check['loss_diff']:.2e}, grads max {check['grad_diff']:.2e}")
     budget, shards = find_budget(specs[0].factory, specs[0].batches[0], 2)
@@ -163,9 +156,9 @@ def main() -> int:
     print()
     print_table(SIDE_HEADERS, side_rows(runs))
     print("hydra plan: " + " | ".join("+".join(s) for s in hydra[0]["plan"]))
-    busy = [[f"cpu:{i}", median([{"b": r["devices"][i]["busy_share"]} for r in hydra], "b"),
-             max(r["devices"][i]["peak_bytes"] for r in hydra), budget] for i in range(2)]
-    print_table(("hydra device", "busy share", "peak bytes", "budget"), busy)
+    busy = [[f"cpu:{i}", " ".join(f"{r['devices'][i]['busy_share']:.2f}" for r in hydra),
+             mib(max(r["devices"][i]["peak_bytes"] for r in hydra)), mib(budget)] for i in range(2)]
+    print_table(("hydra device", "busy share per run", "measured peak", "budget"), busy)
     diff = max(abs(a - b) for h in hydra for m in mp for a, b in zip(h["final_loss"], m["final_loss"]))
     print(f"final-epoch loss |hydra - model parallel| max {diff:.2e} (same init and dropout masks)")
     ratio = median(hydra, "steady_sps") / median(mp, "steady_sps")
