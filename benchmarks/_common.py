@@ -61,7 +61,8 @@ def setup(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = No
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model and few batches (a smoke test, < 40 s)")
     p.add_argument("--json", metavar="PATH", help="also write the final JSON line to PATH")
-    p.add_argument("--trace", metavar="PATH", help="save the last timed hydra run's trace (if the runtime has one)")
+    p.add_argument("--trace", metavar="PATH", help="after the timed runs, run hydra once more and save its trace "
+                   "(Chrome/Perfetto JSON; needs Runtime.trace)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per side (default 3, --quick 2)")
     if extra:
         extra(p)
@@ -249,6 +250,10 @@ def alternate(sides: dict[str, Callable[[], Result]], repeats: int) -> dict[str,
             print(f"  {name:<24} run {r + 1}: steady {res['steady_sps']:7.2f} samples/s, total {res['total_sps']:7.2f}"
                   f" samples/s, wall {res['wall_s']:6.2f} s, cores {res['cores']:.2f} (others {res['others']:.2f})",
                   flush=True)
+    busy = max(median(rs, "others") for rs in out.values())
+    if busy > 0.25:
+        print(f"note: other processes kept {busy:.2f} of {os.cpu_count()} cores busy during one side's runs (median):"
+              " these numbers are contended, rerun on a quiet machine")
     return out
 
 

@@ -1,18 +1,19 @@
-"""Usage: .venv/bin/python benchmarks/p4_vs_model_parallel.py [--quick] [--json out.json] [--trace trace.json]
+"""Usage: .venv/bin/python benchmarks/p4_vs_model_parallel.py [--quick] [--json o.json] [--trace t.json] [--min-shards 2]
 
 P4, shard parallelism vs model parallelism on 2 devices: 4 GPT-2 tasks (seeds 0..3, learning rates 1e-4..3e-3)
-submitted at once to hydra_tune on 2 CPU devices, each cut into >= 2 shards by a budget (the largest budget with
->= 2 shards), against plain model parallelism over the same 2 devices: every model split in two halves (wte+wpe+
-drop+first half of the blocks | second half + ln_f + tied lm_head + shifted cross-entropy); half 0 runs on a
-"device 0" worker thread, half 1 on a "device 1" worker thread (one intra-op thread each); per step: fwd half 0
-on thread 0 -> fwd+loss+bwd half 1 on thread 1 -> bwd half 0 on thread 0 -> each half's AdamW step on its own
-thread (both at once; the tied wte belongs to half 0); the 4 tasks trained one after another. The split is
-checked against the unsplit model on one batch with dropout off (loss and gradient max difference printed).
+submitted at once to hydra_tune on 2 CPU devices, each cut into >= --min-shards shards by a budget (searched as in
+P2), against plain model parallelism over the same 2 devices: every model split in two halves (wte+wpe+drop+
+first half of the blocks | second half + ln_f + tied lm_head + shifted cross-entropy); half 0 runs on a "device
+0" worker thread, half 1 on a "device 1" worker thread (one intra-op thread each); per step: fwd half 0 on thread
+0 -> fwd+loss+bwd half 1 on thread 1 -> bwd half 0 on thread 0 -> each half's AdamW step on its own thread (both
+at once; the tied wte belongs to half 0); the 4 tasks trained one after another. The split is checked against
+the unsplit model on one batch with dropout off (loss and gradient max difference printed).
 Runs alternate hydra, model-parallel, ... after one untimed warm-up of each; medians are reported. Headline:
 hydra / model-parallel steady-state samples/s. Prints tables, the headline, then one JSON line.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -130,9 +131,13 @@ def check_split(size: Size, batch: Batch) -> dict[str, float]:
     return {"loss": ref.item(), "loss_diff": abs(loss.item() - ref.item()), "grad_diff": grad_diff}
 
 
+def options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-shards", type=int, default=2, help="shards hydra's plan must have (default 2)")
+
+
 def main() -> int:
     t_start = time.perf_counter()
-    args = setup(__doc__)
+    args = setup(__doc__, options)
     size = args.size = replace(args.size, batches=3 if args.quick else 4)
     specs = [Spec(f"lr{lr:g}", gpt2_factory(size), lr, seed, token_batches(size, seed=seed), size.epochs)
              for seed, lr in enumerate(LRS)]
@@ -141,7 +146,7 @@ def main() -> int:
     check = check_split(size, specs[0].batches[0])
     print(f"split check (dropout off, one batch): loss {check['loss']:.6f}, |split - unsplit| loss "
           f"{check['loss_diff']:.2e}, grads max {check['grad_diff']:.2e}")
-    budget, shards = find_budget(specs[0].factory, specs[0].batches[0], 2)
+    budget, shards = find_budget(specs[0].factory, specs[0].batches[0], args.min_shards)
     print(f"hydra budget {mib(budget)} per device: {shards} shards per task")
 
     warm = [replace(s, batches=s.batches[:2], epochs=2) for s in specs]
@@ -155,7 +160,8 @@ def main() -> int:
     hydra, mp = runs[label_h], runs[label_m]
     print()
     print_table(SIDE_HEADERS, side_rows(runs))
-    print("hydra plan: " + " | ".join("+".join(s) for s in hydra[0]["plan"]))
+    for plan in sorted({" | ".join("+".join(s) for s in r["plan"]) + f"  kept {r['kept']}" for r in hydra}):
+        print(f"hydra plan: {plan}")
     busy = [[f"cpu:{i}", " ".join(f"{r['devices'][i]['busy_share']:.2f}" for r in hydra),
              mib(max(r["devices"][i]["peak_bytes"] for r in hydra)), mib(budget)] for i in range(2)]
     print_table(("hydra device", "busy share per run", "measured peak", "budget"), busy)
