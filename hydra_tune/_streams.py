@@ -45,7 +45,9 @@ class HostCopier:
         self._count(t)
         return t.detach().clone()
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def to_host(self, t: torch.Tensor, wait: bool = True) -> torch.Tensor:
+        """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
+        waiting copy out, which every unit makes before it ends."""
         self._count(t)
         return t.detach().clone()
 
@@ -144,7 +146,7 @@ class CudaCopier(HostCopier):
         self._join(compute)
         dst.record_stream(compute)  # freed later by the compute stream: the allocator waits for its use
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def to_host(self, t: torch.Tensor, wait: bool = True) -> torch.Tensor:
         self._count(t)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t.detach(), non_blocking=True)

@@ -20,7 +20,10 @@ of double buffering), bounded by the plan's largest shard.
 Keeping activations: a shard's forward may run with autograd and keep its graph on the device (its parameter
 copies released, refilled for the backward) so its B unit needs no recompute. A minibatch runs on one device, so
 the kept shards of one minibatch sit next to each of its units: ``sum(kept_bytes of kept shards) + peak <= budget``.
-Which shards: the most measured forward seconds saved per kept byte (``choose_keep``).
+Which shards: the most measured forward seconds saved per kept byte (``choose_keep``). A shard that cannot stay
+may *offload* instead: its saved activations go to host memory as they are made and come back during its
+backward, when moving them (at the device's measured copy bandwidth) costs less than recomputing its forward;
+only its input and output stay on the device (``choose_offload``). Every other shard recomputes.
 """
 from __future__ import annotations
 
@@ -57,6 +60,13 @@ class Shard:
     backward_peak: int  # B or L unit
     kept_bytes: int = 0       # a forward with autograd keeps this much on the device (input + saved tensors)
     fwd_seconds: float = 0.0  # measured: the recompute a kept forward saves
+    input_bytes: int = 0
+    output_bytes: int = 0
+
+    @property
+    def offload_bytes(self) -> int:
+        """Saved activations an offloading forward moves to host memory (and back for its backward)."""
+        return max(self.kept_bytes - self.input_bytes - self.output_bytes, 0)
 
     @property
     def peak(self) -> int:
@@ -68,19 +78,56 @@ class Plan:
     shards: tuple[Shard, ...]
     budget: int | None
     prefetch_bytes: int  # room kept free on the device for the next unit's shard
-    keep: tuple[bool, ...] = ()  # per shard: its training forward keeps activations (no recompute in B)
+    keep: tuple[bool, ...] = ()     # per shard: its training forward keeps activations (no recompute in B)
+    offload: tuple[bool, ...] = ()  # per shard: its forward moves saved activations to host memory
 
     @property
     def peak(self) -> int:
-        """The largest predicted device bytes of any unit, prefetch buffer and kept activations included."""
-        return max(s.peak for s in self.shards) + self.prefetch_bytes + self.kept_bytes
+        """The largest predicted device bytes of any unit, prefetch buffer and held activations included."""
+        return max(s.peak for s in self.shards) + self.prefetch_bytes + self.held_bytes
 
     @property
-    def kept_bytes(self) -> int:
-        return sum(s.kept_bytes for s, k in zip(self.shards, self.keep) if k)
+    def held_bytes(self) -> int:
+        """Device bytes a minibatch's kept and offloaded forwards hold until their backward."""
+        return sum(s.kept_bytes for s in self.shards if self.keeps(s.index)) + sum(
+            s.input_bytes + s.output_bytes for s in self.shards if self.offloads(s.index))
 
     def keeps(self, shard: int) -> bool:
         return bool(self.keep) and self.keep[shard]
+
+    def offloads(self, shard: int) -> bool:
+        return bool(self.offload) and self.offload[shard]
+
+    def extra_seconds(self, bandwidth: float | None) -> float:
+        """Predicted seconds per minibatch beyond one forward and backward: recomputes and offload copies."""
+        out = 0.0
+        for sh in self.shards[:-1]:
+            if self.offloads(sh.index):
+                out += 2 * sh.offload_bytes / bandwidth if bandwidth else 0.0
+            elif not self.keeps(sh.index):
+                out += sh.fwd_seconds
+        return out
+
+
+def choose_offload(shards: Sequence[Shard], keep: Sequence[bool], room: int | None,
+                   bandwidth: float | None) -> tuple[bool, ...]:
+    """Which of the shards that do not keep move their saved activations to host memory instead of
+    recomputing: those whose two copies (out and back at ``bandwidth`` bytes/s) take less than their measured
+    forward, while their input and output, which stay on the device, fit in ``room``."""
+    out = [False] * len(shards)
+    if not bandwidth:
+        return tuple(out)
+    left = room
+    for sh in shards[:-1]:
+        stays = sh.input_bytes + sh.output_bytes
+        if keep[sh.index] or 2 * sh.offload_bytes / bandwidth >= sh.fwd_seconds:
+            continue
+        if left is not None and stays > left:
+            continue
+        out[sh.index] = True
+        if left is not None:
+            left -= stays
+    return tuple(out)
 
 
 def choose_keep(shards: Sequence[Shard], room: int | None) -> tuple[bool, ...]:
@@ -130,7 +177,8 @@ def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) 
         later_grads = sum(n for n, trainable in _unique_params(part[k:]).values() if trainable)
     bwd = base + max(grad_fwd, kept + bwd_top)
     return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd,
-                 kept_bytes=part[0].input_bytes + kept, fwd_seconds=sum(c.fwd_seconds for c in part))
+                 kept_bytes=part[0].input_bytes + kept, fwd_seconds=sum(c.fwd_seconds for c in part),
+                 input_bytes=part[0].input_bytes, output_bytes=part[-1].output_bytes)
 
 
 def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None = None) -> list[Shard] | int:
@@ -156,23 +204,22 @@ def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None
     return shards
 
 
-def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool = True,
-              keep: bool = True) -> Plan:
+def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool = True, keep: bool = True,
+              bandwidth: float | None = None) -> Plan:
     """Cut ``costs`` into the fewest shards whose units fit ``budget`` (None: one shard of everything).
 
     With ``prefetch``, a plan of several shards keeps room for its largest shard's state next to every unit.
     The reserve depends on the plan, so candidate caps on shard state are tried (each stage's own state and the
     shards of the plan without a reserve), and the plan with the fewest shards wins. With ``keep``, the room left
-    under the budget goes to kept activations (``choose_keep``); a plan with up to twice as many shards is taken
-    instead when its smaller shards leave room to keep more and so save more measured forward seconds.
+    under the budget goes to kept activations (``choose_keep``), then to offloading ones (``choose_offload``,
+    given the device's copy ``bandwidth`` in bytes/s); a plan with up to twice as many shards is taken instead
+    when it predicts fewer extra seconds per minibatch (``Plan.extra_seconds``).
     """
     if not costs:
         raise PlanError("a model has at least one stage, but got (stages=0). Fix: give the model some layers.")
     plain = _greedy(costs, budget)
     if budget is None or (isinstance(plain, list) and (len(plain) == 1 or not prefetch)):
-        shards = tuple(plain)  # type: ignore[arg-type]
-        return Plan(shards, budget, 0, choose_keep(shards, None if budget is None else
-                                                   budget - max(s.peak for s in shards)) if keep else ())
+        return _with_held(tuple(plain), budget, 0, keep, bandwidth)  # type: ignore[arg-type]
     singles = [shard_of(costs, i, i + 1) for i in range(len(costs))]
     candidates = {sh.state_bytes for sh in singles}
     if isinstance(plain, list):
@@ -190,17 +237,22 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
     for shards in sorted(plans, key=len):
         if len(shards) > (2 * fewest if keep else fewest):
             break
-        reserve = max(sh.state_bytes for sh in shards)
-        chosen = choose_keep(shards, budget - reserve - max(sh.peak for sh in shards)) if keep else ()
-        plan = Plan(tuple(shards), budget, reserve, chosen)
-        if best is None or _recompute_seconds(plan) < _recompute_seconds(best):
+        plan = _with_held(tuple(shards), budget, max(sh.state_bytes for sh in shards), keep, bandwidth)
+        if best is None or plan.extra_seconds(bandwidth) < best.extra_seconds(bandwidth):
             best = plan
     return best  # type: ignore[return-value]
 
 
-def _recompute_seconds(plan: Plan) -> float:
-    """Forward seconds a minibatch spends recomputing (shards before the last that do not keep)."""
-    return sum(sh.fwd_seconds for sh in plan.shards[:-1] if not plan.keeps(sh.index))
+def _with_held(shards: tuple[Shard, ...], budget: int | None, reserve: int, keep: bool,
+               bandwidth: float | None) -> Plan:
+    """The plan with kept and offloading shards chosen in the room the budget leaves."""
+    if not keep:
+        return Plan(shards, budget, reserve)
+    room = None if budget is None else budget - reserve - max(sh.peak for sh in shards)
+    kept = choose_keep(shards, room)
+    if room is not None:
+        room -= sum(sh.kept_bytes for sh, k in zip(shards, kept) if k)
+    return Plan(shards, budget, reserve, kept, choose_offload(shards, kept, room, bandwidth))
 
 
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:

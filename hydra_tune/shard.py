@@ -58,6 +58,32 @@ def model_loss(loss_fn: LossFn | None, outputs: Any, batch: Any) -> torch.Tensor
     return check_loss(loss, "the model's `outputs.loss`")
 
 
+class _OnHost:
+    """A saved activation moved to host memory by an offloading forward."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _offload_hooks(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> tuple[Any, Any]:
+    """Saved-tensor hooks: parameters and buffers stay referenced (their bytes are released and refilled like a
+    kept forward's); every other saved tensor is copied to host memory now and back when the backward needs it."""
+    state = {c.untyped_storage().data_ptr() for c in copies.values()}
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in state:
+            return t
+        with paused_accounting(mode):
+            return _OnHost(device.copier.to_host(t, wait=False))
+
+    def unpack(x: Any) -> torch.Tensor:
+        return device.copier.to_device(x.tensor) if isinstance(x, _OnHost) else x
+
+    return pack, unpack
+
+
 @dataclass
 class Kept:
     """A forward kept on its device for the backward: outputs (with their graph), input leaves, state copies."""
@@ -185,14 +211,15 @@ class ShardExec:
                 self.buffers[k].copy_(back[k])
 
     # -- units ----------------------------------------------------------------------------------------------
-    def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False
-                ) -> None:
-        """F: the output carry becomes the next shard's input in host memory. Without ``keep`` no autograd (B
-        recomputes); with ``keep`` the graph stays on the device, parameter bytes released until B refills them."""
+    def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
+                offload: bool = False) -> None:
+        """F: the output carry becomes the next shard's input in host memory. Plain: no autograd (B recomputes).
+        ``keep``: the graph stays on the device, parameter bytes released until B refills them. ``offload``: as
+        ``keep``, but the saved activations are moved to host memory as they are made (B brings them back)."""
         if train:
             store.rng[self.index] = rng.snapshot()
-        if keep:
-            self._forward_keep(device, store, rng)
+        if keep or offload:
+            self._forward_keep(device, store, rng, offload)
             return
         with device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
@@ -205,13 +232,17 @@ class ShardExec:
                     lambda t: device.copier.to_host(t) if isinstance(t, torch.Tensor) else t, out)
             del copies, carry, out
 
-    def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
+    def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG, offload: bool) -> None:
         with device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             if device.resident is not None:
                 device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
-            out = self.run(carry, copies)
+            if offload:
+                with torch.autograd.graph.saved_tensors_hooks(*_offload_hooks(device, copies, mode)):
+                    out = self.run(carry, copies)
+            else:
+                out = self.run(carry, copies)
             self._write_back_buffers(copies, device, None, mode)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = tree_map(
