@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -60,9 +61,27 @@ class Device:
         self.copier: HostCopier = make_copier(torch_device)
         self.overhead = 0  # bytes the device holds before any unit (library workspaces), set by start()
         self.resident: Any = None  # the runtime's ShardCache for this device (shard copies made ahead of use)
+        self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
 
     def start(self) -> None:
         """Called once in the device's worker thread before its first unit."""
+        self.copy_bandwidth = self._measure_bandwidth()
+
+    def _measure_bandwidth(self, nbytes: int = 16 << 20) -> float:
+        """Host -> device -> host copy rate into ready buffers (best of 3): what offloading activations costs per
+        byte once the allocator has warmed up."""
+        host = torch.ones(nbytes // 4)
+        dev = self.copier.to_device(host)
+        back = torch.empty_like(host)
+        best = float("inf")
+        for _ in range(3):
+            self.copier.synchronize()
+            t0 = time.perf_counter()
+            dev.copy_(host)
+            back.copy_(dev)
+            self.copier.synchronize()
+            best = min(best, (time.perf_counter() - t0) / 2)
+        return nbytes / best
 
     @property
     def plan_budget(self) -> int | None:
@@ -121,6 +140,7 @@ class CudaDevice(Device):
         # device thread for backward): make them now and count them as overhead, not as any unit's memory.
         dev = self.torch_device
         with torch.cuda.device(dev):
+            self.copy_bandwidth = self._measure_bandwidth(64 << 20)
             a = torch.ones(64, 64, device=dev, requires_grad=True)
             (a @ a).sum().backward()
             del a

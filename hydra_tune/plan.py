@@ -22,8 +22,8 @@ copies released, refilled for the backward) so its B unit needs no recompute. A 
 the kept shards of one minibatch sit next to each of its units: ``sum(kept_bytes of kept shards) + peak <= budget``.
 Which shards: the most measured forward seconds saved per kept byte (``choose_keep``). A shard that cannot stay
 may *offload* instead: its saved activations go to host memory as they are made and come back during its
-backward, when moving them (at the device's measured copy bandwidth) costs less than recomputing its forward;
-only its input and output stay on the device (``choose_offload``). Every other shard recomputes.
+backward, when moving them (at the device's measured copy bandwidth) costs less than recomputing its forward
+(``choose_offload``); it holds no device bytes in between. Every other shard recomputes.
 """
 from __future__ import annotations
 
@@ -89,8 +89,7 @@ class Plan:
     @property
     def held_bytes(self) -> int:
         """Device bytes a minibatch's kept and offloaded forwards hold until their backward."""
-        return sum(s.kept_bytes for s in self.shards if self.keeps(s.index)) + sum(
-            s.input_bytes + s.output_bytes for s in self.shards if self.offloads(s.index))
+        return sum(s.kept_bytes for s in self.shards if self.keeps(s.index))
 
     def keeps(self, shard: int) -> bool:
         return bool(self.keep) and self.keep[shard]
@@ -109,24 +108,15 @@ class Plan:
         return out
 
 
-def choose_offload(shards: Sequence[Shard], keep: Sequence[bool], room: int | None,
-                   bandwidth: float | None) -> tuple[bool, ...]:
+def choose_offload(shards: Sequence[Shard], keep: Sequence[bool], bandwidth: float | None) -> tuple[bool, ...]:
     """Which of the shards that do not keep move their saved activations to host memory instead of
     recomputing: those whose two copies (out and back at ``bandwidth`` bytes/s) take less than their measured
-    forward, while their input and output, which stay on the device, fit in ``room``."""
+    forward. Nothing of theirs stays on the device between their F and B but their parameters' (empty)
+    tensors, so they need no room."""
     out = [False] * len(shards)
-    if not bandwidth:
-        return tuple(out)
-    left = room
     for sh in shards[:-1]:
-        stays = sh.input_bytes + sh.output_bytes
-        if keep[sh.index] or 2 * sh.offload_bytes / bandwidth >= sh.fwd_seconds:
-            continue
-        if left is not None and stays > left:
-            continue
-        out[sh.index] = True
-        if left is not None:
-            left -= stays
+        if bandwidth and not keep[sh.index] and 2 * sh.offload_bytes / bandwidth < sh.fwd_seconds:
+            out[sh.index] = True
     return tuple(out)
 
 
@@ -250,9 +240,7 @@ def _with_held(shards: tuple[Shard, ...], budget: int | None, reserve: int, keep
         return Plan(shards, budget, reserve)
     room = None if budget is None else budget - reserve - max(sh.peak for sh in shards)
     kept = choose_keep(shards, room)
-    if room is not None:
-        room -= sum(sh.kept_bytes for sh, k in zip(shards, kept) if k)
-    return Plan(shards, budget, reserve, kept, choose_offload(shards, kept, room, bandwidth))
+    return Plan(shards, budget, reserve, kept, choose_offload(shards, kept, bandwidth))
 
 
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:

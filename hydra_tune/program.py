@@ -99,7 +99,7 @@ class TaskState:
         self.eval_batches: int | None = None
 
     @classmethod
-    def build(cls, task: ModelTask, budget: int | None) -> "TaskState":
+    def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None) -> "TaskState":
         rng = TaskRNG(task.seed)
         with UnitMode(rng.cpu):  # init and data order draw from the task's stream, as after manual_seed(seed)
             model = task.model if isinstance(task.model, nn.Module) else _build(task.model, "model")
@@ -124,7 +124,7 @@ class TaskState:
             raise ValueError(f"`train_data` yields at least one batch, but got (batches=0, task={task.name!r}). "
                              "Fix: check the dataset and the DataLoader's drop_last/batch_size.")
         costs = measure_costs(cut, sample, task.loss, task.seed)
-        plan = partition(costs, budget)
+        plan = partition(costs, budget, bandwidth=bandwidth)
         return cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -193,7 +193,8 @@ class TaskState:
         def pre(ex: ShardExec, kind: str) -> Callable[[Device], int]:
             return lambda d: ex.prefetch(d, store, kind)
 
-        units = [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index)), pre(ex, "F"))
+        units = [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
+                                                        offload=plan.offloads(ex.index)), pre(ex, "F"))
                  for ex in self.execs[:-1]]
         units.append(("L", last, run_last, pre(last, "L")))
         units += [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng), pre(ex, "B"))

@@ -94,7 +94,8 @@ class Runtime:
         if self._closed:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
         budgets = [d.plan_budget for d in self.devices if d.plan_budget is not None]
-        state = TaskState.build(task, min(budgets) if budgets else None)
+        rates = [d.copy_bandwidth for d in self.devices if d.copy_bandwidth]
+        state = TaskState.build(task, min(budgets) if budgets else None, min(rates) if rates else None)
         self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
         handle = TaskHandle(self, state)
         with self._cond:
@@ -333,6 +334,7 @@ class Runtime:
     def _task_stats(adm: _Admitted) -> dict[str, Any]:
         st = adm.state
         return {"state": adm.handle.status, "shards": [list(ex.names) for ex in st.execs],
-                "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)], "steps": st.steps,
+                "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
+                "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "epoch": st.epoch, "units": adm.units, "host_bytes": st.host_bytes(),
                 "predicted_peak": st.plan.peak}

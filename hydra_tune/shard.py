@@ -249,6 +249,12 @@ class ShardExec:
                     lambda t: device.copier.to_host(t.detach()) if isinstance(t, torch.Tensor) else t, out)
             for p in self.params:
                 device.copier.release(copies[id(p)])
+            if offload:
+                # Every activation the backward reads is on the host now: the output and input tensors are only
+                # the graph's ends (shapes and .grad), so their bytes go too.
+                for t in {id(t): t for t in tree_flatten(out)[0] + leaves if isinstance(t, torch.Tensor)
+                          and t.untyped_storage().nbytes() > 0}.values():
+                    device.copier.release(t)
         store.kept[self.index] = Kept(out, leaves, copies)
 
     def refill(self, device: Device, kept: "Kept") -> int:
