@@ -59,3 +59,40 @@ def test_stage_too_big_names_stage_bytes_and_budget():
     assert "'huge' (#1)" in msg and "device_memory=5000" in msg and "Fix: raise device_memory" in msg
     need = shard_of(costs, 1, 2).peak + 10_000
     assert f"at least {need} bytes" in msg
+
+
+def _sh(i: int, kept: int, fwd: float, io: int = 10) -> "Shard":
+    from hydra_tune.plan import Shard
+
+    return Shard(i, i, i + 1, (str(i),), 100, 200, 300, kept_bytes=kept, fwd_seconds=fwd, input_bytes=io,
+                 output_bytes=io)
+
+
+def test_choose_keep_takes_most_seconds_per_byte_within_room():
+    from hydra_tune.plan import choose_keep
+
+    shards = [_sh(0, 100, 1.0), _sh(1, 50, 1.0), _sh(2, 100, 3.0), _sh(3, 10, 9.0)]  # the last never keeps
+    # seconds per byte: #1 0.02, #2 0.03, #0 0.01 -> #2 (100) then #1 (50) fit in 160; #0 does not
+    assert choose_keep(shards, 160) == (False, True, True, False)
+    assert choose_keep(shards, None) == (True, True, True, False)
+    assert choose_keep(shards, 49) == (False, False, False, False)
+    assert choose_keep([_sh(0, 10, 0.0), _sh(1, 10, 1.0)], None) == (False, False)  # nothing measured: no gain
+
+
+def test_choose_offload_when_copies_beat_the_recompute():
+    from hydra_tune.plan import choose_offload
+
+    shards = [_sh(0, 1020, 1.0), _sh(1, 2020, 1.0), _sh(2, 520, 1.0), _sh(3, 20, 1.0)]
+    # moved bytes: kept - in - out = 1000, 2000, 500; two copies at 2000 B/s: 1.0 s, 2.0 s, 0.5 s vs 1.0 s forward
+    assert choose_offload(shards, [False] * 4, 2000.0) == (False, False, True, False)
+    assert choose_offload(shards, [False, False, True, False], 4000.0) == (True, False, False, False)
+    assert choose_offload(shards, [False] * 4, None) == (False,) * 4
+
+
+def test_plan_peak_counts_kept_activations():
+    from hydra_tune.plan import Plan
+
+    shards = (_sh(0, 40, 1.0), _sh(1, 60, 1.0), _sh(2, 0, 1.0))
+    plan = Plan(shards, 1000, 100, keep=(True, False, False), offload=(False, True, False))
+    assert plan.held_bytes == 40 and plan.peak == 300 + 100 + 40
+    assert plan.extra_seconds(bandwidth=50.0) == 2 * 40 / 50.0  # shard 1's moved bytes: 60 - 10 - 10
