@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -160,3 +161,48 @@ class paused_accounting:
     def __exit__(self, *exc: object) -> None:
         if self.mode is not None:
             self.mode.paused = self._was
+
+
+# Functions that may draw from the CPU generator, by name (torch.*, torch.nn.functional.*, Tensor methods).
+_RANDOM_NAMES = frozenset((
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
+    "native_dropout", "rrelu", "rrelu_", "gumbel_softmax", "rand", "randn", "randint", "randperm", "rand_like",
+    "randn_like", "randint_like", "bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "poisson",
+    "uniform_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_", "scaled_dot_product_attention",
+    "fused_dropout", "_fused_dropout"))
+
+
+class RandomRouter(TorchFunctionMode):
+    """A light stand-in for UnitMode on units whose memory need not be counted: only calls to functions that
+    may draw random numbers are intercepted (a handful per layer, not every aten op), and they run with the
+    task's generator lent to the global one under a lock. ``missed`` tells whether anything else drew from the
+    global generator meanwhile (then UnitMode must be used for this task)."""
+
+    def __init__(self, cpu_generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = cpu_generator
+        self.paused = False
+        self._before: torch.Tensor | None = None
+
+    def __enter__(self) -> "RandomRouter":
+        with _GLOBAL_RNG_LOCK:
+            self._before = torch.default_generator.get_state()
+        return super().__enter__()  # type: ignore[return-value]
+
+    def missed(self) -> bool:
+        """True if the global CPU generator moved while this router was active (a random op it did not know)."""
+        with _GLOBAL_RNG_LOCK:
+            return not torch.equal(torch.default_generator.get_state(), self._before)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _RANDOM_NAMES:
+            return func(*args, **kwargs)
+        with _GLOBAL_RNG_LOCK:
+            saved = torch.default_generator.get_state()
+            torch.default_generator.set_state(self.generator.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.generator.set_state(torch.default_generator.get_state())
+                torch.default_generator.set_state(saved)

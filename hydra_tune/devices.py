@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ._dispatch import MemoryAccount, UnitMode
+from ._dispatch import MemoryAccount, RandomRouter, UnitMode
 from ._streams import HostCopier, make_copier
 from .errors import rule_error
 
@@ -62,6 +63,7 @@ class Device:
         self.overhead = 0  # bytes the device holds before any unit (library workspaces), set by start()
         self.resident: Any = None  # the runtime's ShardCache for this device (shard copies made ahead of use)
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
+        self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
 
     def start(self) -> None:
         """Called once in the device's worker thread before its first unit."""
@@ -88,8 +90,13 @@ class Device:
         """What the planner may give one unit: the budget less the device's own overhead."""
         return None if self.budget is None else self.budget - self.overhead
 
-    def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode]:
+    def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode | None]:
         raise NotImplementedError
+
+    def measure(self, key: Any) -> bool:
+        """Whether the segment about to run (``key``: task and input shapes) must be measured op by op; the
+        caller sets ``measuring`` to the answer. CUDA measures itself: never."""
+        return False
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where the device's copy engine (the prefetch thread) makes device copies: counted, no RNG swap."""
@@ -113,11 +120,26 @@ class CpuDevice(Device):
         self.account = MemoryAccount()
         self.copier = make_copier(self.torch_device, self.account)
         self._scratch = torch.Generator()
+        self.measuring = True
+        self._measured: set[Any] = set()
+
+    def measure(self, key: Any) -> bool:
+        # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
+        # one with the same task and input shapes exactly, so each distinct one is counted once: the device's
+        # peak is the peak over them. Memory held across segments (prefetched shards) is always counted.
+        if key in self._measured:
+            return False
+        self._measured.add(key)
+        return True
 
     @contextlib.contextmanager
-    def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode]:
-        with UnitMode(rng.cpu, self.account) as mode:
-            yield mode
+    def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode | None]:
+        if self.measuring:
+            with UnitMode(rng.cpu, self.account) as mode:
+                yield mode
+        else:
+            with routed(rng.cpu):
+                yield None
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return UnitMode(self._scratch, self.account)  # clones count as this device's memory
@@ -156,8 +178,8 @@ class CudaDevice(Device):
         else:
             gen.set_state(rng.accel_state)
         try:
-            with torch.cuda.device(self.torch_device), UnitMode(rng.cpu) as mode:
-                yield mode
+            with torch.cuda.device(self.torch_device), routed(rng.cpu):
+                yield None
         finally:
             rng.accel_state = gen.get_state()
 
@@ -169,6 +191,25 @@ class CudaDevice(Device):
 
     def current_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.torch_device))
+
+
+_router_misses: set[str] = set()
+
+
+@contextlib.contextmanager
+def routed(generator: torch.Generator) -> Iterator[None]:
+    """Run a unit with its CPU random draws routed to ``generator`` by the light RandomRouter; if something
+    else drew from the global generator meanwhile, put the global state back and warn once per kind."""
+    router = RandomRouter(generator)
+    with router:
+        yield
+    if router.missed():
+        torch.default_generator.set_state(router._before)  # type: ignore[arg-type]
+        if "global" not in _router_misses:
+            _router_misses.add("global")
+            warnings.warn("a random op hydra_tune does not route drew from torch's global CPU generator inside a "
+                          "unit; that task's random numbers are not reproducible. Please report the op (the "
+                          "model's forward) to hydra_tune.", RuntimeWarning, stacklevel=2)
 
 
 class TaskRNG:

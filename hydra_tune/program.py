@@ -55,6 +55,7 @@ class Segment:
     index: int
     units: tuple[Unit, ...]
     train: bool
+    key: Any = None  # (train, input shapes): segments with equal keys allocate alike
 
     def __str__(self) -> str:
         return " ".join(str(u) for u in self.units)
@@ -178,8 +179,11 @@ class TaskState:
     def _segment(self, units: list[tuple[str, ShardExec, Callable[[Device], Any], Callable[[Device], int]]],
                  train: bool) -> Segment:
         self.segments += 1
+        shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                       for t in tree_flatten(self.store.batch)[0])
         return Segment(self.task.name, self.segments, tuple(
-            Unit(self.task.name, kind, ex.index, self.segments, run, pre) for kind, ex, run, pre in units), train)
+            Unit(self.task.name, kind, ex.index, self.segments, run, pre) for kind, ex, run, pre in units), train,
+            (train, shapes))
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
         store, rng, plan = self.store, self.rng, self.plan

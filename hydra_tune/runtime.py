@@ -257,6 +257,7 @@ class Runtime:
         segment, state, copier = adm.segment, adm.state, self._copiers[index]
         units = segment.units  # type: ignore[union-attr]
         adm.segment = None
+        device.measuring = device.measure((adm.handle.name, segment.key))  # type: ignore[union-attr]
         nxt: Future[_Admitted | None] | None = None
         pending: Future[None] | None = None
         try:
