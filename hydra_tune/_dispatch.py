@@ -101,10 +101,12 @@ class UnitMode(TorchDispatchMode):
         self.generator = cpu_generator
         self.account = account
         self.paused = False
+        self.seeded: set[str] = set()  # base names of the random aten ops run under this mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if _is_seeded(func) and _op_device(args, kwargs).type == "cpu":
+            self.seeded.add(func._schema.name.split("::")[-1])
             out = self._seeded(func, args, dict(kwargs))
         else:
             out = func(*args, **kwargs)
@@ -163,6 +165,13 @@ class paused_accounting:
             self.mode.paused = self._was
 
 
+# The random aten ops those functions make (by base name): any other one seen in a measured segment means the
+# task has a random op the router would miss.
+ROUTED = frozenset((
+    "bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "multinomial", "normal", "normal_", "uniform_", "random_", "exponential_",
+    "geometric_", "cauchy_", "log_normal_", "poisson", "rrelu_with_noise", "rrelu_with_noise_", "_fused_dropout"))
+
 # Functions that may draw from the CPU generator, by name (torch.*, torch.nn.functional.*, Tensor methods).
 _RANDOM_NAMES = frozenset((
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "feature_dropout",
@@ -174,35 +183,19 @@ _RANDOM_NAMES = frozenset((
 
 class RandomRouter(TorchFunctionMode):
     """A light stand-in for UnitMode on units whose memory need not be counted: only calls to functions that
-    may draw random numbers are intercepted (a handful per layer, not every aten op), and they run with the
-    task's generator lent to the global one under a lock. ``missed`` tells whether anything else drew from the
-    global generator meanwhile (then UnitMode must be used for this task)."""
+    may draw random numbers are intercepted (a handful per layer, not every aten op), and those run under
+    UnitMode. It is used for a task only after a UnitMode-measured segment of it saw nothing but ``ROUTED``
+    random aten ops (``UnitMode.seeded``), i.e. every random draw of its units comes from a function it knows."""
 
     def __init__(self, cpu_generator: torch.Generator) -> None:
         super().__init__()
         self.generator = cpu_generator
-        self.paused = False
-        self._before: torch.Tensor | None = None
-
-    def __enter__(self) -> "RandomRouter":
-        with _GLOBAL_RNG_LOCK:
-            self._before = torch.default_generator.get_state()
-        return super().__enter__()  # type: ignore[return-value]
-
-    def missed(self) -> bool:
-        """True if the global CPU generator moved while this router was active (a random op it did not know)."""
-        with _GLOBAL_RNG_LOCK:
-            return not torch.equal(torch.default_generator.get_state(), self._before)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) not in _RANDOM_NAMES:
             return func(*args, **kwargs)
-        with _GLOBAL_RNG_LOCK:
-            saved = torch.default_generator.get_state()
-            torch.default_generator.set_state(self.generator.get_state())
-            try:
-                return func(*args, **kwargs)
-            finally:
-                self.generator.set_state(torch.default_generator.get_state())
-                torch.default_generator.set_state(saved)
+        # Its aten ops go through UnitMode: those with a generator argument (dropout's bernoulli_) get the task's
+        # generator without any lock, so concurrent devices do not serialise on attention or dropout.
+        with UnitMode(self.generator):
+            return func(*args, **kwargs)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ._dispatch import MemoryAccount, RandomRouter, UnitMode
+from ._dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
 from ._streams import HostCopier, make_copier
 from .errors import rule_error
 
@@ -122,12 +121,16 @@ class CpuDevice(Device):
         self._scratch = torch.Generator()
         self.measuring = True
         self._measured: set[Any] = set()
+        self._unrouted: set[Any] = set()
+        self._task: Any = None
 
     def measure(self, key: Any) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
         # one with the same task and input shapes exactly, so each distinct one is counted once: the device's
-        # peak is the peak over them. Memory held across segments (prefetched shards) is always counted.
-        if key in self._measured:
+        # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
+        # whose measured units drew random numbers the light router does not know keeps the full mode.
+        self._task = key[0] if isinstance(key, tuple) else key
+        if key in self._measured and self._task not in self._unrouted:
             return False
         self._measured.add(key)
         return True
@@ -137,6 +140,8 @@ class CpuDevice(Device):
         if self.measuring:
             with UnitMode(rng.cpu, self.account) as mode:
                 yield mode
+            if mode.seeded - ROUTED:
+                self._unrouted.add(self._task)
         else:
             with routed(rng.cpu):
                 yield None
@@ -193,23 +198,11 @@ class CudaDevice(Device):
         return int(torch.cuda.memory_allocated(self.torch_device))
 
 
-_router_misses: set[str] = set()
-
-
 @contextlib.contextmanager
 def routed(generator: torch.Generator) -> Iterator[None]:
-    """Run a unit with its CPU random draws routed to ``generator`` by the light RandomRouter; if something
-    else drew from the global generator meanwhile, put the global state back and warn once per kind."""
-    router = RandomRouter(generator)
-    with router:
+    """Run a unit with its CPU random draws routed to ``generator`` by the light RandomRouter."""
+    with RandomRouter(generator):
         yield
-    if router.missed():
-        torch.default_generator.set_state(router._before)  # type: ignore[arg-type]
-        if "global" not in _router_misses:
-            _router_misses.add("global")
-            warnings.warn("a random op hydra_tune does not route drew from torch's global CPU generator inside a "
-                          "unit; that task's random numbers are not reproducible. Please report the op (the "
-                          "model's forward) to hydra_tune.", RuntimeWarning, stacklevel=2)
 
 
 class TaskRNG:

@@ -152,3 +152,43 @@ def test_each_backward_mode_is_exact_on_gpt2(mode):
     assert device.account.current == 0, "kept or offloaded forwards left device memory behind"
     model, _ = plain_train(task)
     assert max_param_diff(model, state.model) == 0.0
+
+
+def test_light_router_draws_what_plain_pytorch_draws():
+    from hydra_tune._dispatch import RandomRouter
+
+    q = torch.randn(2, 2, 8, 4)
+
+    def draws():
+        return [F.dropout(torch.ones(64), 0.3), F.scaled_dot_product_attention(q, q, q, dropout_p=0.2),
+                torch.randn(5), torch.empty(4).uniform_(), torch.bernoulli(torch.full((6,), 0.5)),
+                torch.randperm(7), nn.Dropout(0.5)(torch.ones(9))]
+
+    with RandomRouter(torch.Generator().manual_seed(11)):
+        routed = draws()
+    torch.manual_seed(11)
+    plain = draws()
+    assert all(torch.equal(a, b) for a, b in zip(routed, plain))
+
+
+class _Gamma(nn.Module):
+    """A layer with a random op the light router does not know (torch._standard_gamma)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch._standard_gamma(torch.full((4,), 2.0))
+
+
+def test_unknown_random_op_keeps_the_task_on_the_exact_mode():
+    from reference import max_param_diff, plain_train
+
+    tasks = [ht.ModelTask(lambda: nn.Sequential(_Gamma()), lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+                          _data(4, i), epochs=2, loss=lambda out, b: F.mse_loss(out, b[1]), seed=i, name=f"g{i}")
+             for i in range(3)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=None) as rt:
+        models = [rt.submit(t).model() for t in tasks]
+    for t, m in zip(tasks, models):
+        assert max_param_diff(plain_train(t)[0], m) == 0.0
