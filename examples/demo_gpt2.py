@@ -2,7 +2,8 @@
 
     make demo                                                     # or:
     .venv/bin/python examples/demo_gpt2.py --epochs 3 --budget 10MiB --devices 2
-    # prints per-task losses and shard counts, then per-device busy time and measured peak vs budget
+    # prints per-task losses and shard counts, then per-device busy time and measured peak vs budget, and
+    # writes demo_trace.json (open in https://ui.perfetto.dev) and demo_timeline.png (with matplotlib)
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2, help="number of CPU stand-in devices (default 2)")
     p.add_argument("--train-batches", type=int, default=24, help="training batches per epoch (default 24)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches (default 4)")
+    p.add_argument("--trace", default="demo_trace.json", help="Chrome trace output ('' to skip)")
+    p.add_argument("--timeline", default="demo_timeline.png", help="Gantt chart output ('' to skip)")
     args = p.parse_args(argv)
     args.budget = None if args.budget.lower() == "none" else int(args.budget) if args.budget.isdigit() else args.budget
     return args
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         last = [h.result() for h in handles]
         stats = rt.stats()
+        trace = rt.trace()
     wall = time.perf_counter() - t0
 
     print(f"\n{'task':<14}{'lr':>8}{'shards':>8}{'train loss':>12}{'eval loss':>11}{'samples/s':>11}")
@@ -107,7 +111,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{format_bytes(peak):>12}{limit:>12}{share:>8}")
         if budget is not None and peak > budget:
             over.append(d["name"])
-    print(f"wall {wall:.1f} s")
+    print(f"wall {wall:.1f} s; policy {stats['policy']}; prefetch copies hidden under compute: "
+          + ", ".join(f"{share:.0%}" for share in trace.overlap()))
+    if args.trace:
+        trace.save(args.trace)
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.timeline:
+        try:
+            ht.plot_timeline(trace, args.timeline, title="demo: 4 GPT-2 tasks")
+            print(f"timeline: {args.timeline}")
+        except ImportError as exc:
+            print(f"timeline skipped: {exc}")
     if over:
         print(f"FAIL: measured peak above the budget on {over}", file=sys.stderr)
         return 1

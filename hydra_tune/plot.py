@@ -103,9 +103,12 @@ def plot_timeline(trace: Trace, path: str | os.PathLike[str], *, title: str | No
         groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for e in events:
             groups.setdefault((e.device, e.task), []).append((e.start, max(e.end - e.start, 0.0)))
+        per_row = max((sum(1 for e in events if e.device == d) for d in range(n_dev)), default=0)
+        # White separators show unit boundaries when there are few; with hundreds they would wash the colour out.
+        edge = 0.6 if per_row <= 200 else 0.0
         for (d, task), ranges in groups.items():
             ax.broken_barh(ranges, (d + row[0], row[1]), facecolors=[colour[task]],
-                           edgecolor="white" if not copy_lane else colour[task], linewidth=0.6,
+                           edgecolor="white" if not copy_lane else colour[task], linewidth=edge,
                            alpha=0.55 if copy_lane else 1.0, hatch="////" if copy_lane else None)
 
     bars(units, unit_row, copy_lane=False)

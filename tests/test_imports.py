@@ -1,8 +1,8 @@
-"""`import hydra_tune` stays light: no ray, optuna, transformers or pynvml until a feature needs them."""
+"""`import hydra_tune` stays light: no ray, optuna, transformers, pynvml or matplotlib until a feature needs them."""
 import subprocess
 import sys
 
-HEAVY = ("ray", "optuna", "transformers", "pynvml")
+HEAVY = ("ray", "optuna", "transformers", "pynvml", "matplotlib")
 
 
 def test_import_pulls_no_optional_dependency():
