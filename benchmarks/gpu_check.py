@@ -24,13 +24,13 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 import hydra_tune as ht
+from _common import Size  # the GPT-2 size record the CPU benchmarks use (benchmarks/ is on sys.path)
 from hydra_tune.errors import format_bytes
 
 Batch = dict[str, torch.Tensor]
@@ -38,24 +38,10 @@ EXACT_TOL = 1e-4  # hydra_tune on CUDA vs plain CUDA; the optimizer runs on the 
 OVERLAP_MIN = 0.5  # share of prefetch copy time that must run while the device computes
 
 
-@dataclass(frozen=True)
-class Size:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab: int
-    seq: int
-    batch: int
-    batches: int  # per epoch; epoch 1 warms up, epoch 2 is timed
-
-    def label(self) -> str:
-        return f"GPT-2 {self.n_layer}x{self.n_embd} vocab {self.vocab} seq {self.seq} batch {self.batch}"
-
-
-SMALL = Size(4, 64, 4, 256, 32, 4, 6)             # (a): exactness
-FULL = Size(12, 768, 12, 50257, 512, 8, 4)         # (d) on a GPU
-QUICK = Size(8, 384, 6, 8192, 256, 4, 3)           # (d) with --quick
-TINY = Size(4, 64, 4, 256, 64, 4, 3)               # (d) with --cpu
+SMALL = Size(4, 64, 4, 256, 32, 4, 6, 2)          # (a): exactness
+FULL = Size(12, 768, 12, 50257, 512, 8, 4, 2)     # (d) on a GPU
+QUICK = Size(8, 384, 6, 8192, 256, 4, 3, 2)       # (d) with --quick
+TINY = Size(4, 64, 4, 256, 64, 4, 3, 2)           # (d) with --cpu
 
 
 def gpt2_factory(size: Size, dropout: float) -> Callable[[], nn.Module]:

@@ -150,7 +150,8 @@ class CudaCopier(HostCopier):
         self._count(t)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t.detach(), non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        if wait:  # else the unit's last waiting copy out (its output carry) covers this one: same stream
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
     def synchronize(self) -> None:
