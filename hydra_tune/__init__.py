@@ -14,6 +14,7 @@ from .api import configure, default_runtime, train
 from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
 from .handle import TaskHandle
 from .runtime import Runtime
+from .simulate import simulate  # pure Python; bound here so the name is the function, not the submodule
 from .task import ModelTask
 from .trace import Trace
 
@@ -23,8 +24,7 @@ __all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "configure", "default_
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
          "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),
-         "plot_timeline": ("hydra_tune.plot", "plot_timeline"),   # matplotlib is imported when it is called
-         "simulate": ("hydra_tune.simulate", "simulate")}
+         "plot_timeline": ("hydra_tune.plot", "plot_timeline")}   # matplotlib is imported when it is called
 
 
 def __getattr__(name: str) -> Any:

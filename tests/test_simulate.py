@@ -244,3 +244,11 @@ def test_simulator_reproduces_measured_run():
         trace = rt.trace()
     simulated = simulate(tasks_from_trace(trace), 2, "lrtf").makespan
     assert simulated == pytest.approx(trace.makespan(), rel=0.15), (simulated, trace.makespan())
+
+
+def test_public_names_are_the_functions():
+    import hydra_tune as ht
+    import hydra_tune.simulate  # noqa: F401  (loading the submodule must not shadow the function)
+
+    assert callable(ht.simulate) and ht.simulate.__name__ == "simulate"
+    assert callable(ht.plot_timeline) and ht.plot_timeline.__name__ == "plot_timeline"
