@@ -232,7 +232,7 @@ def hydra_run(specs: Sequence[Spec], devices: int, budget: int | None, trace: st
     first = stats["tasks"][specs[0].name]
     res.update(submit_s=t_planned, final_loss=[m["train_loss"] for m in finals], plan=first["shards"],
                shards=[len(stats["tasks"][s.name]["shards"]) for s in specs],
-               predicted_peak=first.get("predicted_peak"), kept=first.get("kept"),
+               predicted_peak=first.get("predicted_peak"), kept=first.get("kept"), offloaded=first.get("offloaded"),
                devices=[{"units": d.get("units"), "busy_seconds": d["busy_seconds"], "peak_bytes": d["peak_bytes"],
                          "budget": d["budget"], "busy_share": d["busy_seconds"] / res["wall_s"]}
                         for d in stats["devices"]])

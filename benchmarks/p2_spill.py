@@ -48,7 +48,8 @@ def main() -> int:
 
     print()
     print_table(SIDE_HEADERS, side_rows(runs))
-    for plan in sorted({" | ".join("+".join(s) for s in r["plan"]) + f"  kept {r['kept']}" for r in spilled}):
+    for plan in sorted({" | ".join("+".join(s) for s in r["plan"]) + f"  kept {r['kept']} offloaded {r['offloaded']}"
+                        for r in spilled}):
         print(f"spilled plan: {plan}")
     print()
     rows = []

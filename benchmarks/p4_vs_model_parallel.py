@@ -160,7 +160,8 @@ def main() -> int:
     hydra, mp = runs[label_h], runs[label_m]
     print()
     print_table(SIDE_HEADERS, side_rows(runs))
-    for plan in sorted({" | ".join("+".join(s) for s in r["plan"]) + f"  kept {r['kept']}" for r in hydra}):
+    for plan in sorted({" | ".join("+".join(s) for s in r["plan"]) + f"  kept {r['kept']} offloaded {r['offloaded']}"
+                        for r in hydra}):
         print(f"hydra plan: {plan}")
     busy = [[f"cpu:{i}", " ".join(f"{r['devices'][i]['busy_share']:.2f}" for r in hydra),
              mib(max(r["devices"][i]["peak_bytes"] for r in hydra)), mib(budget)] for i in range(2)]
