@@ -52,6 +52,19 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+# transformers model class name -> (module in this package, function returning its ModelStages). Modules are
+# imported when a model of theirs is cut, so transformers is never imported by hydra_tune itself.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "GPT2LMHeadModel": ("gpt2", "gpt2_stages"),
+    "BertForSequenceClassification": ("bert", "bert_stages"),
+    "BertForMaskedLM": ("bert", "bert_stages"),
+    "LlamaForCausalLM": ("llama", "llama_stages"),
+    "MistralForCausalLM": ("llama", "llama_stages"),
+    "Qwen2ForCausalLM": ("llama", "llama_stages"),
+    "OPTForCausalLM": ("opt", "opt_stages"),
+}
+
+
 def extract_stages(model: nn.Module) -> ModelStages:
     """Cut ``model`` into stages; a model of unknown structure becomes one stage (it can still run if it fits)."""
     if isinstance(model, nn.Sequential) and len(model) > 0:
@@ -59,8 +72,10 @@ def extract_stages(model: nn.Module) -> ModelStages:
 
         return sequential_stages(model)
     cls = type(model)
-    if cls.__module__.startswith("transformers.") and cls.__name__ == "GPT2LMHeadModel":
-        from .gpt2 import gpt2_stages
+    family = FAMILIES.get(cls.__name__) if cls.__module__.startswith("transformers.") else None
+    if family is not None:
+        import importlib
 
-        return gpt2_stages(model)
+        module = importlib.import_module(f"{__name__}.{family[0]}")
+        return getattr(module, family[1])(model)
     return ModelStages((Stage(cls.__name__, _WholeModel(model)),), _identity, "whole")
