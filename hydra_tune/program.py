@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._dispatch import UnitMode
 from .devices import Device, TaskRNG
-from .errors import HydraError
+from .errors import HydraError, PlanError
 from .plan import Plan, partition
 from .profile import measure_costs
 from .shard import ShardExec
@@ -118,14 +118,19 @@ class TaskState:
             scheduler = None if task.lr_scheduler is None else _build(task.lr_scheduler, "lr_scheduler", optimizer)
             train_iterable = _iterable(task.train_data)
             eval_iterable = None if task.eval_data is None else _iterable(task.eval_data)
-        cut = extract_stages(model)
+        cut = extract_stages(model, task.stages)
         with UnitMode(torch.Generator().manual_seed(task.seed)):  # a scratch stream: the task's stays untouched
             sample = next(iter(train_iterable), None)
         if sample is None:
             raise ValueError(f"`train_data` yields at least one batch, but got (batches=0, task={task.name!r}). "
                              "Fix: check the dataset and the DataLoader's drop_last/batch_size.")
         costs = measure_costs(cut, sample, task.loss, task.seed)
-        plan = partition(costs, budget, bandwidth=bandwidth)
+        try:
+            plan = partition(costs, budget, bandwidth=bandwidth)
+        except PlanError as exc:
+            if cut.family != "whole":
+                raise
+            raise PlanError(_uncut_message(model, exc)) from None
         return cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -266,6 +271,15 @@ class TaskState:
 
 
 _END = object()
+
+
+def _uncut_message(model: nn.Module, exc: PlanError) -> str:
+    from .stages import FAMILIES
+
+    return (f"{exc} The model {type(model).__name__} is one stage: hydra_tune cuts nn.Sequential and the "
+            f"transformers classes {sorted(FAMILIES)} by itself, and any model whose stages are declared. Fix: "
+            "pass ModelTask(..., stages=lambda m: [m.part1, m.part2, ...]) or give the model a `hydra_stages()` "
+            "method returning its parts in order (hydra_tune/stages/explicit.py), or raise device_memory.")
 
 
 def _length(data: Any) -> int | None:

@@ -56,6 +56,8 @@ class ModelTask:
       * ``max_steps``: training stops after that many optimizer steps (over all epochs).
       * ``seed``: the task's own RNG stream; ``torch.manual_seed(seed)`` before the plain loop gives the same
         model init (for a factory), dropout masks and data order.
+      * ``stages(model) -> [module, ...]``: where the runtime may cut a model it cannot cut by itself (or define
+        ``model.hydra_stages()``); see hydra_tune/stages/explicit.py for the contract.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class ModelTask:
         grad_accumulation: int = 1,
         seed: int = 0,
         name: str | None = None,
+        stages: Callable[[Any], Any] | None = None,
     ) -> None:
         if not callable(model):  # an nn.Module is callable too
             raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
@@ -92,6 +95,8 @@ class ModelTask:
             _check_data("eval_data", eval_data)
         for arg, fn, fix in (("loss", loss, "pass `callable(outputs, batch) -> scalar tensor`, or None to use "
                               "`outputs.loss`"),
+                             ("stages", stages, "pass `callable(model) -> [module, ...]` (see hydra_tune/stages/"
+                              "explicit.py), or None"),
                              ("lr_scheduler", lr_scheduler, "pass e.g. `lambda opt: "
                               "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)`")):
             if fn is not None and not callable(fn):
@@ -121,6 +126,7 @@ class ModelTask:
         self.grad_accumulation = grad_accumulation
         self.seed = seed
         self.name = name if name is not None else f"task-{next(_names)}"
+        self.stages = stages
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "

@@ -1,6 +1,6 @@
 """Model -> ordered stages: the smallest pieces the planner may cut between.
 
-    cut = extract_stages(model)             # nn.Sequential, GPT2LMHeadModel, or the whole model as one stage
+    cut = extract_stages(model)             # declared stages, nn.Sequential, a transformers family, or one stage
     carry = cut.prepare(batch)              # the first stage's input
     for stage in cut.stages: carry = stage.module(carry)      # == the model's own outputs for that batch
 
@@ -65,8 +65,13 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def extract_stages(model: nn.Module) -> ModelStages:
-    """Cut ``model`` into stages; a model of unknown structure becomes one stage (it can still run if it fits)."""
+def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None = None) -> ModelStages:
+    """Cut ``model`` into stages: the ones ``stages(model)`` or ``model.hydra_stages()`` declares (explicit.py),
+    else by its known structure; a model of unknown structure becomes one stage (it still runs if it fits)."""
+    if stages is not None or callable(getattr(model, "hydra_stages", None)):
+        from .explicit import explicit_stages
+
+        return explicit_stages(model, stages)
     if isinstance(model, nn.Sequential) and len(model) > 0:
         from .sequential import sequential_stages
 
