@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from .devices import CpuDevice, TaskRNG
 from .plan import StageCost
-from .shard import ShardExec, model_loss
+from .shard import ShardExec
 from .stages import ModelStages
 from .store import tree_bytes
 
@@ -32,7 +32,7 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             base = acct.current
             acct.reset_peak()
             t0 = time.perf_counter()
-            out = ex.run(carry_dev, copies)
+            out = ex.run(carry_dev, copies, dev)
             fwd_seconds = time.perf_counter() - t0  # what recomputing it costs: the value of keeping it
             fwd_peak = acct.peak - base
             del copies, carry_dev
@@ -40,9 +40,9 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
         carry_dev, _ = ex.grad_inputs(dev, carry)
         base = acct.current
         acct.reset_peak()
-        out_g = ex.run(carry_dev, copies)
+        out_g = ex.run(carry_dev, copies, dev)
         if last:
-            out_g = model_loss(loss_fn, out_g, batch)
+            out_g = ex.loss(dev, loss_fn, out_g, batch)
         saved = acct.current - base
         grad_fwd_peak = acct.peak - base
         kept = acct.current
@@ -58,14 +58,15 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
     return cost, out
 
 
-def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int = 0) -> list[StageCost]:
+def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int = 0,
+                  autocast: torch.dtype | None = None) -> list[StageCost]:
     """Per-stage StageCost for ``cut`` on ``batch`` (sizes scale with the batch shape: use a real batch)."""
     dev = CpuDevice("profile", None)
     rng = TaskRNG(seed)
     carry = cut.prepare(batch)
     costs = []
     for k, stage in enumerate(cut.stages):
-        ex = ShardExec(k, [stage])
+        ex = ShardExec(k, [stage], autocast)
         cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(cut.stages) - 1, rng)
         costs.append(cost)
     return costs

@@ -89,7 +89,10 @@ class TaskState:
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
         self.train_iterable, self.eval_iterable = train_iterable, eval_iterable
         self.cut, self.plan, self.rng = cut, plan, rng
-        self.execs = [ShardExec(s.index, cut.stages[s.start:s.stop]) for s in plan.shards]
+        self.autocast = _DTYPES[task.precision]
+        self.execs = [ShardExec(s.index, cut.stages[s.start:s.stop], self.autocast) for s in plan.shards]
+        # fp16: dynamic loss scaling by torch's own GradScaler over the host gradients (the optimizer is there)
+        self.scaler = torch.amp.GradScaler("cpu") if task.precision == "fp16" else None
         self.store = HostStore()
         self.steps = 0
         self.epoch = 0
@@ -124,7 +127,7 @@ class TaskState:
         if sample is None:
             raise ValueError(f"`train_data` yields at least one batch, but got (batches=0, task={task.name!r}). "
                              "Fix: check the dataset and the DataLoader's drop_last/batch_size.")
-        costs = measure_costs(cut, sample, task.loss, task.seed)
+        costs = measure_costs(cut, sample, task.loss, task.seed, _DTYPES[task.precision])
         try:
             plan = partition(costs, budget, bandwidth=bandwidth)
         except PlanError as exc:
@@ -162,6 +165,8 @@ class TaskState:
             metrics: dict[str, Any] = {
                 "epoch": epoch, "train_loss": sum(losses) / max(len(losses), 1), "steps": self.steps,
                 "samples": samples, "lr": self.optimizer.param_groups[0]["lr"]}
+            if self.scaler is not None:
+                metrics["loss_scale"] = self.scaler.get_scale()
             if self.eval_iterable is not None:
                 metrics["eval_loss"] = yield from self._evaluate()
             metrics["seconds"] = time.perf_counter() - start
@@ -194,6 +199,8 @@ class TaskState:
         store, rng, plan = self.store, self.rng, self.plan
         store.batch = batch
         store.carries[0] = self.cut.prepare(batch)
+        if self.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
+            store.loss_scale = self.scaler.scale(torch.ones((), dtype=torch.float32))
         last = self.execs[-1]
 
         def run_last(d: Device) -> None:
@@ -211,9 +218,16 @@ class TaskState:
         return self._segment(units, True)
 
     def _step(self) -> None:
+        scaler = self.scaler
         if self.task.grad_clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.grad_clip_norm)
-        self.optimizer.step()
+        if scaler is not None:
+            scaler.step(self.optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
+            scaler.update()
+        else:
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad()
@@ -271,6 +285,7 @@ class TaskState:
 
 
 _END = object()
+_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _uncut_message(model: nn.Module, exc: PlanError) -> str:

@@ -165,8 +165,9 @@ class Runtime:
         the device continues with it (returned, not popped). Records are made now, so remaining-time estimates
         include every unit measured so far."""
         idle = sorted(self._idle - {index})
-        if current is not None and not any(current.state.remaining().values()):
-            current = None  # its last segment is running: nothing to continue with
+        state = current.state if current is not None else None  # read once: _end clears it (under the lock)
+        if state is None or not any(state.remaining().values()):
+            current = None  # it ended (failed, cancelled) or its last segment is running: nothing to continue
         cands = list(self._ready) + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
@@ -329,7 +330,8 @@ class Runtime:
             for ex in adm.state.execs:
                 d.resident.drop(ex)
         adm.handle._finish(status, error)
-        adm.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
+        with self._cond:
+            adm.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
 
     @staticmethod
     def _task_stats(adm: _Admitted) -> dict[str, Any]:

@@ -11,6 +11,7 @@ forward (``keep=True``) leaves its graph on the device so its backward needs no 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -144,9 +145,10 @@ class ShardCache:
 class ShardExec:
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
-    def __init__(self, index: int, stages: Sequence[Stage]) -> None:
+    def __init__(self, index: int, stages: Sequence[Stage], autocast: torch.dtype | None = None) -> None:
         self.index = index
         self.stages = tuple(stages)
+        self.autocast = autocast  # bf16/fp16 mixed precision: forwards (and the loss) run under torch.autocast
         self.names = tuple(s.name for s in stages)
         tensors: dict[int, torch.Tensor] = {}
         self._bindings: list[list[tuple[str, int]]] = []
@@ -189,11 +191,22 @@ class ShardExec:
                       for key, c in copies.items()}
         return copies
 
-    def run(self, carry: Any, copies: dict[int, torch.Tensor]) -> Any:
-        for stage, binding in zip(self.stages, self._bindings):
-            state = {name: copies[key] for name, key in binding}
-            carry = functional_call(stage.module, state, (carry,), tie_weights=False, strict=False)
+    def precision(self, device: Device) -> Any:
+        """The autocast region a forward (and its loss) runs in, as in the plain mixed-precision loop."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.torch_device.type, dtype=self.autocast)
+
+    def run(self, carry: Any, copies: dict[int, torch.Tensor], device: Device) -> Any:
+        with self.precision(device):
+            for stage, binding in zip(self.stages, self._bindings):
+                state = {name: copies[key] for name, key in binding}
+                carry = functional_call(stage.module, state, (carry,), tie_weights=False, strict=False)
         return carry
+
+    def loss(self, device: Device, loss_fn: LossFn | None, out: Any, batch: Any) -> torch.Tensor:
+        with self.precision(device):
+            return model_loss(loss_fn, out, self.to_device(device, batch))
 
     def _write_back_buffers(self, copies: dict[int, torch.Tensor], device: Device, store: HostStore | None,
                             mode: Any) -> None:
@@ -224,7 +237,7 @@ class ShardExec:
         with device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index])
-            out = self.run(carry, copies)
+            out = self.run(carry, copies, device)
             if train:
                 self._write_back_buffers(copies, device, store, mode)
             with paused_accounting(mode):
@@ -240,9 +253,9 @@ class ShardExec:
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             if offload:
                 with torch.autograd.graph.saved_tensors_hooks(*_offload_hooks(device, copies, mode)):
-                    out = self.run(carry, copies)
+                    out = self.run(carry, copies, device)
             else:
-                out = self.run(carry, copies)
+                out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, None, mode)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = tree_map(
@@ -274,18 +287,21 @@ class ShardExec:
         with device.unit_scope(rng), torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index])
-            out = self.run(carry, copies)
-            return float(model_loss(loss_fn, out, self.to_device(device, store.batch)).item())
+            out = self.run(carry, copies, device)
+            return float(self.loss(device, loss_fn, out, store.batch).item())
 
     def last(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None, scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
         with device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
-            out = self.run(carry, copies)
-            loss = model_loss(loss_fn, out, self.to_device(device, store.batch))
+            out = self.run(carry, copies, device)
+            loss = self.loss(device, loss_fn, out, store.batch)
             del out  # e.g. the logits: free them before the backward, as the profile measured it
-            (loss / scale if scale != 1 else loss).backward()
+            scaled = loss / scale if scale != 1 else loss
+            if store.loss_scale is not None:  # fp16: GradScaler.scale(), the same multiply
+                scaled = scaled * store.loss_scale.to(device=scaled.device, non_blocking=True)
+            scaled.backward()
             self._write_back_buffers(copies, device, None, mode)
             self._grads_out(device, store, copies, leaves, mode)
             return float(loss.detach().item())
@@ -305,7 +321,7 @@ class ShardExec:
         with device.unit_scope(replay) as mode:
             copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
-            out = self.run(carry, copies)
+            out = self.run(carry, copies, device)
             self._backward_from(device, store, out, copies, leaves, mode)
 
     def _backward_from(self, device: Device, store: HostStore, out: Any, copies: dict[int, torch.Tensor],

@@ -35,6 +35,7 @@ class HostStore:
         self.buffers: dict[int, dict[int, torch.Tensor]] = {}   # shard -> buffers as its forward saw them
         self.out_grads: dict[int, list[torch.Tensor | None]] = {}  # shard -> grads of its output leaves
         self.kept: dict[int, Any] = {}               # shard -> shard.Kept: its forward's graph, on its device
+        self.loss_scale: torch.Tensor | None = None  # fp16: the task's GradScaler scale for this minibatch
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:

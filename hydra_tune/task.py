@@ -58,6 +58,10 @@ class ModelTask:
         model init (for a factory), dropout masks and data order.
       * ``stages(model) -> [module, ...]``: where the runtime may cut a model it cannot cut by itself (or define
         ``model.hydra_stages()``); see hydra_tune/stages/explicit.py for the contract.
+      * ``precision``: "bf16"/"fp16" run forwards and the loss under ``torch.autocast`` (parameters, gradients
+        and optimizer state stay fp32 in host memory); "fp16" also scales the loss with a per-task
+        ``torch.amp.GradScaler`` whose unscale/step/update run with the optimizer step (an inf/nan step is
+        skipped for that task only; metrics report ``loss_scale``).
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class ModelTask:
         seed: int = 0,
         name: str | None = None,
         stages: Callable[[Any], Any] | None = None,
+        precision: str = "fp32",
     ) -> None:
         if not callable(model):  # an nn.Module is callable too
             raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
@@ -127,6 +132,10 @@ class ModelTask:
         self.seed = seed
         self.name = name if name is not None else f"task-{next(_names)}"
         self.stages = stages
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise rule_error("`precision` in ('fp32', 'bf16', 'fp16')", "pass 'bf16' or 'fp16' for mixed precision "
+                             "(autocast; fp16 adds dynamic loss scaling), 'fp32' for none", precision=precision)
+        self.precision = precision
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "

@@ -1,6 +1,7 @@
 """Plain PyTorch training loops: what hydra_tune must reproduce exactly."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -8,7 +9,8 @@ import torch
 
 
 def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
-    """Train ``task`` the way a user's own loop would, alone, in this thread. Returns (model, epoch losses)."""
+    """Train ``task`` the way a user's own loop would, alone, in this thread. Returns (model, epoch losses).
+    With ``precision`` "bf16"/"fp16": the forward and loss under ``torch.autocast``; "fp16" with a GradScaler."""
     torch.manual_seed(task.seed)
     model = task.model() if not isinstance(task.model, torch.nn.Module) else task.model
     model.train()
@@ -16,13 +18,22 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
     sched = task.lr_scheduler(opt) if task.lr_scheduler else None
     data = task.train_data() if callable(task.train_data) and not hasattr(task.train_data, "__iter__") \
         else task.train_data
+    precision = getattr(task, "precision", "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     k, steps, history = task.grad_accumulation, 0, []
 
     def step() -> None:
         nonlocal steps
         if task.grad_clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip_norm)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         if sched is not None:
             sched.step()
         opt.zero_grad()
@@ -31,10 +42,12 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
     for _ in range(task.epochs):
         losses, pending = [], 0
         for batch in data:
-            out = model(**batch) if isinstance(batch, dict) else model(batch[0] if isinstance(batch, (list, tuple))
-                                                                       else batch)
-            loss = task.loss(out, batch) if task.loss else out.loss
-            (loss / k if k != 1 else loss).backward()
+            with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+                out = model(**batch) if isinstance(batch, dict) else model(
+                    batch[0] if isinstance(batch, (list, tuple)) else batch)
+                loss = task.loss(out, batch) if task.loss else out.loss
+            scaled = loss / k if k != 1 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             losses.append(loss.item())
             pending += 1
             if pending == k:
@@ -47,6 +60,8 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
         history.append(sum(losses) / len(losses))
         if task.max_steps and steps >= task.max_steps:
             break
+    if scaler is not None:
+        model.final_loss_scale = scaler.get_scale()  # type: ignore[assignment]
     return model, history
 
 
