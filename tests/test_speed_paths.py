@@ -133,7 +133,7 @@ def test_lrtf_starts_the_longest_task_first():
     lrtf_order, fifo_order = order("lrtf"), order("fifo")
     # FIFO gives the long task 4 of the first 12 segments; LRTF most of them (a new task's first estimates are
     # guesses, so one or two others may come first).
-    assert lrtf_order[:12].count("t2") >= 9, lrtf_order
+    assert lrtf_order[:12].count("t2") >= 8, lrtf_order
     assert fifo_order[:6] == ["t0", "t1", "t2"] * 2, fifo_order
 
 
