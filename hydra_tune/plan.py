@@ -11,6 +11,8 @@ backward (B: recompute + backward; L: the last shard's forward + loss + backward
     F = P + Bf + in_i + max_k (fwd_peak_k + [k > i] * in_k)
     B = P + Bf + in_i + max( max_k (sum_{m<k} saved_m + grad_fwd_peak_k),
                              sum_k saved_k + max_k (G_{>k} + bwd_peak_k) )
+    offloading F and B = P + Bf + in_i + max( max_k (grad_fwd_peak_k + [k > i] * in_k),
+                                              max_k (G_{>k} + saved_k + bwd_peak_k) )
 
 P: bytes of the distinct parameters (a parameter shared by two stages is one copy), G_{>k}: gradients of the
 trainable parameters of the stages after k (made earlier in the backward), Bf: buffers, in_k: stage k's input carry, and the per-stage measurements of StageCost.
@@ -62,6 +64,8 @@ class Shard:
     fwd_seconds: float = 0.0  # measured: the recompute a kept forward saves
     input_bytes: int = 0
     output_bytes: int = 0
+    offload_peak: int = 0     # F and B units when its forward offloads: saved activations leave and come back
+                              # one stage at a time instead of all staying on the device
 
     @property
     def offload_bytes(self) -> int:
@@ -84,7 +88,13 @@ class Plan:
     @property
     def peak(self) -> int:
         """The largest predicted device bytes of any unit, prefetch buffer and held activations included."""
-        return max(s.peak for s in self.shards) + self.prefetch_bytes + self.held_bytes
+        return max(self.unit_peak(s.index) for s in self.shards) + self.prefetch_bytes + self.held_bytes
+
+    def unit_peak(self, shard: int) -> int:
+        """The shard's largest unit in the mode the plan runs it in (the partition itself fits the recompute
+        peaks, which bound every mode)."""
+        sh = self.shards[shard]
+        return sh.offload_peak if self.offloads(shard) and sh.offload_peak else sh.peak
 
     @property
     def held_bytes(self) -> int:
@@ -161,14 +171,17 @@ def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) 
         grad_fwd = max(grad_fwd, kept + c.grad_fwd_peak)
         kept += c.saved_bytes
     # Backward runs the stages in reverse; gradients of the later stages' parameters stay while stage k runs.
-    later_grads, bwd_top = 0, 0
+    later_grads, bwd_top, off_bwd = 0, 0, 0
     for k in range(len(part) - 1, -1, -1):
         bwd_top = max(bwd_top, later_grads + part[k].bwd_peak)
+        off_bwd = max(off_bwd, later_grads + part[k].saved_bytes + part[k].bwd_peak)  # only stage k's back
         later_grads = sum(n for n, trainable in _unique_params(part[k:]).values() if trainable)
     bwd = base + max(grad_fwd, kept + bwd_top)
+    off_fwd = base + max(c.grad_fwd_peak + (c.input_bytes if k else 0) for k, c in enumerate(part))
     return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd,
                  kept_bytes=part[0].input_bytes + kept, fwd_seconds=sum(c.fwd_seconds for c in part),
-                 input_bytes=part[0].input_bytes, output_bytes=part[-1].output_bytes)
+                 input_bytes=part[0].input_bytes, output_bytes=part[-1].output_bytes,
+                 offload_peak=max(off_fwd, base + off_bwd))
 
 
 def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None = None) -> list[Shard] | int:
