@@ -13,6 +13,7 @@ from typing import Any
 from .api import configure, default_runtime, train
 from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
 from .handle import TaskHandle
+from .planning import plan_model
 from .runtime import Runtime
 from .simulate import simulate  # pure Python; bound here so the name is the function, not the submodule
 from .task import ModelTask
@@ -20,7 +21,7 @@ from .trace import Trace
 
 __version__ = "0.1.0"
 __all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "configure", "default_runtime", "HydraError",
-           "PlanError", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "__version__"]
+           "PlanError", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
          "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),

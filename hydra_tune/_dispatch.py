@@ -30,32 +30,34 @@ class MemoryAccount:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[int, Any]] = {}  # storage data_ptr -> (bytes, its finalizer)
+        self._live: dict[int, tuple[int, Any]] = {}  # storage identity -> (bytes, its finalizer)
         self.current = 0
         self.peak = 0
 
+    # Storages are keyed by their StorageImpl (``_cdata``), not their data pointer: that identity survives
+    # resize_ (release/refill) and also tells apart meta-device storages, which all have data pointer 0.
     def track(self, storage: torch.UntypedStorage) -> None:
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0:
             return
         with self._lock:
-            if ptr in self._live:
+            if key in self._live:
                 return
-            self._live[ptr] = (nbytes, weakref.finalize(storage, self._release, ptr))
+            self._live[key] = (nbytes, weakref.finalize(storage, self._release, key))
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
     def forget(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (its bytes are about to be freed by ``resize_(0)``)."""
         with self._lock:
-            entry = self._live.pop(storage.data_ptr(), None)
+            entry = self._live.pop(storage._cdata, None)
             if entry is not None:
                 self.current -= entry[0]
-                entry[1].detach()  # its address may be reused: the old finalizer must not release a new entry
+                entry[1].detach()  # the key may be reused: the old finalizer must not release a new entry
 
-    def _release(self, ptr: int) -> None:
+    def _release(self, key: int) -> None:
         with self._lock:
-            entry = self._live.pop(ptr, None)
+            entry = self._live.pop(key, None)
             if entry is not None:
                 self.current -= entry[0]
 
@@ -136,17 +138,16 @@ class UnitMode(TorchDispatchMode):
 
     def _count(self, t: torch.Tensor, args: tuple) -> None:
         """Track ``t``'s storage unless it is one we know or an input's (a view, or an in-place result)."""
-        if t.device.type != "cpu":
+        if t.device.type not in ("cpu", "meta"):
             return
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
+        key = t.untyped_storage()._cdata
         account = self.account
-        if ptr in account._live:  # type: ignore[union-attr]
+        if key in account._live:  # type: ignore[union-attr]
             return
         for a in args:
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr:
+            if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == key:
                 return
-        account.track(st)  # type: ignore[union-attr]
+        account.track(t.untyped_storage())  # type: ignore[union-attr]
 
 
 class paused_accounting:

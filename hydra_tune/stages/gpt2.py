@@ -61,8 +61,11 @@ class _Embed(nn.Module):
         hidden = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(batch_size, -1)
+        # Position ids made here are a plain arange, which the mask's packed-sequence check would only confirm
+        # (by reading their values); passing the user's alone gives the same mask and lets shapes-only planning
+        # (meta tensors, no values) run this stage.
         mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                  cache=None, position_ids=position_ids)
+                                  cache=None, position_ids=batch.get("position_ids"))
         if token_type_ids is not None:
             hidden = hidden + self.wte(token_type_ids)
         hidden = self.drop(hidden)
