@@ -11,8 +11,8 @@ backward (B: recompute + backward; L: the last shard's forward + loss + backward
     F = P + Bf + in_i + max_k (fwd_peak_k + [k > i] * in_k)
     B = P + Bf + in_i + max( max_k (sum_{m<k} saved_m + grad_fwd_peak_k),
                              sum_k saved_k + max_k (G_{>k} + bwd_peak_k) )
-    offloading F and B = P + Bf + in_i + max( max_k (grad_fwd_peak_k + [k > i] * in_k),
-                                              max_k (G_{>k} + saved_k + bwd_peak_k) )
+    offloading F and B = P + Bf + in_i + max( max_k (off_fwd_peak_k + [k > i] * in_k),
+                                              max_k (G_{>k} + off_bwd_peak_k) )
 
 P: bytes of the distinct parameters (a parameter shared by two stages is one copy), G_{>k}: gradients of the
 trainable parameters of the stages after k (made earlier in the backward), Bf: buffers, in_k: stage k's input carry, and the per-stage measurements of StageCost.
@@ -49,6 +49,8 @@ class StageCost:
     grad_fwd_peak: int = 0   # above the input, at the peak of the forward with autograd
     bwd_peak: int = 0        # above everything kept, at the peak of its backward (all gradients it makes)
     fwd_seconds: float = 0.0  # measured time of its forward: what keeping its activations saves per minibatch
+    off_fwd_peak: int = 0    # above the input, forward with saved activations sent to host (0: not measured)
+    off_bwd_peak: int = 0    # above what that forward holds, its backward bringing them back
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,19 @@ class Shard:
     fwd_seconds: float = 0.0  # measured: the recompute a kept forward saves
     input_bytes: int = 0
     output_bytes: int = 0
-    offload_peak: int = 0     # F and B units when its forward offloads: saved activations leave and come back
-                              # one stage at a time instead of all staying on the device
+    off_forward_peak: int = 0   # F unit when its forward offloads (saved activations leave as they are made)
+    off_backward_peak: int = 0  # its B unit (they come back one stage at a time)
+
+    @property
+    def offload_peak(self) -> int:
+        return max(self.off_forward_peak, self.off_backward_peak)
+
+    def unit_peak(self, kind: str, mode: str = "recompute") -> int:
+        """Predicted device bytes of its ``kind`` unit ("F", "L", "B", "E") run in ``mode`` ("recompute",
+        "offload"; kept forwards hold their graph, counted by the plan's held bytes)."""
+        if mode == "offload" and kind in ("F", "B"):
+            return self.off_forward_peak if kind == "F" else self.off_backward_peak
+        return self.forward_peak if kind in ("F", "E") else self.backward_peak
 
     @property
     def offload_bytes(self) -> int:
@@ -174,14 +187,16 @@ def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) 
     later_grads, bwd_top, off_bwd = 0, 0, 0
     for k in range(len(part) - 1, -1, -1):
         bwd_top = max(bwd_top, later_grads + part[k].bwd_peak)
-        off_bwd = max(off_bwd, later_grads + part[k].saved_bytes + part[k].bwd_peak)  # only stage k's back
+        c = part[k]
+        off_bwd = max(off_bwd, later_grads + (c.off_bwd_peak or c.saved_bytes + c.bwd_peak))
         later_grads = sum(n for n, trainable in _unique_params(part[k:]).values() if trainable)
     bwd = base + max(grad_fwd, kept + bwd_top)
-    off_fwd = base + max(c.grad_fwd_peak + (c.input_bytes if k else 0) for k, c in enumerate(part))
+    off_fwd = base + max((c.off_fwd_peak or c.grad_fwd_peak) + (c.input_bytes if k else 0)
+                         for k, c in enumerate(part))
     return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd,
                  kept_bytes=part[0].input_bytes + kept, fwd_seconds=sum(c.fwd_seconds for c in part),
                  input_bytes=part[0].input_bytes, output_bytes=part[-1].output_bytes,
-                 offload_peak=max(off_fwd, base + off_bwd))
+                 off_forward_peak=off_fwd, off_backward_peak=base + off_bwd)
 
 
 def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None = None) -> list[Shard] | int:

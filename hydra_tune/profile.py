@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from .devices import CpuDevice, TaskRNG
 from .plan import StageCost
-from .shard import ShardExec
+from .shard import ShardExec, offload_hooks
 from .stages import ModelStages
 from .store import tree_bytes
 
@@ -25,7 +25,7 @@ from .store import tree_bytes
 def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
                 rng: TaskRNG) -> tuple[StageCost, Any]:
     acct = dev.account
-    with dev.unit_scope(rng):
+    with dev.unit_scope(rng) as mode:
         with torch.no_grad():
             copies = ex.load(dev, grad=False)
             carry_dev = ex.to_device(dev, carry)
@@ -51,11 +51,32 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         bwd_peak = acct.peak - kept
+        del out_g, outs
+        off_fwd_peak, off_bwd_peak = (0, 0) if last else _offload_peaks(ex, dev, carry, mode)
     params = tuple((id(p), p.numel() * p.element_size(), p.requires_grad) for p in ex.params)
     buffers = sum(b.numel() * b.element_size() for b in ex.buffers.values())
     cost = StageCost(ex.names[0], params, buffers, tree_bytes(carry), tree_bytes(out), fwd_peak, saved,
-                     grad_fwd_peak, bwd_peak, fwd_seconds)
+                     grad_fwd_peak, bwd_peak, fwd_seconds, off_fwd_peak, off_bwd_peak)
     return cost, out
+
+
+def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any) -> tuple[int, int]:
+    """Peaks of the stage's forward with its saved activations sent to host memory, and of its backward
+    bringing them back (each above what is held when it starts)."""
+    acct = dev.account
+    copies = ex.load(dev, grad=True)
+    carry_dev, _ = ex.grad_inputs(dev, carry)
+    base = acct.current
+    acct.reset_peak()
+    with torch.autograd.graph.saved_tensors_hooks(*offload_hooks(dev, copies, mode)):
+        out = ex.run(carry_dev, copies, dev)
+    fwd = acct.peak - base
+    held = acct.current
+    acct.reset_peak()
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return fwd, acct.peak - held
 
 
 def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int = 0,

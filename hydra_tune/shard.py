@@ -68,7 +68,7 @@ class _OnHost:
         self.tensor = tensor
 
 
-def _offload_hooks(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> tuple[Any, Any]:
+def offload_hooks(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> tuple[Any, Any]:
     """Saved-tensor hooks: parameters and buffers stay referenced (their bytes are released and refilled like a
     kept forward's); every other saved tensor is copied to host memory now and back when the backward needs it."""
     state = {c.untyped_storage().data_ptr() for c in copies.values()}
@@ -252,7 +252,7 @@ class ShardExec:
                 device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             if offload:
-                with torch.autograd.graph.saved_tensors_hooks(*_offload_hooks(device, copies, mode)):
+                with torch.autograd.graph.saved_tensors_hooks(*offload_hooks(device, copies, mode)):
                     out = self.run(carry, copies, device)
             else:
                 out = self.run(carry, copies, device)
