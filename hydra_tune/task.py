@@ -20,7 +20,7 @@ _names = itertools.count()
 
 def _check_data(arg: str, data: object) -> None:
     if data is None:
-        raise rule_error(f"`{arg} is not None`", f"pass a DataLoader, a list of batches, or a callable returning one",
+        raise rule_error(f"`{arg} is not None`", "pass a DataLoader, a list of batches, or a callable returning one",
                          kind=TypeError, **{arg: data})
     if callable(data) and not hasattr(data, "__iter__"):
         return
@@ -29,7 +29,7 @@ def _check_data(arg: str, data: object) -> None:
                          "batches, or `lambda: make_loader()`", kind=TypeError, **{arg: type(data).__name__})
     if iter(data) is data:  # type: ignore[call-overload]
         raise rule_error(f"`{arg}` can be iterated once per epoch (not a one-shot iterator or generator)",
-                         f"pass a list or DataLoader, or a factory such as `lambda: my_generator()`",
+                         "pass a list or DataLoader, or a factory such as `lambda: my_generator()`",
                          kind=TypeError, **{arg: type(data).__name__})
 
 

@@ -69,3 +69,34 @@ def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     diffs = [(p - q).abs().max().item() for p, q in zip(a.state_dict().values(), b.state_dict().values())
              if p.is_floating_point()]
     return max(diffs) if diffs else math.nan
+
+
+def assert_stages_match_model(model: torch.nn.Module, batch: dict, names: list[str], seed: int = 1,
+                              on_carry: Any = None) -> Any:
+    """Run ``model(**batch)`` and then its stages (hydra_tune.stages.extract_stages), both from ``seed``; the
+    stage names must be ``names``, and the loss, the logits and every parameter gradient equal bit for bit.
+    ``on_carry(i, carry)`` may inspect the carry after stage i. Returns the cut."""
+    from hydra_tune.stages import extract_stages
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(seed)
+    ref = model(**batch)
+    ref.loss.backward()
+    expected = grads()
+    model.zero_grad()
+    cut = extract_stages(model)
+    assert [s.name for s in cut.stages] == names
+    torch.manual_seed(seed)
+    carry = cut.prepare(batch)
+    for i, stage in enumerate(cut.stages):
+        carry = stage.module(carry)
+        if on_carry is not None:
+            on_carry(i, carry)
+    carry.loss.backward()
+    assert torch.equal(carry.loss, ref.loss) and torch.equal(carry.logits, ref.logits)
+    got = grads()
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    return cut

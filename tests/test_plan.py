@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hydra_tune.errors import PlanError
-from hydra_tune.plan import StageCost, partition, shard_of
+from hydra_tune.plan import Shard, StageCost, partition, shard_of
 
 
 def _stage(name: str, key: int, nbytes: int = 100, act: int = 10) -> StageCost:
@@ -61,9 +61,7 @@ def test_stage_too_big_names_stage_bytes_and_budget():
     assert f"at least {need} bytes" in msg
 
 
-def _sh(i: int, kept: int, fwd: float, io: int = 10) -> "Shard":
-    from hydra_tune.plan import Shard
-
+def _sh(i: int, kept: int, fwd: float, io: int = 10) -> Shard:
     return Shard(i, i, i + 1, (str(i),), 100, 200, 300, kept_bytes=kept, fwd_seconds=fwd, input_bytes=io,
                  output_bytes=io)
 

@@ -5,12 +5,10 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import make_gpt2
+from reference import assert_stages_match_model
 
 from hydra_tune.stages import extract_stages
 
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("tied, padded, attn", [(True, False, "sdpa"), (False, False, "sdpa"), (True, True, "sdpa"),
@@ -26,23 +24,7 @@ def test_gpt2_stages_equal_model_forward_backward(tied, padded, attn):
         mask[0, 8:] = 0
         batch["attention_mask"] = mask
         batch["labels"][0, 8:] = -100
-    torch.manual_seed(1)
-    ref = model(**batch).loss
-    ref.backward()
-    expected = _grads(model)
-    model.zero_grad()
-
-    cut = extract_stages(model)
-    assert [s.name for s in cut.stages] == ["embed", "h.0", "h.1", "h.2", "h.3", "head"]
-    torch.manual_seed(1)
-    carry = cut.prepare(batch)
-    for stage in cut.stages:
-        carry = stage.module(carry)
-    carry.loss.backward()
-    assert carry.loss.item() == ref.item()
-    got = _grads(model)
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_stages_match_model(model, batch, ["embed", "h.0", "h.1", "h.2", "h.3", "head"])
 
 
 def test_gpt2_batch_with_unknown_key_is_explained():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import lm_batches
-from reference import max_param_diff, plain_train
+from reference import assert_stages_match_model, max_param_diff, plain_train
 
 import hydra_tune as ht
 from hydra_tune.stages import extract_stages
@@ -32,9 +32,6 @@ def make(family: str, layers: int = 3, tied: bool = False, attn: str = "sdpa") -
     return getattr(transformers, cls)._from_config(config, attn_implementation=attn)
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
 
 @pytest.mark.parametrize("family", list(_FAMILY))
 @pytest.mark.parametrize("tied, padded, attn", [(True, False, "sdpa"), (False, False, "sdpa"), (True, True, "sdpa"),
@@ -52,27 +49,15 @@ def test_llama_family_stages_equal_model_forward_backward(family, tied, padded, 
         mask[0, 8:] = 0
         batch["attention_mask"] = mask
         batch["labels"][0, 8:] = -100
-    torch.manual_seed(1)
-    ref = model(**batch).loss
-    ref.backward()
-    expected = _grads(model)
-    model.zero_grad()
+    kinds = {"llama": {"full_attention"}, "mistral": {"sliding_attention"},
+             "qwen2": {"full_attention", "sliding_attention"}}[family]
 
-    cut = extract_stages(model)
-    assert [s.name for s in cut.stages] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
-    torch.manual_seed(1)
-    carry = cut.prepare(batch)
-    for i, stage in enumerate(cut.stages):
-        carry = stage.module(carry)
+    def masks_of_each_layer_type(i: int, carry: dict) -> None:
         if i == 0:
-            kinds = {"llama": {"full_attention"}, "mistral": {"sliding_attention"},
-                     "qwen2": {"full_attention", "sliding_attention"}}[family]
             assert set(carry["masks"]) == kinds
-    carry.loss.backward()
-    assert carry.loss.item() == ref.item()
-    got = _grads(model)
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+    assert_stages_match_model(model, batch, ["embed", "layers.0", "layers.1", "layers.2", "head"],
+                              on_carry=masks_of_each_layer_type)
 
 
 def test_sliding_window_changes_the_loss():

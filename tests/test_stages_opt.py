@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import lm_batches
-from reference import max_param_diff, plain_train
+from reference import assert_stages_match_model, max_param_diff, plain_train
 
 import hydra_tune as ht
 from hydra_tune.stages import extract_stages
@@ -21,9 +21,6 @@ def make_opt(**overrides) -> nn.Module:
     kw.update(overrides)
     return OPTForCausalLM(OPTConfig(**kw))
 
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 CASES = [  # tied, padded, attn, word_embed_proj_dim, do_layer_norm_before, extra
@@ -69,24 +66,8 @@ def test_opt_stages_equal_model_forward_backward(tied, padded, attn, proj, ln_be
         batch["attention_mask"] = mask
         batch["labels"][0, 9:] = -100
         batch["labels"][2, :3] = -100
-    torch.manual_seed(1)
-    ref = model(**batch).loss
-    ref.backward()
-    expected = _grads(model)
-    model.zero_grad()
-
-    cut = extract_stages(model)
+    cut = assert_stages_match_model(model, batch, ["embed", "layers.0", "layers.1", "layers.2", "head"])
     assert cut.family == "opt"
-    assert [s.name for s in cut.stages] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
-    torch.manual_seed(1)
-    carry = cut.prepare(batch)
-    for stage in cut.stages:
-        carry = stage.module(carry)
-    carry.loss.backward()
-    assert carry.loss.item() == ref.item()
-    got = _grads(model)
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_opt_explicit_position_ids_and_no_labels():

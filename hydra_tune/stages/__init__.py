@@ -48,6 +48,35 @@ class _WholeModel(nn.Module):
         return call_with_batch(self.model, batch)
 
 
+def token_batches(what: str, keys: tuple[str, ...], unsupported: tuple[str, ...] = ()) -> Callable[[Any], Any]:
+    """The ``prepare`` of a token model (``what``: e.g. "a BERT"): a dict with ``input_ids`` and only ``keys``, a
+    tuple ``(input_ids, ...)`` or a tensor of input ids; keys in ``unsupported`` name the training-path limit."""
+    import torch
+
+    def prepare(batch: Any) -> dict[str, Any]:
+        if isinstance(batch, torch.Tensor):
+            return {"input_ids": batch}
+        if isinstance(batch, (tuple, list)):
+            return {"input_ids": batch[0]}
+        if isinstance(batch, dict):
+            special = sorted(set(batch) & set(unsupported))
+            if special:
+                raise ValueError(
+                    f"{what} batch cut into stages takes no {special}, but got (keys={sorted(batch)}). Fix: drop "
+                    f"{special} (the stages run the training path: input_ids, no cache), or train the model "
+                    "unsharded (a budget that fits the whole model).")
+            unknown = sorted(set(batch) - set(keys))
+            if unknown or "input_ids" not in batch:
+                raise TypeError(
+                    f"{what} batch dict has `input_ids` and only keys in {list(keys)}, but got (keys="
+                    f"{sorted(batch)}). Fix: drop {unknown or 'nothing'} from the batch and include input_ids.")
+            return dict(batch)
+        raise TypeError(f"{what} batch is a dict, a tuple (input_ids, ...) or a tensor of input ids, but got "
+                        f"(batch={type(batch).__name__}). Fix: yield e.g. {{'input_ids': ids, 'labels': ids}}.")
+
+    return prepare
+
+
 def _identity(batch: Any) -> Any:
     return batch
 

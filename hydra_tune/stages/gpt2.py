@@ -16,25 +16,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ModelStages, Stage
+from . import ModelStages, Stage, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
 
-def _prepare(batch: Any) -> dict[str, Any]:
-    if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch}
-    if isinstance(batch, (tuple, list)):
-        return {"input_ids": batch[0]}
-    if isinstance(batch, dict):
-        unknown = sorted(set(batch) - set(_KEYS))
-        if unknown or "input_ids" not in batch:
-            raise TypeError(
-                f"a GPT-2 batch dict has `input_ids` and only keys in {list(_KEYS)}, but got "
-                f"(keys={sorted(batch)}). Fix: drop {unknown or 'nothing'} from the batch and include input_ids.")
-        return dict(batch)
-    raise TypeError(f"a GPT-2 batch is a dict, a tuple (input_ids, ...) or a tensor of input ids, but got "
-                    f"(batch={type(batch).__name__}). Fix: yield e.g. {{'input_ids': ids, 'labels': ids}}.")
+_prepare = token_batches("a GPT-2", _KEYS)
 
 
 class _Embed(nn.Module):

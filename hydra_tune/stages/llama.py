@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ModelStages, Stage
+from . import ModelStages, Stage, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 # Inputs the model's forward accepts but whose branch (generation cache, embeddings given directly, logits of a
@@ -27,26 +27,7 @@ _UNSUPPORTED = ("cache", "past_key_values", "use_cache", "inputs_embeds", "logit
                 "output_hidden_states")
 
 
-def _prepare(batch: Any) -> dict[str, Any]:
-    if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch}
-    if isinstance(batch, (tuple, list)):
-        return {"input_ids": batch[0]}
-    if isinstance(batch, dict):
-        special = sorted(set(batch) & set(_UNSUPPORTED))
-        if special:
-            raise ValueError(
-                f"a LLaMA-family batch cut into stages takes no {special}, but got (keys={sorted(batch)}). Fix: "
-                f"drop {special} (the stages run the training path: input_ids, no cache), or train the model "
-                "unsharded (a budget that fits the whole model).")
-        unknown = sorted(set(batch) - set(_KEYS))
-        if unknown or "input_ids" not in batch:
-            raise TypeError(
-                f"a LLaMA-family batch dict has `input_ids` and only keys in {list(_KEYS)}, but got "
-                f"(keys={sorted(batch)}). Fix: drop {unknown or 'nothing'} from the batch and include input_ids.")
-        return dict(batch)
-    raise TypeError(f"a LLaMA-family batch is a dict, a tuple (input_ids, ...) or a tensor of input ids, but got "
-                    f"(batch={type(batch).__name__}). Fix: yield e.g. {{'input_ids': ids, 'labels': ids}}.")
+_prepare = token_batches("a LLaMA-family", _KEYS, _UNSUPPORTED)
 
 
 def _layer_types(model: nn.Module) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ModelStages, Stage
+from . import ModelStages, Stage, token_batches
 
 
 def _new_cache(decoder: nn.Module, training: bool) -> Any:
@@ -42,20 +42,7 @@ def _new_cache(decoder: nn.Module, training: bool) -> Any:
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
-def _prepare(batch: Any) -> dict[str, Any]:
-    if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch}
-    if isinstance(batch, (tuple, list)):
-        return {"input_ids": batch[0]}
-    if isinstance(batch, dict):
-        unknown = sorted(set(batch) - set(_KEYS))
-        if unknown or "input_ids" not in batch:
-            raise TypeError(
-                f"an OPT batch dict has `input_ids` and only keys in {list(_KEYS)}, but got "
-                f"(keys={sorted(batch)}). Fix: drop {unknown or 'nothing'} from the batch and include input_ids.")
-        return dict(batch)
-    raise TypeError(f"an OPT batch is a dict, a tuple (input_ids, ...) or a tensor of input ids, but got "
-                    f"(batch={type(batch).__name__}). Fix: yield e.g. {{'input_ids': ids, 'labels': ids}}.")
+_prepare = token_batches("an OPT", _KEYS)
 
 
 class _Embed(nn.Module):
