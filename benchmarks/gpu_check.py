@@ -13,7 +13,8 @@ hydra_tune takes for pageable host tensors), and device-to-host pinned vs pageab
 batch 8 (--quick: 8x384, vocab 8192, seq 256, batch 4), spilled under an artificial budget into >= 4 shards vs
 unsharded vs plain CUDA: steady-state samples/s (epoch 2 only), peaks, kept shards, prefetched bytes. (e) from the
 spilled run's trace (saved as gpu_check_sharded_trace.json): the share of prefetch copy time that overlapped a
-unit on the same device.
+unit on the same device. (f) the memory model unit by unit: every unit of a small GPT-2 minibatch, recomputing
+and offloading, predicted bytes vs the device's measured peak.
 Without CUDA (and without --cpu) it prints "no CUDA device: skipped" and exits 0. Exit status 1 when a check fails.
 """
 from __future__ import annotations
@@ -260,6 +261,42 @@ def throughput(device: str, size: Size) -> dict[str, Any]:
     return out
 
 
+def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
+    """(f) The memory model unit by unit on this device: every unit of one minibatch of a GPT-2 cut into >= 4
+    shards, each run alone (no prefetch beside it), predicted bytes vs measured peak."""
+    import dataclasses
+
+    from hydra_tune.devices import resolve_devices
+    from hydra_tune.program import TaskState
+
+    data = token_batches(size, seed=4)[:1]
+    task = ht.ModelTask(gpt2_factory(size, 0.1), adamw(1e-4), data, seed=5, name="memory-model")
+    state = TaskState.build(task, _plan_budget(task.model, data[0], 4))  # >= 4 shards when the model allows
+    rows = []
+    for mode in ("recompute", "offload"):
+        k = len(state.execs)
+        flags = tuple(i < k - 1 for i in range(k))
+        state.plan = dataclasses.replace(state.plan, keep=(False,) * k,
+                                         offload=flags if mode == "offload" else (False,) * k)
+        [dev] = resolve_devices([device], None)
+        dev.start()
+        segment = next(iter(state.units(lambda m: None)))
+        for unit in segment.units:
+            sync(device)
+            start = dev.current_bytes()
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                dev.account.reset_peak()
+            unit.run(dev)
+            sync(device)
+            predicted = state.plan.shards[unit.shard].unit_peak(unit.kind, mode)
+            rows.append({"mode": mode, "unit": f"{unit.kind}{unit.shard}", "predicted": predicted,
+                         "measured": dev.peak_bytes() - start})
+        state.store.clear()
+    return rows
+
+
 def report(res: dict[str, Any]) -> bool:
     ok = True
     ex = res["exact"]
@@ -298,6 +335,16 @@ def report(res: dict[str, Any]) -> bool:
     sh = tp["sharded"]
     good = sh["prefetched_bytes"] > 0 and sh["overlap"] >= OVERLAP_MIN
     ok &= good
+    rows = res.get("unit_memory") or []
+    if rows:
+        errors = [(r["measured"] - r["predicted"]) / r["predicted"] for r in rows]
+        good = max(abs(e) for e in errors) <= 0.10
+        ok &= good
+        print(f"\n(f) memory model per unit ({len(rows)} units, recompute and offload): measured vs predicted "
+              f"{min(errors):+.1%} .. {max(errors):+.1%} (within 10%: {'PASS' if good else 'FAIL'})")
+        for r in rows:
+            print(f"    {r['mode']:<9} {r['unit']:<4} predicted {format_bytes(r['predicted']):>11}  measured "
+                  f"{format_bytes(r['measured']):>11}")
     print(f"(e) prefetch copies under compute (trace): {sh['overlap']:.0%} of {sh['copy_seconds']:.2f} s of copies "
           f"overlapped a unit on the same device (>= {OVERLAP_MIN:.0%}): {'PASS' if good else 'FAIL'}; traces in "
           "gpu_check_*_trace.json")
@@ -320,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     res["exact"] = exactness(device)
     res["copy_gbps"] = None if args.cpu else bandwidth()
     res["throughput"] = throughput(device, TINY if args.cpu else QUICK if args.quick else FULL)
+    res["unit_memory"] = unit_memory(device, SMALL)
     ok = report(res)
     res["seconds"] = time.perf_counter() - t0
     res["ok"] = ok
