@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,15 @@ class TaskHandle:
         """The trained model (on CPU, host memory) once the task is done."""
         self.result()
         return self._model
+
+    def checkpoint(self, path: str, timeout: float | None = None) -> str:
+        """Write an exact checkpoint at the task's next optimizer-step boundary (or epoch end) to ``path``
+        (atomically) and return the path; ``ModelTask(..., resume_from=path)`` continues from it."""
+        state = self._state
+        if state is None or self.done():
+            raise RuntimeError(f"task {self.name!r} is {self._status}: a checkpoint needs a running task. Fix: "
+                               "checkpoint before it ends (or keep the returned model).")
+        return state.request_checkpoint(os.fspath(path)).wait(timeout)
 
     def cancel(self) -> None:
         """Stop the task at its next unit boundary and free its state; a finished task is left as it is."""

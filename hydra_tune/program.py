@@ -11,6 +11,7 @@ metrics go to ``emit``.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._dispatch import UnitMode
 from .devices import Device, TaskRNG
+from .checkpoint import Position, capture, load, restore, save
 from .errors import HydraError, PlanError
 from .plan import Plan, partition
 from .profile import measure_costs
@@ -101,6 +103,9 @@ class TaskState:
         self.eval_in_epoch = 0
         self.train_batches: int | None = None  # counted in the first epoch (for data without a length)
         self.eval_batches: int | None = None
+        self.resume: Position | None = None  # where a resumed task continues (checkpoint.restore)
+        self._lock = threading.Lock()
+        self._requests: list[CheckpointRequest] = []
 
     @classmethod
     def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None) -> "TaskState":
@@ -134,21 +139,35 @@ class TaskState:
             if cut.family != "whole":
                 raise
             raise PlanError(_uncut_message(model, exc)) from None
-        return cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
+        state = cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
+        if task.resume_from is not None:
+            state.resume = restore(state, load(task.resume_from))
+            state.steps = state.resume.steps
+        return state
 
     # -- the loop -------------------------------------------------------------------------------------------
     def units(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
-        task, k = self.task, self.task.grad_accumulation
+        task, k, rng, resume = self.task, self.task.grad_accumulation, self.rng, self.resume
         start = time.perf_counter()
-        samples = 0
-        for epoch in range(1, task.epochs + 1):
+        samples = resume.samples if resume else 0
+        for epoch in range(resume.epoch if resume else 1, task.epochs + 1):
             self.epoch = epoch
             self.batch_in_epoch = self.eval_in_epoch = 0
             losses: list[float] = []
+            skip = 0
+            if resume is not None:  # repeat the epoch's data order, step over what was trained, continue
+                rng.cpu.set_state(resume.epoch_rng)
+                losses, skip = list(resume.losses), resume.batch_in_epoch
+            epoch_rng = rng.cpu.get_state()
             pending = 0
             for batch in self._batches(self.train_iterable):
                 self.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
+                if self.batch_in_epoch <= skip:
+                    if self.batch_in_epoch == skip:  # the next fetch and all after draw as they did originally
+                        rng.restore((resume.rng, resume.accel_rng))  # type: ignore[union-attr]
+                        resume = self.resume = None
+                    continue
                 yield self._train_segment(batch, losses)
                 self.store.flush_grads()
                 self.store.clear()
@@ -157,8 +176,13 @@ class TaskState:
                 if pending == k:
                     self._step()
                     pending = 0
+                    self._serve_checkpoints(Position(epoch, self.batch_in_epoch, self.steps, samples, list(losses),
+                                                     epoch_rng, *rng.snapshot()))
                     if task.max_steps is not None and self.steps >= task.max_steps:
                         break
+            if resume is not None:  # an epoch-start position (nothing to skip): continue from its state
+                rng.restore((resume.rng, resume.accel_rng))
+                resume = self.resume = None
             self.train_batches = self.batch_in_epoch if epoch == 1 else self.train_batches
             if pending:
                 self._step()
@@ -173,6 +197,32 @@ class TaskState:
             emit(metrics)
             if task.max_steps is not None and self.steps >= task.max_steps:
                 break
+            snap = rng.snapshot()
+            self._serve_checkpoints(Position(epoch + 1, 0, self.steps, samples, [], snap[0], *snap))
+        self.abandon_checkpoints("finished")
+
+    def request_checkpoint(self, path: str) -> "CheckpointRequest":
+        """Ask for a checkpoint at the task's next step boundary (or epoch end); wait on the returned request."""
+        req = CheckpointRequest(path)
+        with self._lock:
+            self._requests.append(req)
+        return req
+
+    def abandon_checkpoints(self, why: str) -> None:
+        """Fail the checkpoint requests still waiting (the task ended before a step boundary)."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for req in requests:
+            req.finish(None, RuntimeError(f"task {self.task.name!r} {why} before a checkpoint could be taken"))
+
+    def _serve_checkpoints(self, position: Position) -> None:
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for req in requests:
+            try:
+                req.finish(save(capture(self, position), req.path), None)
+            except BaseException as exc:  # a failed write fails the request, not the task
+                req.finish(None, exc)
 
     def _batches(self, iterable: Any) -> Iterator[Any]:
         # Only data loading draws random numbers on the host (shuffling, workers' seeds): it alone runs in the
@@ -285,6 +335,27 @@ class TaskState:
 
 
 _END = object()
+
+
+class CheckpointRequest:
+    """A checkpoint asked of a running task; ``wait`` returns the written path or raises why it was not."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._result: tuple[str | None, BaseException | None] = (None, None)
+
+    def finish(self, path: str | None, error: BaseException | None) -> None:
+        self._result = (path, error)
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no step boundary within {timeout} s for checkpoint {self.path!r}")
+        path, error = self._result
+        if error is not None:
+            raise error
+        return path  # type: ignore[return-value]
 _DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

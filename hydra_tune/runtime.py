@@ -325,6 +325,7 @@ class Runtime:
             # The traceback's frames hold the failed unit's device tensors: drop their locals, keep the trace.
             traceback.clear_frames(error.__traceback__)
         adm.chain.close()
+        adm.state.abandon_checkpoints(status)
         adm.state.store.clear()
         for d in self.devices:
             for ex in adm.state.execs:

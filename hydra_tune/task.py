@@ -10,6 +10,7 @@ builds and trains it. Every argument is checked here, at construction, so mistak
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -62,6 +63,8 @@ class ModelTask:
         and optimizer state stay fp32 in host memory); "fp16" also scales the loss with a per-task
         ``torch.amp.GradScaler`` whose unscale/step/update run with the optimizer step (an inf/nan step is
         skipped for that task only; metrics report ``loss_scale``).
+      * ``resume_from``: a file written by ``TaskHandle.checkpoint``; the task continues from there and ends
+        exactly as the uninterrupted one would (hydra_tune/checkpoint.py).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class ModelTask:
         name: str | None = None,
         stages: Callable[[Any], Any] | None = None,
         precision: str = "fp32",
+        resume_from: str | None = None,
     ) -> None:
         if not callable(model):  # an nn.Module is callable too
             raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
@@ -136,6 +140,10 @@ class ModelTask:
             raise rule_error("`precision` in ('fp32', 'bf16', 'fp16')", "pass 'bf16' or 'fp16' for mixed precision "
                              "(autocast; fp16 adds dynamic loss scaling), 'fp32' for none", precision=precision)
         self.precision = precision
+        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+            raise rule_error("`resume_from` is a checkpoint path or None", "pass the path TaskHandle.checkpoint "
+                             "returned", kind=TypeError, resume_from=type(resume_from).__name__)
+        self.resume_from = None if resume_from is None else os.fspath(resume_from)
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "

@@ -1,0 +1,89 @@
+"""Exact checkpoints of a task, taken between optimizer steps, and the position to resume from.
+
+    path = handle.checkpoint("ckpt/trial-3.pt")          # at the task's next step boundary; written atomically
+    task = ModelTask(..., resume_from="ckpt/trial-3.pt")  # a new runtime (or process) continues bit-identically
+
+A checkpoint holds the model, optimizer, LR scheduler and loss scaler states, the task's RNG streams, and where
+the loop stands (epoch, batches done in it, steps, samples, the epoch's losses so far, and the RNG state at the
+epoch's start). Resuming rebuilds the data iterator from that epoch-start state and steps over the batches
+already trained on, so shuffling and any random data transforms repeat exactly; then the RNG continues from the
+checkpoint. Files are written to a private temporary file in the target directory and renamed into place, so a
+kill mid-write never leaves a torn checkpoint, and read with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+FORMAT = 1
+
+
+@dataclass
+class Position:
+    """Where a task's loop stands at a step boundary."""
+
+    epoch: int                  # the epoch being trained (1-based)
+    batch_in_epoch: int         # batches of it already trained on
+    steps: int
+    samples: int
+    losses: list[float]         # this epoch's minibatch losses so far (the epoch's train_loss averages them)
+    epoch_rng: torch.Tensor     # the task's CPU generator state when the epoch's data iterator was made
+    rng: torch.Tensor           # the CPU generator state now
+    accel_rng: torch.Tensor | None
+
+
+def capture(state: Any, position: Position) -> dict[str, Any]:
+    """Everything needed to continue ``state`` (a program.TaskState) exactly from ``position``."""
+    return {
+        "format": FORMAT, "task": state.task.name,
+        "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+        "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
+        "scaler": None if state.scaler is None else state.scaler.state_dict(),
+        "position": asdict(position),
+    }
+
+
+def restore(state: Any, data: dict[str, Any]) -> Position:
+    """Load ``data`` (from ``capture``) into a freshly built ``state``; returns the position to resume from."""
+    if data.get("format") != FORMAT:
+        raise ValueError(f"a checkpoint of format {FORMAT}, but got (format={data.get('format')!r}). Fix: resume "
+                         "from a file written by TaskHandle.checkpoint of this hydra_tune version.")
+    state.model.load_state_dict(data["model"])
+    state.optimizer.load_state_dict(data["optimizer"])
+    for name in ("scheduler", "scaler"):
+        target, saved = getattr(state, name), data[name]
+        if (target is None) != (saved is None):
+            raise ValueError(f"the resumed task has a {name} exactly when the checkpointed one had, but got "
+                             f"(task={target is not None}, checkpoint={saved is not None}). Fix: build the task "
+                             "with the same lr_scheduler and precision as the checkpointed one.")
+        if target is not None:
+            target.load_state_dict(saved)
+    return Position(**data["position"])
+
+
+def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:
+    """Write ``data`` to ``path`` atomically (private temp file in the same directory, fsync, rename)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".hydra-ckpt-", dir=directory)  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a checkpoint; tensors and plain data only (no arbitrary objects are unpickled)."""
+    return torch.load(os.fspath(path), map_location="cpu", weights_only=True)

@@ -1,0 +1,107 @@
+"""Exact checkpoints: a task checkpointed mid-run and resumed (new runtime, new process) ends bit-identical to
+the uninterrupted task; files are written atomically and read without unpickling arbitrary objects."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import lm_batches, make_gpt2
+from reference import max_param_diff
+from test_transparency import _adamw_two_groups, _Tokens, _warmup
+from torch.utils.data import DataLoader
+
+import hydra_tune as ht
+from hydra_tune import checkpoint
+
+
+def _task(**kw) -> ht.ModelTask:
+    loader = DataLoader(_Tokens(24, seed=3), batch_size=4, shuffle=True)  # 6 batches, reshuffled every epoch
+    return ht.ModelTask(make_gpt2, functools.partial(_adamw_two_groups, lr=1e-3), loader, epochs=3, seed=21,
+                        grad_clip_norm=1.0, grad_accumulation=2, lr_scheduler=_warmup, name="ckpt", **kw)
+
+
+def test_resumed_task_ends_bit_identical(tmp_path):
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
+        whole = rt.submit(_task())
+        expected, expected_metrics = whole.model(), list(whole.metrics())
+    paths = []
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
+        first = rt.submit(_task())
+        for i in range(2):  # two checkpoints at two different step boundaries
+            paths.append(first.checkpoint(tmp_path / f"ckpt{i}.pt", timeout=60))
+        first.cancel()
+    for path in paths:
+        data = checkpoint.load(path)
+        pos = data["position"]
+        with ht.Runtime(devices=["cpu"], device_memory="500KiB") as rt:  # another runtime, another plan
+            resumed = rt.submit(_task(resume_from=path))
+            model, metrics = resumed.model(), list(resumed.metrics())
+        assert max_param_diff(expected, model) == 0.0, pos
+        later = [m for m in expected_metrics if m["epoch"] >= pos["epoch"]]
+        assert [(m["epoch"], m["train_loss"], m["steps"]) for m in metrics] == [
+            (m["epoch"], m["train_loss"], m["steps"]) for m in later]
+
+
+_CHILD = """
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import hydra_tune as ht
+g = torch.Generator().manual_seed(0)
+ds = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 2, generator=g))
+task = ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 2)),
+                    lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                    DataLoader(ds, batch_size=8, shuffle=True), epochs=3, seed=4, precision="fp16",
+                    loss=lambda out, b: F.mse_loss(out.float(), b[1]), name="child",
+                    resume_from=sys.argv[2] if sys.argv[1] == "resume" else None)
+with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+    h = rt.submit(task)
+    if sys.argv[1] == "checkpoint":
+        h.checkpoint(sys.argv[2], timeout=60)
+        h.cancel()
+    else:
+        torch.save(h.model().state_dict(), sys.argv[3])
+"""
+
+
+def test_resume_in_a_new_process(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+
+    def run(*args: str) -> None:
+        subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    ckpt, whole, resumed = tmp_path / "c.pt", tmp_path / "whole.pt", tmp_path / "resumed.pt"
+    run("whole", "-", str(whole))
+    run("checkpoint", str(ckpt))
+    run("resume", str(ckpt), str(resumed))
+    a, b = torch.load(whole), torch.load(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert oct(os.stat(ckpt).st_mode & 0o777) == "0o600"  # private file
+
+
+def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
+    def torn(data, f):
+        f.write(b"partial")
+        raise KeyboardInterrupt  # killed mid-write
+
+    monkeypatch.setattr(torch, "save", torn)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"format": 1}, tmp_path / "x.pt")
+    assert os.listdir(tmp_path) == []
+
+
+def test_resuming_a_different_task_is_explained(tmp_path):
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h = rt.submit(_task())
+        path = h.checkpoint(tmp_path / "c.pt", timeout=60)
+        h.cancel()
+    no_scheduler = ht.ModelTask(make_gpt2, functools.partial(_adamw_two_groups, lr=1e-3), lm_batches(1), epochs=1,
+                                resume_from=path)
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        with pytest.raises(ValueError, match=r"has a scheduler exactly when the checkpointed one had"):
+            rt.submit(no_scheduler)
