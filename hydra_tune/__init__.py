@@ -4,7 +4,9 @@
     with hydra_tune.Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
         print(rt.submit(task).result())
 
-Importing this package imports torch, never ray, optuna, transformers or pynvml: integrations load lazily.
+Also here: ``Trace`` (``Runtime.trace()``) and ``plot_timeline`` for timelines, ``simulate`` for schedules of
+clusters you do not have, ``plan_model`` for a model's shard plan without building its weights.
+Importing this package imports torch, never ray, optuna, transformers, pynvml or matplotlib: those load lazily.
 """
 from __future__ import annotations
 
