@@ -224,7 +224,11 @@ class Runtime:
 
     def _prefetch(self, index: int, adm: _Admitted, unit: Unit) -> None:
         t0 = time.perf_counter()
-        nbytes = unit.prefetch(self.devices[index])
+        try:
+            nbytes = unit.prefetch(self.devices[index])
+        except Exception:  # e.g. out of memory while copying ahead: the unit copies its shard in itself
+            self.devices[index].resident.drop(adm.state.execs[unit.shard])
+            return
         if nbytes:
             self._recorder.add(index, unit.task, unit.shard, "H2D", t0, time.perf_counter(), nbytes, COPY,
                                unit.segment)

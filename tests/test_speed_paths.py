@@ -208,3 +208,21 @@ def test_unknown_random_op_keeps_the_task_on_the_exact_mode():
         models = [rt.submit(t).model() for t in tasks]
     for t, m in zip(tasks, models):
         assert max_param_diff(plain_train(t)[0], m) == 0.0
+
+
+def test_a_failed_prefetch_only_costs_the_copy(monkeypatch):
+    # A copy made ahead can fail (out of memory on a real device): the unit then copies its shard in itself.
+    from hydra_tune.shard import ShardCache
+
+    def failing(self, ex, device):
+        raise MemoryError("no room for the second buffer")
+
+    monkeypatch.setattr(ShardCache, "prefetch", failing)
+    tasks = [_task(i) for i in range(3)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=80_000) as rt:
+        models = [rt.submit(t).model() for t in tasks]
+        assert all(d["prefetches"] == 0 for d in rt.stats()["devices"])
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        alone = [rt.submit(t).model() for t in tasks]
+    for a, b in zip(models, alone):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
