@@ -214,14 +214,17 @@ def test_a_failed_prefetch_only_costs_the_copy(monkeypatch):
     # A copy made ahead can fail (out of memory on a real device): the unit then copies its shard in itself.
     from hydra_tune.shard import ShardCache
 
+    calls = []
+
     def failing(self, ex, device):
+        calls.append(ex)
         raise MemoryError("no room for the second buffer")
 
     monkeypatch.setattr(ShardCache, "prefetch", failing)
     tasks = [_task(i) for i in range(3)]
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=80_000) as rt:
         models = [rt.submit(t).model() for t in tasks]
-        assert all(d["prefetches"] == 0 for d in rt.stats()["devices"])
+    assert calls, "prefetches were attempted (and failed)"
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
         alone = [rt.submit(t).model() for t in tasks]
     for a, b in zip(models, alone):
