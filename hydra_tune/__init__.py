@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import configure, default_runtime, train
+from .api import configure, current_handle, default_runtime, save_checkpoint, train
 from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
 from .handle import TaskHandle
 from .planning import plan_model
@@ -22,7 +22,7 @@ from .task import ModelTask
 from .trace import Trace
 
 __version__ = "0.1.0"
-__all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "configure", "default_runtime", "HydraError",
+__all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "save_checkpoint", "current_handle", "configure", "default_runtime", "HydraError",
            "PlanError", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),

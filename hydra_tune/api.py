@@ -3,6 +3,7 @@
     hydra_tune.configure(devices=["cpu", "cpu"], device_memory="64MiB")
     for metrics in hydra_tune.train(task):          # submits to the default runtime, streams epoch metrics
         report(metrics)                              # leaving the loop early cancels the task
+        hydra_tune.save_checkpoint("ckpt.pt")           # exact checkpoint of the task this thread is training
 """
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from .errors import rule_error
+from .handle import TaskHandle
 from .runtime import Runtime
 from .task import ModelTask
 
 _lock = threading.Lock()
 _default: Runtime | None = None
 _config: dict[str, Any] = {"devices": "auto", "device_memory": None}
+_threads: dict[int, TaskHandle] = {}   # thread ident -> the task that thread's latest ``train`` submitted
 
 
 def configure(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None) -> None:
@@ -46,11 +50,55 @@ def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str,
     Closing the iterator early (``break``, an exception, garbage collection) cancels the task.
     """
     handle = (runtime or default_runtime()).submit(task)
+    with _lock:
+        _threads[threading.get_ident()] = handle
     try:
         yield from handle.metrics()
     finally:
         if not handle.done():
             handle.cancel()
+
+
+def current_handle() -> TaskHandle:
+    """The handle of the task this thread's latest ``train(...)`` submitted (running or ended).
+
+        for m in hydra_tune.train(task): ...
+        model = hydra_tune.current_handle().model()     # the trained model once the loop is through
+    """
+    with _lock:
+        handle = _threads.get(threading.get_ident())
+    if handle is None:
+        raise rule_error("`hydra_tune.train(task)` was started in this thread before", "call "
+                         "hydra_tune.save_checkpoint/current_handle inside the `for metrics in hydra_tune.train(task)` "
+                         "loop, or keep the TaskHandle of `runtime.submit(task)`", kind=RuntimeError,
+                         thread=threading.current_thread().name)
+    return handle
+
+
+def save_checkpoint(path: str, timeout: float | None = None) -> str:
+    """Exact checkpoint of the task this thread is training, at its next step boundary (``TaskHandle.checkpoint``).
+
+        for m in hydra_tune.train(task):
+            hydra_tune.save_checkpoint(os.path.join(d, "task.pt"))   # ModelTask(..., resume_from=that file) continues
+    """
+    return current_handle().checkpoint(path, timeout)
+
+
+def cancel_thread(ident: int) -> bool:
+    """Cancel the running task that thread ``ident`` is training through ``train`` (used by the Tune runtime
+    actor when Tune stops a trial); True when there was one."""
+    with _lock:
+        handle = _threads.get(ident)
+    if handle is None or handle.done():
+        return False
+    handle.cancel()
+    return True
+
+
+def forget_thread(ident: int) -> None:
+    """Drop the record of thread ``ident``'s latest task (and with it the trained model it holds)."""
+    with _lock:
+        _threads.pop(ident, None)
 
 
 @atexit.register

@@ -1,0 +1,249 @@
+"""Torch-free half of the Ray Tune integration: the per-node runtime actor and the thin trial proxy.
+
+    fn_bytes = cloudpickle.dumps(train_fn)                 # the user's function, unpickled only in the runtime
+    trainable = make_proxy(fn_bytes, {"devices": "auto", "device_memory": None}, cpus=0.05)
+    tune.Tuner(trainable, ...)                             # each trial streams train_fn's reports from its node
+
+This module imports ray only, never torch or hydra_tune at module level, and ``ray_tune.HydraExecutor.wrap``
+registers it with ``cloudpickle.register_pickle_by_value``: Tune's trial actors unpickle the proxy without
+importing the parent package (which imports torch). The runtime actor imports hydra_tune (and torch) itself.
+
+How ``tune.report``/``tune.get_context`` keep working inside ``train_fn``: Ray 2.60's function API reads the
+process-wide ``ray.train._internal.session._session``. In the runtime actor that variable is replaced by a
+per-thread router, so each trial thread sees its own forwarding session (a private variable: ray is pinned).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import ray
+from ray import cloudpickle, tune
+
+NAMESPACE = "hydra_tune"
+
+
+def actor_name(node_id: str) -> str:
+    return f"hydra_rt_{node_id}"
+
+
+class TrialStopped(BaseException):
+    """Raised in ``train_fn`` (at ``tune.report``) once Tune stopped the trial; a BaseException, so an
+    ``except Exception`` in user code does not swallow it."""
+
+
+class _ForwardSession:
+    """What ``train_fn`` sees as Ray's session inside the runtime actor: reports go to the trial's proxy."""
+    world_rank = local_rank = node_rank = 0
+    world_size = local_world_size = 1
+    metadata = None
+    synchronous_result_reporting = False
+
+    def __init__(self, trial_id: str, info: dict[str, Any], checkpoint: Any) -> None:
+        self.trial_id = trial_id
+        self.trial_name = info["trial_name"]
+        self.trial_dir = info["trial_dir"]
+        self.experiment_name = info["experiment_name"]
+        self.trial_resources = info["trial_resources"]
+        self.storage = info.get("storage")
+        self.run_id = info.get("run_id")
+        self.loaded_checkpoint = checkpoint
+        self.events: queue.Queue = queue.Queue()    # runtime thread -> proxy
+        self.ack = threading.Semaphore(0)           # proxy -> runtime thread: Tune took the report
+        self.cancelled: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        if self.cancelled:
+            raise TrialStopped(self.cancelled)
+        self.events.put(("report", dict(metrics), checkpoint))
+        while not self.ack.acquire(timeout=0.1):   # block, as Tune does, until the proxy reported it
+            if self.cancelled:
+                raise TrialStopped(self.cancelled)
+        if self.cancelled:
+            raise TrialStopped(self.cancelled)
+
+
+class _ThreadRoutedSession:
+    """Installed as Ray's process-wide session in the runtime actor; each attribute access goes to the calling
+    thread's ``_ForwardSession`` (falsy in threads without one)."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_local", threading.local())
+
+    def _current(self) -> _ForwardSession | None:
+        return getattr(self._local, "session", None)
+
+    def __bool__(self) -> bool:
+        return self._current() is not None
+
+    def __getattr__(self, name: str) -> Any:
+        s = self._current()
+        if s is None:
+            raise AttributeError(name)
+        return getattr(s, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._current(), name, value)
+
+
+class NodeRuntime:
+    """One per node: owns the node's devices through the process's hydra_tune default runtime and runs every
+    trial's ``train_fn`` in a thread of its own."""
+
+    def __init__(self, devices: Any, device_memory: Any, origin: str) -> None:
+        from ray.train._internal import session as _session
+
+        self.router = _ThreadRoutedSession()
+        _session._session = self.router
+        import hydra_tune
+
+        hydra_tune.configure(devices=devices, device_memory=device_memory)
+        self.runtime = hydra_tune.default_runtime()   # devices are set up now, before the first trial
+        self.trials: dict[str, _ForwardSession] = {}
+        self.log: list[tuple[float, str, str]] = []
+        self.origin = origin
+        self.lock = threading.Lock()
+
+    def where(self) -> dict[str, Any]:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "origin": self.origin,
+                "devices": [d.name for d in self.runtime.devices]}
+
+    def stats(self) -> dict[str, Any]:
+        """The hydra_tune runtime's stats plus this actor's trial log and where it runs."""
+        out = dict(self.runtime.stats(), **self.where())
+        out["trials"] = {tid: ("cancelled:" + s.cancelled if s.cancelled else
+                               "running" if s.thread is not None and s.thread.is_alive() else "ended")
+                         for tid, s in self.trials.items()}
+        out["log"] = list(self.log)
+        return out
+
+    def start(self, trial_id: str, fn_bytes: bytes, config: dict[str, Any], info: dict[str, Any],
+              checkpoint: Any) -> int:
+        from hydra_tune import api
+
+        old = self.trials.get(trial_id)
+        if old is not None and old.thread is not None and old.thread.is_alive():
+            self.cancel(trial_id, "restarted")
+        s = _ForwardSession(trial_id, info, checkpoint)
+
+        def run() -> None:
+            self.router._local.session = s
+            try:
+                fn = cloudpickle.loads(fn_bytes)
+                fn(config)
+                s.events.put(("done", None, None))
+            except BaseException as exc:  # noqa: BLE001  (reported to the proxy, which re-raises it)
+                if s.cancelled:
+                    s.events.put(("stopped", s.cancelled, None))
+                else:
+                    s.events.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", None))
+            finally:
+                self.router._local.session = None
+                api.forget_thread(threading.get_ident())
+                self.log.append((time.time(), trial_id, "thread-exit"))
+
+        with self.lock:
+            self.trials[trial_id] = s
+        s.thread = threading.Thread(target=run, name=f"trial-{trial_id}", daemon=True)
+        s.thread.start()
+        self.log.append((time.time(), trial_id, "start"))
+        return os.getpid()
+
+    def next_event(self, trial_id: str, acked: bool) -> tuple[str, Any, Any]:
+        s = self.trials[trial_id]
+        if acked:
+            s.ack.release()
+        return s.events.get()
+
+    def cancel(self, trial_id: str, reason: str) -> bool:
+        """Stop the trial's thread at its next report and cancel its hydra_tune task now (memory freed)."""
+        from hydra_tune import api
+
+        s = self.trials.get(trial_id)
+        if s is None or s.cancelled is not None or s.thread is None or not s.thread.is_alive():
+            return False
+        s.cancelled = reason
+        api.cancel_thread(s.thread.ident)
+        self.log.append((time.time(), trial_id, f"cancel:{reason}"))
+        return True
+
+    def shutdown(self) -> int:
+        n = sum(self.cancel(tid, "experiment-end") for tid in list(self.trials))
+        for s in self.trials.values():
+            if s.thread is not None:
+                s.thread.join(timeout=10)
+        return n
+
+
+_RemoteRuntime = ray.remote(num_cpus=0, max_concurrency=1000)(NodeRuntime)
+
+
+def node_gpus(node_id: str) -> float:
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            return float(n.get("Resources", {}).get("GPU", 0))
+    return 0.0
+
+
+def get_or_create_runtime(node_id: str, devices: Any, device_memory: Any, origin: str,
+                          detached: bool = False) -> Any:
+    """The node's runtime actor (named, so every trial and the callback find the same one)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return _RemoteRuntime.options(
+        name=actor_name(node_id), namespace=NAMESPACE, get_if_exists=True,
+        lifetime="detached" if detached else None, num_gpus=node_gpus(node_id),   # owns the node's GPUs
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),  # outside trial PGs
+    ).remote(devices, device_memory, origin)
+
+
+def _run_proxy(config: dict[str, Any], fn_bytes: bytes, rt_config: dict[str, Any]) -> None:
+    """The Tune trial: forwards ``train_fn``'s reports (run in this node's runtime actor) to Tune."""
+    node = ray.get_runtime_context().get_node_id()
+    rt = get_or_create_runtime(node, rt_config["devices"], rt_config["device_memory"], "lazy-from-proxy",
+                               detached=True)
+    ctx = tune.get_context()
+    info = {"trial_name": ctx.get_trial_name(), "trial_dir": ctx.get_trial_dir(),
+            "experiment_name": ctx.get_experiment_name(), "trial_resources": ctx.get_trial_resources()}
+    tid = ctx.get_trial_id()
+    ray.get(rt.start.remote(tid, fn_bytes, config, info, tune.get_checkpoint()))
+    finished, acked = False, False
+    try:
+        while True:
+            kind, payload, ckpt = ray.get(rt.next_event.remote(tid, acked))
+            if kind == "report":
+                if rt_config.get("report_proxy_modules"):
+                    payload["proxy_torch_loaded"] = "torch" in sys.modules
+                    payload["proxy_hydra_tune_loaded"] = "hydra_tune" in sys.modules
+                    payload["proxy_node"] = node
+                tune.report(payload, checkpoint=ckpt)   # raises (SystemExit) when Tune stops the trial
+                acked = True
+            elif kind in ("done", "stopped"):
+                finished = True
+                return
+            else:
+                finished = True
+                raise RuntimeError(f"trial {tid} failed in its node's hydra_tune runtime: {payload}")
+    finally:
+        if not finished:   # Tune stopped or paused us (PBT fires no callback hook), or the actor died
+            try:
+                rt.cancel.remote(tid, f"proxy-exit:{type(sys.exc_info()[1]).__name__}")
+            except Exception:  # noqa: BLE001  (the actor may be gone already)
+                pass
+
+
+def make_proxy(fn_bytes: bytes, rt_config: dict[str, Any], cpus: float, name: str) -> Callable[[dict], None]:
+    """A Tune function trainable that runs the pickled ``train_fn`` in its node's runtime actor."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    def proxy(config: dict[str, Any]) -> None:
+        return _run_proxy(config, fn_bytes, rt_config)
+
+    proxy.__name__ = proxy.__qualname__ = name
+    return tune.with_resources(proxy, {"cpu": cpus})

@@ -1,0 +1,136 @@
+"""Ray Tune integration: one shared hydra_tune runtime per node under an unchanged Tune search.
+
+    ex = hydra_tune.HydraExecutor(devices="auto", device_memory=None)
+    tuner = tune.Tuner(ex.wrap(train_fn), param_space=space, run_config=tune.RunConfig(callbacks=[ex]))
+    results = tuner.fit()            # train_fn: `for metrics in hydra_tune.train(task): tune.report(metrics)`
+
+Shape (Ray 2.x has no custom trial executors, so this lives on Tune's extension points):
+  * ``HydraExecutor`` is a ``tune.Callback``. ``setup`` starts one runtime actor per alive node, pinned to it
+    (hard node affinity, which also keeps it out of the trials' placement groups), named
+    ``hydra_rt_<node_id>``, ``num_cpus=0``, holding the node's GPUs; ``on_experiment_end`` stops them.
+  * ``wrap(train_fn)`` returns a thin Tune trainable (a proxy that imports ray only, requests ``proxy_cpus``).
+    The proxy asks its own node's runtime actor (routing by node id) to run ``train_fn(config)`` in a thread
+    there, so models are built where they train, and forwards every ``tune.report`` (metrics + checkpoint)
+    to Tune. ``tune.report``/``tune.get_context``/``tune.get_checkpoint`` work unchanged inside ``train_fn``.
+  * When Tune stops a trial (ASHA/HyperBand, ``max_t``/stop, an error, PBT's pause, experiment end) the
+    callback and the proxy cancel its hydra_tune task at once (``TaskHandle.cancel``: its state is freed).
+  * ``wrap`` alone works too: the first trial on a node creates that node's runtime (detached);
+    ``HydraExecutor.shutdown()`` (or ``ray.shutdown()``) removes it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray import cloudpickle, tune
+
+from hydra_tune.errors import rule_error
+
+from . import _tune_proxy as _proxy
+
+__all__ = ["HydraExecutor"]
+
+
+class HydraExecutor(tune.Callback):
+    """Tune callback + function wrapper that runs every trial on its node's shared hydra_tune runtime.
+
+        ex = HydraExecutor(devices=["cpu", "cpu"], device_memory="64MiB")
+        tune.Tuner(ex.wrap(train_fn), run_config=tune.RunConfig(callbacks=[ex])).fit()
+
+    ``devices``/``device_memory`` mean what they mean for ``hydra_tune.Runtime`` and apply to every node's
+    runtime. Concurrency: Tune's ``max_concurrent_trials`` bounds the trials in flight (each proxy requests
+    only ``proxy_cpus`` CPU, so Tune's CPU accounting no longer does); every running trial keeps its model,
+    gradients and optimizer state in its node's host memory, so pick ``max_concurrent_trials`` so that
+    that many tasks fit the node's RAM (``hydra_tune.plan_model`` reports a task's host bytes).
+    Host-memory admission control inside the runtime is a separate issue (7).
+    """
+
+    def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
+                 proxy_cpus: float = 0.05, *, report_proxy_modules: bool = False) -> None:
+        if not isinstance(proxy_cpus, (int, float)) or isinstance(proxy_cpus, bool) or not 0 <= proxy_cpus <= 1:
+            raise rule_error("`0 <= proxy_cpus <= 1`", "the proxy only forwards reports: give it a small CPU "
+                             "share such as 0.05", proxy_cpus=proxy_cpus)
+        self.devices, self.device_memory, self.proxy_cpus = devices, device_memory, float(proxy_cpus)
+        self._rt_config = {"devices": devices, "device_memory": device_memory,
+                           "report_proxy_modules": report_proxy_modules}
+        self.actors: dict[str, Any] = {}   # node id -> runtime actor handle (the creator's handle keeps it alive)
+        self.final_stats: dict[str, dict[str, Any]] = {}
+
+    # -- the trainable ------------------------------------------------------------------------------------
+    def wrap(self, train_fn: Callable[[dict[str, Any]], Any]) -> Any:
+        """A Tune trainable that runs ``train_fn(config)`` inside its node's runtime actor."""
+        if not callable(train_fn):
+            raise rule_error("`train_fn` is callable", "pass the Tune function `def train_fn(config): ...`",
+                             kind=TypeError, train_fn=type(train_fn).__name__)
+        fn_bytes = cloudpickle.dumps(train_fn)    # unpickled (with torch and the model code) only in the runtime
+        return _proxy.make_proxy(fn_bytes, self._rt_config, self.proxy_cpus,
+                                 getattr(train_fn, "__name__", "hydra_trial"))
+
+    # -- runtimes -----------------------------------------------------------------------------------------
+    def start_runtimes(self) -> dict[str, dict[str, Any]]:
+        """Start (or find) one runtime actor per alive node; returns where each runs."""
+        for n in ray.nodes():
+            if n["Alive"] and n["NodeID"] not in self.actors:
+                self.actors[n["NodeID"]] = _proxy.get_or_create_runtime(
+                    n["NodeID"], self.devices, self.device_memory, "callback-setup")
+        where = ray.get([a.where.remote() for a in self.actors.values()])
+        return dict(zip(self.actors, where))
+
+    def runtime_stats(self) -> dict[str, dict[str, Any]]:
+        """Per node id: the node's runtime stats (devices, per-task state incl. "cancelled"), trials, log."""
+        out = {}
+        for nid in self._node_ids():
+            try:
+                out[nid] = ray.get(ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE).stats.remote())
+            except (ValueError, ray.exceptions.RayActorError):
+                pass
+        return out
+
+    def shutdown(self) -> None:
+        """Cancel what still runs and stop every runtime actor, lazily created (detached) ones included."""
+        for a in self.actors.values():
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass   # killed mid-run; a lazily created successor may exist under the same name
+        self.final_stats = self.runtime_stats()
+        for nid in self._node_ids():
+            try:
+                actor = ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE)
+            except ValueError:
+                continue
+            try:
+                ray.get(actor.shutdown.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            ray.kill(actor)
+        for a in self.actors.values():
+            ray.kill(a)
+        self.actors = {}
+
+    def _node_ids(self) -> list[str]:
+        return sorted(set(self.actors) | {n["NodeID"] for n in ray.nodes() if n["Alive"]})
+
+    def _cancel(self, trial: Any, why: str) -> None:
+        for nid in self._node_ids():
+            try:
+                ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE).cancel.remote(trial.trial_id, why)
+            except ValueError:
+                pass
+
+    # -- tune.Callback hooks ------------------------------------------------------------------------------
+    def setup(self, **info: Any) -> None:
+        t = time.perf_counter()
+        self.where = self.start_runtimes()
+        self.setup_seconds = time.perf_counter() - t
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._cancel(trial, "complete")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._cancel(trial, "error")
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,150 @@
+"""Ray Tune integration on a real local Ray: ASHA drop-in form (stopped trials' tasks cancelled), metrics equal to a
+direct Runtime run, torch-free proxies, exact checkpoint/restore through Tune's Checkpoint after a failure, and a
+head + 2 worker multi-node cluster where each trial is trained by its own node's runtime."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hydra_tune as ht
+
+ray = pytest.importorskip("ray")
+from ray import cloudpickle, tune  # noqa: E402
+from ray.tune.schedulers import ASHAScheduler  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the train_fns below travel to the runtime actors
+
+EPOCHS = 6
+KEYS = ("epoch", "train_loss", "steps")
+
+
+def make_task(config: dict, name: str, resume_from: str | None = None) -> ht.ModelTask:
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 32, generator=g), torch.randn(32, 4, generator=g)) for _ in range(config.get("nb", 24))]
+    return ht.ModelTask(
+        lambda: torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                    torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=config["lr"], weight_decay=0.01), data,
+        loss=lambda out, b: F.mse_loss(out, b[1]), epochs=config.get("epochs", EPOCHS), seed=config.get("seed", 1),
+        name=name, resume_from=resume_from)
+
+
+def asha_fn(config: dict) -> None:
+    ctx = tune.get_context()
+    task = make_task(config, f"{ctx.get_trial_id()}")
+    for metrics in ht.train(task):
+        tune.report(dict(metrics, runtime_node=ray.get_runtime_context().get_node_id(), runtime_pid=os.getpid(),
+                         trial_seen=ctx.get_trial_id()))
+
+
+def ckpt_fn(config: dict) -> None:
+    ctx = tune.get_context()
+    resume, tmp = None, tempfile.mkdtemp()
+    ck = tune.get_checkpoint()
+    if ck is not None:
+        with ck.as_directory() as d:
+            resume = shutil.copy(os.path.join(d, "task.pt"), os.path.join(tmp, "resume.pt"))
+    task = make_task(config, f"{ctx.get_trial_id()}-{'resumed' if resume else 'first'}", resume_from=resume)
+    for metrics in ht.train(task):
+        d = tempfile.mkdtemp()
+        if metrics["epoch"] < config["epochs"]:    # the last epoch's metrics arrive as the task ends
+            ht.save_checkpoint(os.path.join(d, "task.pt"), timeout=60)
+        tune.report(dict(metrics, resumed=resume is not None), checkpoint=tune.Checkpoint.from_directory(d))
+        if metrics["epoch"] == config["fail_at"] and not os.path.exists(config["marker"]):
+            open(config["marker"], "w").close()
+            raise RuntimeError("injected failure after a checkpoint")
+    torch.save(ht.current_handle().model().state_dict(), config["out"])
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _direct(config: dict) -> tuple[list[dict], dict]:
+    with ht.Runtime(devices=["cpu"]) as rt:
+        h = rt.submit(make_task(config, "direct"))
+        return list(h.metrics()), h.model().state_dict()
+
+
+def test_asha_drop_in_cancels_stopped_trials_and_matches_direct_runs(local_ray, tmp_path):
+    ex = ht.HydraExecutor(devices=["cpu"], report_proxy_modules=True)
+    space = {"lr": tune.grid_search([3e-2, 1e-2, 1e-3, 1e-4])}
+    tuner = tune.Tuner(ex.wrap(asha_fn), param_space=space,
+                       tune_config=tune.TuneConfig(metric="train_loss", mode="min", max_concurrent_trials=4,
+                                                   scheduler=ASHAScheduler(max_t=EPOCHS, grace_period=1,
+                                                                           reduction_factor=2)),
+                       run_config=tune.RunConfig(callbacks=[ex], storage_path=str(tmp_path), name="asha", verbose=0))
+    results = tuner.fit()
+    assert results.num_errors == 0, [r.error for r in results]
+    stopped = [r for r in results if r.metrics["training_iteration"] < EPOCHS]
+    assert len(results) == 4 and stopped, [r.metrics["training_iteration"] for r in results]
+    node_stats = ex.final_stats
+    assert len(node_stats) == 1
+    tasks = next(iter(node_stats.values()))["tasks"]
+    for r in results:
+        m = r.metrics
+        assert all(k in m for k in KEYS + ("runtime_pid", "trial_seen")), m
+        assert m["trial_seen"] == m["trial_id"]
+        assert m["proxy_torch_loaded"] is False and m["proxy_hydra_tune_loaded"] is False   # (c)
+        assert m["runtime_pid"] != m["pid"]                      # trained in the runtime actor, not the proxy
+        df = r.metrics_dataframe
+        assert list(df["epoch"]) == list(range(1, len(df) + 1))  # every report reached Tune
+        expected = "done" if m["training_iteration"] == EPOCHS else "cancelled"
+        assert tasks[m["trial_id"]]["state"] == expected, (m["trial_id"], tasks[m["trial_id"]])
+        direct, _ = _direct(r.config)                            # (b) same task straight on a Runtime
+        assert [(d["epoch"], d["train_loss"], d["steps"]) for d in direct[: len(df)]] == list(
+            zip(df["epoch"], df["train_loss"], df["steps"]))
+    assert sum(t["state"] == "cancelled" for t in tasks.values()) == len(stopped)
+
+
+def test_restore_after_failure_is_bit_identical(local_ray, tmp_path):
+    config = {"lr": 1e-2, "epochs": 4, "fail_at": 2, "marker": str(tmp_path / "failed"), "out": str(tmp_path / "w.pt")}
+    ex = ht.HydraExecutor(devices=["cpu"])
+    results = tune.Tuner(ex.wrap(ckpt_fn), param_space=config,
+                         run_config=tune.RunConfig(callbacks=[ex], storage_path=str(tmp_path), name="ckpt", verbose=0,
+                                                   failure_config=tune.FailureConfig(max_failures=1))).fit()
+    assert results.num_errors == 0, [r.error for r in results]
+    assert os.path.exists(config["marker"])                       # it did fail once
+    r = results[0]
+    assert r.metrics["resumed"] is True and r.metrics["training_iteration"] == 4
+    direct, weights = _direct(config)
+    got = torch.load(config["out"])
+    assert all(torch.equal(weights[k], got[k]) for k in weights)  # bit-identical to the uninterrupted run
+    assert r.metrics["train_loss"] == direct[-1]["train_loss"]
+
+
+def test_multi_node_trials_train_on_their_own_node():
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        ex = ht.HydraExecutor(devices=["cpu"], proxy_cpus=1, report_proxy_modules=True)
+        results = tune.Tuner(ex.wrap(asha_fn), param_space={"lr": tune.grid_search([1e-2, 1e-3, 1e-4]),
+                                                            "epochs": 2, "nb": 8},
+                             tune_config=tune.TuneConfig(max_concurrent_trials=3),
+                             run_config=tune.RunConfig(callbacks=[ex], verbose=0,
+                                                       storage_path=tempfile.mkdtemp())).fit()
+        assert results.num_errors == 0, [r.error for r in results]
+        used = {r.metrics["runtime_node"] for r in results}
+        assert {w.node_id for w in workers} <= used, used
+        for r in results:   # the trial's proxy and the runtime that trained it share a node
+            assert r.metrics["runtime_node"] == r.metrics["proxy_node"]
+            stats = ex.final_stats[r.metrics["runtime_node"]]
+            assert stats["tasks"][r.metrics["trial_id"]]["state"] == "done"
+        assert len(ex.final_stats) == 3
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
