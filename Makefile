@@ -21,8 +21,9 @@ test: venv
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected nothing, failing" >&2; exit 1; fi; exit $$rc
 
+# The Ray Tune ASHA search (examples/tune_gpt2.py); `$(BIN)/python examples/demo_gpt2.py` is the single-runtime demo.
 demo: venv
-	$(BIN)/python examples/demo_gpt2.py
+	$(BIN)/python examples/tune_gpt2.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -63,10 +63,16 @@ class Segment:
         return " ".join(str(u) for u in self.units)
 
 
+# Factories run one at a time per process: trials submit from many threads (Tune's runtime actor, Optuna's
+# n_jobs), and lazy-import machinery such as transformers' is not thread-safe on first import.
+_BUILD_LOCK = threading.RLock()
+
+
 def _build(factory: Any, what: str, *args: Any) -> Any:
     """Call a user factory; its error keeps its type and gains which factory raised it."""
     try:
-        return factory(*args)
+        with _BUILD_LOCK:
+            return factory(*args)
     except Exception as exc:
         message = f"building the task's {what} failed: {type(exc).__name__}: {exc}"
         try:

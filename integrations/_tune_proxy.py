@@ -112,7 +112,7 @@ class NodeRuntime:
 
     def where(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "origin": self.origin,
-                "devices": [d.name for d in self.runtime.devices]}
+                "device_names": [d.name for d in self.runtime.devices]}
 
     def stats(self) -> dict[str, Any]:
         """The hydra_tune runtime's stats plus this actor's trial log and where it runs."""
@@ -122,6 +122,10 @@ class NodeRuntime:
                          for tid, s in self.trials.items()}
         out["log"] = list(self.log)
         return out
+
+    def trace(self) -> Any:
+        """The node runtime's timeline so far (a hydra_tune Trace)."""
+        return self.runtime.trace()
 
     def start(self, trial_id: str, fn_bytes: bytes, config: dict[str, Any], info: dict[str, Any],
               checkpoint: Any) -> int:

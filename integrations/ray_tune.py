@@ -56,7 +56,8 @@ class HydraExecutor(tune.Callback):
         self._rt_config = {"devices": devices, "device_memory": device_memory,
                            "report_proxy_modules": report_proxy_modules}
         self.actors: dict[str, Any] = {}   # node id -> runtime actor handle (the creator's handle keeps it alive)
-        self.final_stats: dict[str, dict[str, Any]] = {}
+        self.final_stats: dict[str, dict[str, Any]] = {}   # per node id, taken as the runtimes stop
+        self.final_traces: dict[str, Any] = {}              # per node id: hydra_tune Trace of the whole search
 
     # -- the trainable ------------------------------------------------------------------------------------
     def wrap(self, train_fn: Callable[[dict[str, Any]], Any]) -> Any:
@@ -88,6 +89,16 @@ class HydraExecutor(tune.Callback):
                 pass
         return out
 
+    def runtime_traces(self) -> dict[str, Any]:
+        """Per node id: the node runtime's ``hydra_tune.Trace`` (``.save(path)``, ``plot_timeline``)."""
+        out = {}
+        for nid in self._node_ids():
+            try:
+                out[nid] = ray.get(ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE).trace.remote())
+            except (ValueError, ray.exceptions.RayActorError):
+                pass
+        return out
+
     def shutdown(self) -> None:
         """Cancel what still runs and stop every runtime actor, lazily created (detached) ones included."""
         for a in self.actors.values():
@@ -96,6 +107,7 @@ class HydraExecutor(tune.Callback):
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass   # killed mid-run; a lazily created successor may exist under the same name
         self.final_stats = self.runtime_stats()
+        self.final_traces = self.runtime_traces()
         for nid in self._node_ids():
             try:
                 actor = ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE)
