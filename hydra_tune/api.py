@@ -75,13 +75,21 @@ def current_handle() -> TaskHandle:
     return handle
 
 
-def save_checkpoint(path: str, timeout: float | None = None) -> str:
-    """Exact checkpoint of the task this thread is training, at its next step boundary (``TaskHandle.checkpoint``).
+def save_checkpoint(path: str, timeout: float | None = None) -> str | None:
+    """Exact checkpoint of the task this thread is training, at its next step boundary (``TaskHandle.checkpoint``);
+    the path, or None when the task finished its training first (nothing is left to resume).
 
         for m in hydra_tune.train(task):
-            hydra_tune.save_checkpoint(os.path.join(d, "task.pt"))   # ModelTask(..., resume_from=that file) continues
+            if hydra_tune.save_checkpoint(os.path.join(d, "task.pt")):   # resume_from=that file continues exactly
+                tune.report(m, checkpoint=tune.Checkpoint.from_directory(d))
     """
-    return current_handle().checkpoint(path, timeout)
+    handle = current_handle()
+    try:
+        return handle.checkpoint(path, timeout)
+    except RuntimeError:
+        if handle.status == "done":
+            return None
+        raise
 
 
 def cancel_thread(ident: int) -> bool:

@@ -47,12 +47,16 @@ def capture(state: Any, position: Position) -> dict[str, Any]:
     }
 
 
-def restore(state: Any, data: dict[str, Any]) -> Position:
-    """Load ``data`` (from ``capture``) into a freshly built ``state``; returns the position to resume from."""
+def restore(state: Any, data: dict[str, Any], keep_hparams: bool = False) -> Position:
+    """Load ``data`` (from ``capture``) into a freshly built ``state``; returns the position to resume from.
+    ``keep_hparams``: the fresh optimizer's hyper-parameters and base learning rates win (PBT's explore step);
+    each group's learning rate becomes the checkpointed one times new base / checkpointed base."""
     if data.get("format") != FORMAT:
         raise ValueError(f"a checkpoint of format {FORMAT}, but got (format={data.get('format')!r}). Fix: resume "
                          "from a file written by TaskHandle.checkpoint of this hydra_tune version.")
     state.model.load_state_dict(data["model"])
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
+    fresh_bases = list(getattr(state.scheduler, "base_lrs", []) or [])
     state.optimizer.load_state_dict(data["optimizer"])
     for name in ("scheduler", "scaler"):
         target, saved = getattr(state, name), data[name]
@@ -62,7 +66,29 @@ def restore(state: Any, data: dict[str, Any]) -> Position:
                              "with the same lr_scheduler and precision as the checkpointed one.")
         if target is not None:
             target.load_state_dict(saved)
+    if keep_hparams:
+        _keep_hparams(state, fresh, fresh_bases)
     return Position(**data["position"])
+
+
+def _keep_hparams(state: Any, fresh: list[dict[str, Any]], fresh_bases: list[float]) -> None:
+    groups = state.optimizer.param_groups
+    if len(fresh) != len(groups):
+        raise ValueError(f"the resumed optimizer has as many parameter groups as the checkpointed one, but got "
+                         f"(task={len(fresh)}, checkpoint={len(groups)}). Fix: build the same optimizer layout.")
+    sched = state.scheduler
+    old_bases = list(getattr(sched, "base_lrs", []) or [])
+    for i, (group, new) in enumerate(zip(groups, fresh)):
+        old_base = old_bases[i] if i < len(old_bases) else group.get("initial_lr", group.get("lr"))
+        new_base = fresh_bases[i] if i < len(fresh_bases) else new.get("initial_lr", new.get("lr"))
+        lr = group.get("lr")
+        group.update({k: v for k, v in new.items() if k != "lr"})
+        if lr is not None and new_base is not None and old_base:
+            group["lr"] = lr * (new_base / old_base)
+    if sched is not None and fresh_bases:
+        sched.base_lrs = fresh_bases
+        if hasattr(sched, "_last_lr"):
+            sched._last_lr = [g["lr"] for g in groups]
 
 
 def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:

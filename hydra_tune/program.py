@@ -147,7 +147,7 @@ class TaskState:
             raise PlanError(_uncut_message(model, exc)) from None
         state = cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
         if task.resume_from is not None:
-            state.resume = restore(state, load(task.resume_from))
+            state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
             state.steps = state.resume.steps
         return state
 

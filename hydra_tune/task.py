@@ -64,7 +64,9 @@ class ModelTask:
         ``torch.amp.GradScaler`` whose unscale/step/update run with the optimizer step (an inf/nan step is
         skipped for that task only; metrics report ``loss_scale``).
       * ``resume_from``: a file written by ``TaskHandle.checkpoint``; the task continues from there and ends
-        exactly as the uninterrupted one would (hydra_tune/checkpoint.py).
+        exactly as the uninterrupted one would (hydra_tune/checkpoint.py). ``resume_hparams="task"`` (PBT's
+        explore step) instead keeps this task's optimizer hyper-parameters (weight decay, betas, ...) and base
+        learning rates: the learning rate keeps its schedule position, scaled by new base / checkpointed base.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ModelTask:
         stages: Callable[[Any], Any] | None = None,
         precision: str = "fp32",
         resume_from: str | None = None,
+        resume_hparams: str = "checkpoint",
     ) -> None:
         if not callable(model):  # an nn.Module is callable too
             raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
@@ -144,6 +147,11 @@ class ModelTask:
             raise rule_error("`resume_from` is a checkpoint path or None", "pass the path TaskHandle.checkpoint "
                              "returned", kind=TypeError, resume_from=type(resume_from).__name__)
         self.resume_from = None if resume_from is None else os.fspath(resume_from)
+        if resume_hparams not in ("checkpoint", "task"):
+            raise rule_error("`resume_hparams` in ('checkpoint', 'task')", "keep 'checkpoint' for an exact resume, "
+                             "or 'task' to apply this task's optimizer settings (PBT's explore step)",
+                             resume_hparams=resume_hparams)
+        self.resume_hparams = resume_hparams
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "

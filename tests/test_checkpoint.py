@@ -105,3 +105,21 @@ def test_resuming_a_different_task_is_explained(tmp_path):
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
         with pytest.raises(ValueError, match=r"has a scheduler exactly when the checkpointed one had"):
             rt.submit(no_scheduler)
+
+
+def test_resume_hparams_task_applies_the_new_optimizer_settings(tmp_path):
+    def task(lr: float, wd: float, name: str = "hp", **kw) -> ht.ModelTask:
+        return ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd),
+                            lm_batches(4), epochs=2, seed=3, lr_scheduler=_warmup, name=name, **kw)
+
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h = rt.submit(task(1e-3, 0.0))
+        path = h.checkpoint(tmp_path / "c.pt", timeout=60)
+        h.cancel()
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        same = rt.submit(task(1e-3, 0.0, resume_from=path))
+        new = rt.submit(task(2e-3, 0.1, "hp2", resume_from=path, resume_hparams="task"))
+        kept, explored = same.result(), new.result()
+    assert explored["lr"] == pytest.approx(2 * kept["lr"], rel=1e-12)   # same schedule position, doubled base
+    with pytest.raises(ValueError, match="resume_hparams"):
+        task(1e-3, 0.0, resume_from=path, resume_hparams="new")

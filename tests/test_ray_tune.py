@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ KEYS = ("epoch", "train_loss", "steps")
 
 
 def make_task(config: dict, name: str, resume_from: str | None = None) -> ht.ModelTask:
+    """A small MLP task; PBT's config sets ``resume_hparams="task"`` so an explored lr applies after exploit."""
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(32, 32, generator=g), torch.randn(32, 4, generator=g)) for _ in range(config.get("nb", 24))]
     return ht.ModelTask(
@@ -32,7 +34,7 @@ def make_task(config: dict, name: str, resume_from: str | None = None) -> ht.Mod
                                     torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)),
         lambda m: torch.optim.AdamW(m.parameters(), lr=config["lr"], weight_decay=0.01), data,
         loss=lambda out, b: F.mse_loss(out, b[1]), epochs=config.get("epochs", EPOCHS), seed=config.get("seed", 1),
-        name=name, resume_from=resume_from)
+        name=name, resume_from=resume_from, resume_hparams=config.get("resume_hparams", "checkpoint"))
 
 
 def asha_fn(config: dict) -> None:
@@ -50,12 +52,13 @@ def ckpt_fn(config: dict) -> None:
     if ck is not None:
         with ck.as_directory() as d:
             resume = shutil.copy(os.path.join(d, "task.pt"), os.path.join(tmp, "resume.pt"))
-    task = make_task(config, f"{ctx.get_trial_id()}-{'resumed' if resume else 'first'}", resume_from=resume)
+    task = make_task(config, f"{ctx.get_trial_id()}-{'resumed' if resume else 'first'}-{time.time_ns()}",
+                     resume_from=resume)
     for metrics in ht.train(task):
         d = tempfile.mkdtemp()
-        if metrics["epoch"] < config["epochs"]:    # the last epoch's metrics arrive as the task ends
-            ht.save_checkpoint(os.path.join(d, "task.pt"), timeout=60)
-        tune.report(dict(metrics, resumed=resume is not None), checkpoint=tune.Checkpoint.from_directory(d))
+        saved = ht.save_checkpoint(os.path.join(d, "task.pt"), timeout=60)   # None once the task has finished
+        tune.report(dict(metrics, resumed=resume is not None),
+                    checkpoint=tune.Checkpoint.from_directory(d) if saved else None)
         if metrics["epoch"] == config["fail_at"] and not os.path.exists(config["marker"]):
             open(config["marker"], "w").close()
             raise RuntimeError("injected failure after a checkpoint")
@@ -77,7 +80,7 @@ def _direct(config: dict) -> tuple[list[dict], dict]:
 
 def test_asha_drop_in_cancels_stopped_trials_and_matches_direct_runs(local_ray, tmp_path):
     ex = ht.HydraExecutor(devices=["cpu"], report_proxy_modules=True)
-    space = {"lr": tune.grid_search([3e-2, 1e-2, 1e-3, 1e-4])}
+    space = {"lr": tune.grid_search([3e-2, 1e-2, 1e-3, 1e-4]), "nb": 96}   # ~0.2 s epochs: stops land mid-task
     tuner = tune.Tuner(ex.wrap(asha_fn), param_space=space,
                        tune_config=tune.TuneConfig(metric="train_loss", mode="min", max_concurrent_trials=4,
                                                    scheduler=ASHAScheduler(max_t=EPOCHS, grace_period=1,
@@ -115,11 +118,32 @@ def test_restore_after_failure_is_bit_identical(local_ray, tmp_path):
     assert results.num_errors == 0, [r.error for r in results]
     assert os.path.exists(config["marker"])                       # it did fail once
     r = results[0]
-    assert r.metrics["resumed"] is True and r.metrics["training_iteration"] == 4
+    assert r.metrics["resumed"] is True and r.metrics["epoch"] == 4
     direct, weights = _direct(config)
     got = torch.load(config["out"])
     assert all(torch.equal(weights[k], got[k]) for k in weights)  # bit-identical to the uninterrupted run
     assert r.metrics["train_loss"] == direct[-1]["train_loss"]
+
+
+@pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")
+def test_pbt_exploit_restores_other_trials_checkpoints(local_ray, tmp_path):
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    ex = ht.HydraExecutor(devices=["cpu"])
+    space = {"lr": tune.grid_search([1e-2, 1e-4]), "epochs": 6, "nb": 16, "fail_at": -1, "resume_hparams": "task",
+             "marker": str(tmp_path / "unused"), "out": str(tmp_path / "w.pt")}
+    pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=2, quantile_fraction=0.5,
+                                  synch=True, hyperparam_mutations={"lr": [1e-2, 1e-3, 1e-4]})
+    results = tune.Tuner(ex.wrap(ckpt_fn), param_space=space,
+                         tune_config=tune.TuneConfig(metric="train_loss", mode="min", scheduler=pbt),
+                         run_config=tune.RunConfig(callbacks=[ex], storage_path=str(tmp_path), name="pbt",
+                                                   verbose=0)).fit()
+    assert results.num_errors == 0, [r.error for r in results]
+    assert all(r.metrics["epoch"] == 6 for r in results), [r.metrics for r in results]
+    assert any(r.metrics["resumed"] for r in results)             # an exploit restored a checkpoint
+    assert all(r.metrics["lr"] == r.config["lr"] for r in results)  # ... and the explored lr applies
+    tasks = next(iter(ex.final_stats.values()))["tasks"]
+    assert len(tasks) > 2 and all(t["state"] in ("done", "cancelled") for t in tasks.values()), tasks
 
 
 def test_multi_node_trials_train_on_their_own_node():
@@ -148,3 +172,39 @@ def test_multi_node_trials_train_on_their_own_node():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_killed_runtime_actor_trials_resume_from_last_checkpoint(local_ray, tmp_path):
+    import threading
+    import time
+
+    from hydra_tune.integrations import _tune_proxy
+
+    config = {"lr": 1e-2, "epochs": 5, "nb": 48, "fail_at": -1, "marker": str(tmp_path / "unused"),
+              "out": str(tmp_path / "w.pt")}
+    ex = ht.HydraExecutor(devices=["cpu"])
+    killed: list[float] = []
+
+    def killer() -> None:   # kill the node's runtime actor once the trial has reported a checkpoint
+        deadline = time.time() + 60
+        while time.time() < deadline and not killed:
+            trial_dirs = list((tmp_path / "kill").glob("*/checkpoint_000001"))
+            if trial_dirs:
+                node = ray.get_runtime_context().get_node_id()
+                ray.kill(ray.get_actor(_tune_proxy.actor_name(node), namespace=_tune_proxy.NAMESPACE),
+                         no_restart=True)
+                killed.append(time.time())
+            time.sleep(0.05)
+
+    threading.Thread(target=killer, daemon=True).start()
+    results = tune.Tuner(ex.wrap(ckpt_fn), param_space=config,
+                         run_config=tune.RunConfig(callbacks=[ex], storage_path=str(tmp_path), name="kill", verbose=0,
+                                                   failure_config=tune.FailureConfig(max_failures=2))).fit()
+    assert killed, "the runtime actor was never killed"
+    assert results.num_errors == 0, [r.error for r in results]
+    r = results[0]
+    assert r.metrics["resumed"] is True and r.metrics["epoch"] == 5
+    _, weights = _direct(config)
+    got = torch.load(config["out"])
+    assert all(torch.equal(weights[k], got[k]) for k in weights)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("hydra_rt_")]
