@@ -87,6 +87,10 @@ def save_checkpoint(path: str, timeout: float | None = None) -> str | None:
     try:
         return handle.checkpoint(path, timeout)
     except RuntimeError:
+        try:   # the task may be ending right now: its pending checkpoint is abandoned just before it is marked
+            handle.result(timeout=10)
+        except Exception:  # noqa: BLE001  (its own error, a timeout: the checkpoint error below is the news)
+            pass
         if handle.status == "done":
             return None
         raise
