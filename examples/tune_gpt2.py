@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
              "train_batches": args.train_batches, "eval_batches": args.eval_batches}
     tuner = tune.Tuner(
         ex.wrap(train_fn), param_space=space,
-        tune_config=tune.TuneConfig(metric="eval_loss", mode="min", num_samples=args.samples,
-                                    max_concurrent_trials=args.concurrent,
-                                    search_alg=tune.search.BasicVariantGenerator(random_state=0),
+        tune_config=tune.TuneConfig(metric="eval_loss", mode="min", num_samples=args.samples,   # seeded sampling;
+                                    search_alg=tune.search.BasicVariantGenerator(        # max_concurrent here is
+                                        random_state=0, max_concurrent=args.concurrent),  # max_concurrent_trials
                                     scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=2)),
         run_config=tune.RunConfig(callbacks=[ex], storage_path=tempfile.mkdtemp(prefix="tune_gpt2_"), verbose=0))
     t0 = time.perf_counter()
