@@ -109,6 +109,18 @@ def test_asha_drop_in_cancels_stopped_trials_and_matches_direct_runs(local_ray, 
     assert sum(t["state"] == "cancelled" for t in tasks.values()) == len(stopped)
 
 
+def test_wrap_alone_creates_runtimes_lazily(local_ray, tmp_path):
+    ex = ht.HydraExecutor(devices=["cpu"], report_proxy_modules=True)
+    results = tune.Tuner(ex.wrap(asha_fn), param_space={"lr": tune.grid_search([1e-2, 1e-3]), "epochs": 2, "nb": 8},
+                         run_config=tune.RunConfig(storage_path=str(tmp_path), name="lazy", verbose=0)).fit()
+    assert results.num_errors == 0, [r.error for r in results]
+    assert {r.metrics["runtime_pid"] for r in results} != {r.metrics["pid"] for r in results}
+    assert len({r.metrics["runtime_pid"] for r in results}) == 1          # one shared runtime on the node
+    ex.shutdown()                                                         # removes the detached runtimes by name
+    assert all(t["state"] == "done" for st in ex.final_stats.values() for t in st["tasks"].values())
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("hydra_rt_")]
+
+
 def test_restore_after_failure_is_bit_identical(local_ray, tmp_path):
     config = {"lr": 1e-2, "epochs": 4, "fail_at": 2, "marker": str(tmp_path / "failed"), "out": str(tmp_path / "w.pt")}
     ex = ht.HydraExecutor(devices=["cpu"])
