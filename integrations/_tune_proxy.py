@@ -56,6 +56,7 @@ class _ForwardSession:
         self.events: queue.Queue = queue.Queue()    # runtime thread -> proxy
         self.ack = threading.Semaphore(0)           # proxy -> runtime thread: Tune took the report
         self.cancelled: str | None = None
+        self.token = f"{time.time_ns()}-{id(self)}"   # this incarnation of the trial (restarts reuse trial_id)
         self.thread: threading.Thread | None = None
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
@@ -128,7 +129,7 @@ class NodeRuntime:
         return self.runtime.trace()
 
     def start(self, trial_id: str, fn_bytes: bytes, config: dict[str, Any], info: dict[str, Any],
-              checkpoint: Any) -> int:
+              checkpoint: Any) -> str:
         from hydra_tune import api
 
         old = self.trials.get(trial_id)
@@ -157,7 +158,7 @@ class NodeRuntime:
         s.thread = threading.Thread(target=run, name=f"trial-{trial_id}", daemon=True)
         s.thread.start()
         self.log.append((time.time(), trial_id, "start"))
-        return os.getpid()
+        return s.token
 
     def next_event(self, trial_id: str, acked: bool) -> tuple[str, Any, Any]:
         s = self.trials[trial_id]
@@ -165,12 +166,13 @@ class NodeRuntime:
             s.ack.release()
         return s.events.get()
 
-    def cancel(self, trial_id: str, reason: str) -> bool:
-        """Stop the trial's thread at its next report and cancel its hydra_tune task now (memory freed)."""
+    def cancel(self, trial_id: str, reason: str, token: str | None = None) -> bool:
+        """Stop the trial's thread at its next report and cancel its hydra_tune task now (memory freed);
+        with ``token``, only that incarnation (a late cancel from a paused proxy spares the restarted trial)."""
         from hydra_tune import api
 
         s = self.trials.get(trial_id)
-        if s is None or s.cancelled is not None or s.thread is None or not s.thread.is_alive():
+        if s is None or (token is not None and s.token != token) or s.cancelled is not None or s.thread is None or not s.thread.is_alive():
             return False
         s.cancelled = reason
         api.cancel_thread(s.thread.ident)
@@ -216,7 +218,7 @@ def _run_proxy(config: dict[str, Any], fn_bytes: bytes, rt_config: dict[str, Any
     info = {"trial_name": ctx.get_trial_name(), "trial_dir": ctx.get_trial_dir(),
             "experiment_name": ctx.get_experiment_name(), "trial_resources": ctx.get_trial_resources()}
     tid = ctx.get_trial_id()
-    ray.get(rt.start.remote(tid, fn_bytes, config, info, tune.get_checkpoint()))
+    token = ray.get(rt.start.remote(tid, fn_bytes, config, info, tune.get_checkpoint()))
     finished, acked = False, False
     try:
         while True:
@@ -237,7 +239,7 @@ def _run_proxy(config: dict[str, Any], fn_bytes: bytes, rt_config: dict[str, Any
     finally:
         if not finished:   # Tune stopped or paused us (PBT fires no callback hook), or the actor died
             try:
-                rt.cancel.remote(tid, f"proxy-exit:{type(sys.exc_info()[1]).__name__}")
+                rt.cancel.remote(tid, f"proxy-exit:{type(sys.exc_info()[1]).__name__}", token)
             except Exception:  # noqa: BLE001  (the actor may be gone already)
                 pass
 
