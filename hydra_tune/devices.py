@@ -63,6 +63,10 @@ class Device:
         self.resident: Any = None  # the runtime's ShardCache for this device (shard copies made ahead of use)
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
         self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
+        # Kept and offloaded forwards free storages their graph still references (resize_(0)) and refill them
+        # for the backward. Proven exact on CPU; on CUDA (torch 2.11, H200) the autograd engine crashed in such
+        # a backward, so CUDA plans recompute until that is understood.
+        self.releases_graphs = torch_device.type == "cpu"
 
     def start(self) -> None:
         """Called once in the device's worker thread before its first unit."""
@@ -70,9 +74,9 @@ class Device:
 
     def _measure_bandwidth(self, nbytes: int = 16 << 20) -> float:
         """Host -> device -> host copy rate into ready buffers (best of 3): what offloading activations costs per
-        byte once the allocator has warmed up."""
+        byte once the allocator has warmed up. Plain tensors, freed before the device's overhead is read."""
         host = torch.ones(nbytes // 4)
-        dev = self.copier.to_device(host)
+        dev = torch.empty_like(host, device=self.torch_device)
         back = torch.empty_like(host)
         best = float("inf")
         for _ in range(3):
@@ -82,6 +86,7 @@ class Device:
             back.copy_(dev)
             self.copier.synchronize()
             best = min(best, (time.perf_counter() - t0) / 2)
+        del dev
         return nbytes / best
 
     @property

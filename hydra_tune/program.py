@@ -114,7 +114,8 @@ class TaskState:
         self._requests: list[CheckpointRequest] = []
 
     @classmethod
-    def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None) -> "TaskState":
+    def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None,
+              keep: bool = True) -> "TaskState":
         rng = TaskRNG(task.seed)
         with UnitMode(rng.cpu):  # init and data order draw from the task's stream, as after manual_seed(seed)
             model = task.model if isinstance(task.model, nn.Module) else _build(task.model, "model")
@@ -140,7 +141,7 @@ class TaskState:
                              "Fix: check the dataset and the DataLoader's drop_last/batch_size.")
         costs = measure_costs(cut, sample, task.loss, task.seed, _DTYPES[task.precision])
         try:
-            plan = partition(costs, budget, bandwidth=bandwidth)
+            plan = partition(costs, budget, bandwidth=bandwidth, keep=keep)
         except PlanError as exc:
             if cut.family != "whole":
                 raise

@@ -95,7 +95,8 @@ class Runtime:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
         budgets = [d.plan_budget for d in self.devices if d.plan_budget is not None]
         rates = [d.copy_bandwidth for d in self.devices if d.copy_bandwidth]
-        state = TaskState.build(task, min(budgets) if budgets else None, min(rates) if rates else None)
+        keep = all(d.releases_graphs for d in self.devices)  # kept/offloaded forwards: see Device.releases_graphs
+        state = TaskState.build(task, min(budgets) if budgets else None, min(rates) if rates else None, keep)
         self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
         handle = TaskHandle(self, state)
         with self._cond:
