@@ -64,8 +64,10 @@ class Device:
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
         self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
         # Kept and offloaded forwards free storages their graph still references (resize_(0)) and refill them
-        # for the backward. Proven exact on CPU; on CUDA (torch 2.11, H200) the autograd engine crashed in such
-        # a backward, so CUDA plans recompute until that is understood.
+        # for the backward. Proven exact on CPU. On CUDA (torch 2.11, H200) an offloaded backward crashed the
+        # autograd engine (also with the graph ends left in place: the saved-tensor hooks are the suspect); a kept
+        # one ran exact unit by unit, but its refill from the copy thread has not run on a GPU. So CUDA plans
+        # recompute until both are proven there.
         self.releases_graphs = torch_device.type == "cpu"
 
     def start(self) -> None:
