@@ -150,7 +150,7 @@ class CpuDevice(Device):
             if mode.seeded - ROUTED:
                 self._unrouted.add(self._task)
         else:
-            with routed(rng.cpu):
+            with RandomRouter(rng.cpu):
                 yield None
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -190,7 +190,7 @@ class CudaDevice(Device):
         else:
             gen.set_state(rng.accel_state)
         try:
-            with torch.cuda.device(self.torch_device), routed(rng.cpu):
+            with torch.cuda.device(self.torch_device), RandomRouter(rng.cpu):
                 yield None
         finally:
             rng.accel_state = gen.get_state()
@@ -203,13 +203,6 @@ class CudaDevice(Device):
 
     def current_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.torch_device))
-
-
-@contextlib.contextmanager
-def routed(generator: torch.Generator) -> Iterator[None]:
-    """Run a unit with its CPU random draws routed to ``generator`` by the light RandomRouter."""
-    with RandomRouter(generator):
-        yield
 
 
 class TaskRNG:

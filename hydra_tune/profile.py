@@ -45,13 +45,8 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             out_g = ex.loss(dev, loss_fn, out_g, batch)
         saved = acct.current - base
         grad_fwd_peak = acct.peak - base
-        kept = acct.current
-        acct.reset_peak()
-        outs = [t for t in tree_flatten(out_g)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-        bwd_peak = acct.peak - kept
-        del out_g, outs
+        bwd_peak = _backward_peak(dev, out_g)
+        del out_g
         off_fwd_peak, off_bwd_peak = (0, 0) if last else _offload_peaks(ex, dev, carry, mode)
     params = tuple((id(p), p.numel() * p.element_size(), p.requires_grad) for p in ex.params)
     buffers = sum(b.numel() * b.element_size() for b in ex.buffers.values())
@@ -71,12 +66,18 @@ def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any) -> tupl
     with torch.autograd.graph.saved_tensors_hooks(*offload_hooks(dev, copies, mode)):
         out = ex.run(carry_dev, copies, dev)
     fwd = acct.peak - base
+    return fwd, _backward_peak(dev, out)
+
+
+def _backward_peak(dev: CpuDevice, out: Any) -> int:
+    """Backward from ``out`` (ones as incoming gradients): its peak bytes above what is held when it starts."""
+    acct = dev.account
     held = acct.current
     acct.reset_peak()
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-    return fwd, acct.peak - held
+    return acct.peak - held
 
 
 def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int = 0,
