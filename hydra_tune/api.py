@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import rule_error
@@ -21,6 +22,7 @@ _lock = threading.Lock()
 _default: Runtime | None = None
 _config: dict[str, Any] = {"devices": "auto", "device_memory": None}
 _threads: dict[int, TaskHandle] = {}   # thread ident -> the task that thread's latest ``train`` submitted
+_bound = threading.local()             # .submit: where this thread's ``train`` sends tasks (an Optuna trial's study)
 
 
 def configure(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None) -> None:
@@ -42,14 +44,36 @@ def default_runtime() -> Runtime:
         return _default
 
 
+@contextmanager
+def bind(submit: Callable[[ModelTask], Any]) -> Iterator[None]:
+    """Inside the block, this thread's ``train(task)`` (without ``runtime=``) submits through ``submit``.
+
+        with bind(lambda task: study.submit(trial, task)):   # how an Optuna objective reaches its study's runtime
+            value = objective(trial)
+    """
+    previous = getattr(_bound, "submit", None)
+    _bound.submit = submit
+    try:
+        yield
+    finally:
+        _bound.submit = previous
+
+
 def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str, Any]]:
-    """Run ``task`` on ``runtime`` (default: the process's) and yield its per-epoch metrics.
+    """Run ``task`` on ``runtime`` and yield its per-epoch metrics. Without ``runtime``: the runtime of the
+    Optuna study whose objective this thread runs, else the process's default runtime.
 
         for m in hydra_tune.train(task): print(m["epoch"], m["train_loss"])
 
     Closing the iterator early (``break``, an exception, garbage collection) cancels the task.
     """
-    handle = (runtime or default_runtime()).submit(task)
+    bound = getattr(_bound, "submit", None)
+    if runtime is not None:
+        handle = runtime.submit(task)
+    elif bound is not None:
+        handle = bound(task)
+    else:
+        handle = default_runtime().submit(task)
     with _lock:
         _threads[threading.get_ident()] = handle
     try:

@@ -1,0 +1,284 @@
+"""Optuna integration: ``hydra_tune.optuna_study`` runs a study's concurrent trials on one shared runtime.
+
+    study = hydra_tune.optuna_study(direction="minimize", pruner=optuna.pruners.MedianPruner(), devices="auto")
+    study.optimize(objective, n_trials=16)     # objective: `for m in hydra_tune.train(task): trial.report(...)`
+    print(study.best_params, study.runtime_stats()["devices"])
+
+Shape:
+  * ``optuna_study(**create_study_kwargs)`` builds the study with ``optuna.create_study`` (so every argument means
+    what it means there) and returns a ``HydraStudy``, an ``optuna.Study`` whose sampler is a ``HydraSampler``:
+    it delegates all sampling to the user's sampler (TPE by default) and, in ``after_trial`` (which Optuna calls
+    for every ending trial: complete, pruned, failed, ``study.tell``), cancels and frees the trial's tasks.
+  * Runtime: in-memory storage -> one in-process ``hydra_tune.Runtime`` owned by the study. A persistent storage
+    (RDB URL, journal file) means other processes may work on the study too -> the node's runtime server
+    (``hydra_tune.node``: one per user and device configuration, shared by every process on the node, started by
+    the first one; a process that dies has its tasks cancelled by the server at once). ``share=`` overrides.
+  * Grouping: ``optimize`` runs ``n_jobs`` trials at once in threads (Optuna's own mechanism); every trial's
+    ``hydra_tune.train(task)`` submits to the study's runtime, whose scheduler interleaves all their shards on
+    all devices. Without ``n_jobs`` the study runs ``study.concurrency`` trials at once: ``trials_per_device``
+    (default 2) per device — one computing, one doing its host-side optimizer step and prefetch — which keeps
+    every device busy (benchmarks/p3_scaling.py: 4 tasks on 2 devices reach 1.86x) without sampling more trials
+    blind than needed. Ask/tell batches: ``handles = [study.submit(t, task_for(t)) for t in trials]``.
+  * String RDB URLs get Optuna's heartbeat (``heartbeat_interval``, default 10 s): a killed process's running
+    trials are marked failed by ``fail_stale_trials`` (Optuna runs it before each trial).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import optuna
+from optuna.samplers import BaseSampler
+from optuna.storages import InMemoryStorage
+from optuna.trial import FrozenTrial, Trial, TrialState
+
+from hydra_tune import api
+from hydra_tune.errors import rule_error
+from hydra_tune.runtime import Runtime
+from hydra_tune.task import ModelTask
+
+__all__ = ["optuna_study", "HydraStudy", "HydraSampler"]
+
+SHARE = ("auto", "process", "node")
+
+
+class _TrialTasks:
+    """Which live tasks each running trial submitted; ``release`` cancels them when the trial ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, list[Any]] = {}
+        self._ended: set[int] = set()
+        self.names: dict[int, list[str]] = {}   # trial number -> names of the tasks it submitted
+        self.cancelled = 0                       # tasks this study cancelled because their trial ended first
+
+    def add(self, trial_id: int, number: int, handle: Any) -> None:
+        with self._lock:
+            late = trial_id in self._ended
+            if not late:
+                self._live.setdefault(trial_id, []).append(handle)
+            self.names.setdefault(number, []).append(handle.name)
+        if late:   # the trial ended while its task was being planned
+            self._cancel([handle])
+
+    def release(self, trial_id: int) -> None:
+        with self._lock:
+            self._ended.add(trial_id)
+            handles = self._live.pop(trial_id, [])
+        self._cancel(handles)
+
+    def release_all(self) -> None:
+        with self._lock:
+            handles = [h for hs in self._live.values() for h in hs]
+            self._live.clear()
+        self._cancel(handles)
+
+    def _cancel(self, handles: list[Any]) -> None:
+        for h in handles:
+            if not h.done():
+                h.cancel()
+                with self._lock:
+                    self.cancelled += 1
+
+
+class HydraSampler(BaseSampler):
+    """Delegates every sampling decision to ``base``; when a trial ends, cancels and frees its tasks.
+
+        sampler = HydraSampler(optuna.samplers.TPESampler(seed=0))
+        sampler.base                        # the user's sampler, untouched
+        # after_trial(...) -> base.after_trial(...), then the trial's hydra_tune tasks are cancelled
+
+    ``optuna_study`` makes it; you need not build one yourself.
+    """
+
+    def __init__(self, base: BaseSampler, tasks: _TrialTasks | None = None) -> None:
+        if not isinstance(base, BaseSampler):
+            raise rule_error("`sampler` is an optuna.samplers.BaseSampler or None", "pass e.g. "
+                             "optuna.samplers.TPESampler(seed=0), or None for TPE", kind=TypeError,
+                             sampler=type(base).__name__)
+        self.base = base
+        self.tasks = tasks if tasks is not None else _TrialTasks()
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
+        return self.base.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, Any]) -> dict:
+        return self.base.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: Any) -> Any:
+        return self.base.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.base.before_trial(study, trial)
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Sequence[float] | None) -> None:
+        try:
+            self.base.after_trial(study, trial, state, values)
+        finally:   # every way a trial ends comes through here (optimize, tell, KeyboardInterrupt)
+            self.tasks.release(trial._trial_id)
+
+    def reseed_rng(self) -> None:
+        self.base.reseed_rng()
+
+    def __str__(self) -> str:
+        return f"HydraSampler({self.base})"
+
+
+class HydraStudy(optuna.Study):
+    """An ``optuna.Study`` whose trials train on a shared hydra_tune runtime.
+
+        study = hydra_tune.optuna_study(direction="minimize")
+        study.optimize(objective, n_trials=8)             # n_jobs defaults to study.concurrency
+        trial = study.ask(); handle = study.submit(trial, task); study.tell(trial, handle.result()["eval_loss"])
+
+    Lifecycle: the study owns its runtime (or its connection to the node's runtime server) unless one was passed
+    in; ``close()`` (or the end of a ``with`` block, or interpreter exit) cancels what its trials still run and
+    releases it. A trial's tasks are cancelled the moment the trial ends, whatever way its objective exits.
+    """
+
+    def __init__(self, base: optuna.Study, runtime: Any, owns_runtime: bool, trials_per_device: int = 2) -> None:
+        sampler = base.sampler
+        if not isinstance(sampler, HydraSampler):
+            sampler = HydraSampler(sampler)
+        super().__init__(base.study_name, base._storage, sampler, base.pruner)
+        self.sampler: HydraSampler
+        self.runtime = runtime
+        self.trials_per_device = trials_per_device
+        self._owns = owns_runtime
+        self._closer = weakref.finalize(self, _close_runtime, runtime if owns_runtime else None, self.sampler.tasks)
+
+    @property
+    def concurrency(self) -> int:
+        """Trials ``optimize`` runs at once without ``n_jobs``: ``trials_per_device`` x the runtime's devices."""
+        return self.trials_per_device * _device_count(self.runtime)
+
+    @property
+    def trial_tasks(self) -> dict[int, list[str]]:
+        """Trial number -> names of the hydra_tune tasks it submitted (keys of ``runtime_stats()["tasks"]``)."""
+        return {k: list(v) for k, v in self.sampler.tasks.names.items()}
+
+    @property
+    def cancelled_tasks(self) -> int:
+        """How many tasks were cancelled because their trial ended first (pruned, failed, or left unfinished)."""
+        return self.sampler.tasks.cancelled
+
+    def submit(self, trial: Trial, task: ModelTask) -> Any:
+        """Start ``task`` for ``trial`` on the study's runtime; its handle (``metrics()``, ``result()``, ``cancel()``).
+        The task is cancelled when the trial ends (``study.tell``, or the objective returning or raising)."""
+        if not isinstance(trial, Trial) or trial.study is not self:
+            raise rule_error("`trial` is an optuna.Trial of this study", "pass the trial that `study.ask()` of this "
+                             "study returned (or the one `optimize` hands your objective)", kind=TypeError,
+                             trial=type(trial).__name__, study=self.study_name)
+        handle = self.runtime.submit(task)
+        self.sampler.tasks.add(trial._trial_id, trial.number, handle)
+        return handle
+
+    def optimize(self, func: Callable[[Trial], Any], n_trials: int | None = None, timeout: float | None = None,
+                 n_jobs: int | None = None, catch: Iterable[type[Exception]] | type[Exception] = (),
+                 callbacks: Iterable[Callable[[optuna.Study, FrozenTrial], None]] | None = None,
+                 gc_after_trial: bool = False, show_progress_bar: bool = False) -> None:
+        """``optuna.Study.optimize``; ``n_jobs=None`` runs ``self.concurrency`` trials at once (an explicit value,
+        -1 included, is Optuna's). Inside ``func``, ``hydra_tune.train(task)`` trains on this study's runtime."""
+        if self._closer.alive is False:
+            raise rule_error("the study is open", "create a new study with hydra_tune.optuna_study(...)",
+                             kind=RuntimeError, closed=True)
+
+        def objective(trial: Trial) -> Any:
+            with api.bind(lambda task: self.submit(trial, task)):
+                try:
+                    return func(trial)
+                finally:   # free its tasks now, before Optuna's bookkeeping (after_trial releases them too)
+                    self.sampler.tasks.release(trial._trial_id)
+
+        jobs = self.concurrency if n_jobs is None else n_jobs
+        super().optimize(objective, n_trials=n_trials, timeout=timeout, n_jobs=jobs, catch=catch,
+                         callbacks=callbacks, gc_after_trial=gc_after_trial, show_progress_bar=show_progress_bar)
+
+    def runtime_stats(self) -> dict[str, Any]:
+        """The runtime's ``stats()``: per device busy seconds and peaks, per task state (incl. "cancelled")."""
+        return self.runtime.stats()
+
+    def close(self) -> None:
+        """Cancel what this study's trials still run; close the runtime if the study made it. Idempotent."""
+        self._closer()
+
+    def __enter__(self) -> "HydraStudy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_runtime(runtime: Any, tasks: _TrialTasks) -> None:
+    tasks.release_all()
+    if runtime is not None:
+        runtime.close()
+
+
+def _device_count(runtime: Any) -> int:
+    devices = runtime.devices
+    return devices if isinstance(devices, int) else len(devices)
+
+
+def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
+    """A URL string becomes an RDBStorage with Optuna's heartbeat, so dead processes' trials can be failed."""
+    if not isinstance(storage, str) or heartbeat_interval is None:
+        return storage
+    if isinstance(heartbeat_interval, bool) or not isinstance(heartbeat_interval, int) or heartbeat_interval < 1:
+        raise rule_error("`heartbeat_interval >= 1` (seconds, an int) or None", "pass e.g. 10, or None to leave "
+                         "the storage URL to Optuna without a heartbeat", heartbeat_interval=heartbeat_interval)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval)
+
+
+def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
+                 runtime: Any = None, share: str = "auto", heartbeat_interval: int | None = 10,
+                 trials_per_device: int = 2, **create_study_kwargs: Any) -> HydraStudy:
+    """``optuna.create_study(**create_study_kwargs)`` whose trials share one hydra_tune runtime.
+
+        study = hydra_tune.optuna_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0),
+                                        storage="sqlite:///hpo.db", devices="auto", device_memory="20GiB")
+        study.optimize(objective, n_trials=16)
+
+    ``devices``/``device_memory``: as for ``hydra_tune.Runtime``. ``runtime``: use this runtime (a ``Runtime``
+    or a ``hydra_tune.node.connect(...)`` client) instead; the study does not close it. ``share``: "process" (an
+    in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
+    the storage is persistent, else "process"). ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
+    that does not sample the same point for trials running at the same time.
+    """
+    if share not in SHARE:
+        raise rule_error(f"`share` in {SHARE}", "'process' for a runtime in this process, 'node' to share the "
+                         "node's runtime server with other processes, 'auto' to decide by the storage", share=share)
+    if isinstance(trials_per_device, bool) or not isinstance(trials_per_device, int) or trials_per_device < 1:
+        raise rule_error("`trials_per_device >= 1` (an int)", "pass 2 (one trial computing, one preparing) or "
+                         "more", trials_per_device=trials_per_device)
+    kwargs = dict(create_study_kwargs)
+    tasks = _TrialTasks()
+    sampler = kwargs.pop("sampler", None)
+    if sampler is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(constant_liar=True)
+    kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
+    base = optuna.create_study(sampler=HydraSampler(sampler, tasks), **kwargs)
+    owns = runtime is None
+    if owns:
+        if share == "auto":
+            share = "process" if isinstance(base._storage, InMemoryStorage) else "node"
+        if share == "node":
+            from hydra_tune import node
+
+            runtime = node.connect(devices=devices, device_memory=device_memory)
+        else:
+            runtime = Runtime(devices=devices, device_memory=device_memory)
+    elif not callable(getattr(runtime, "submit", None)):
+        raise rule_error("`runtime` is a hydra_tune.Runtime, a hydra_tune.node client, or None", "pass the runtime "
+                         "object, or None to let the study make one from devices/device_memory", kind=TypeError,
+                         runtime=type(runtime).__name__)
+    return HydraStudy(base, runtime, owns, trials_per_device)
