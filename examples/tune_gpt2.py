@@ -27,13 +27,14 @@ SIZES = {"tiny": dict(n_layer=4, n_embd=64, n_head=4), "gpt2": dict(n_layer=12, 
          "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16), "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20)}
 
 
-def make_model(size: str) -> torch.nn.Module:
+def make_model(size: str, **config: Any) -> torch.nn.Module:
+    """A randomly initialised GPT-2 of ``size``; ``config`` overrides GPT2Config fields (e.g. dropout)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     return GPT2LMHeadModel(GPT2Config(vocab_size=demo_gpt2.VOCAB, n_positions=demo_gpt2.SEQ, bos_token_id=0,
-                                      eos_token_id=0, **SIZES[size]))
+                                      eos_token_id=0, **SIZES[size], **config))
 
 
 def train_fn(config: dict[str, Any]) -> None:

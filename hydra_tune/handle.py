@@ -96,6 +96,7 @@ class TaskHandle:
         with self._cond:
             if self._status == "queued":
                 self._status = "running"
+                self._cond.notify_all()   # the node server forwards the start to its client
 
     def _emit(self, metrics: dict[str, Any]) -> None:
         with self._cond:

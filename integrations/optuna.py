@@ -24,10 +24,13 @@ Shape:
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -225,6 +228,21 @@ def _device_count(runtime: Any) -> int:
     return devices if isinstance(devices, int) else len(devices)
 
 
+@contextlib.contextmanager
+def _creating(storage: Any) -> Iterator[None]:
+    """Processes that open a new SQLite file at once race in its schema set-up ("UNIQUE constraint failed:
+    alembic_version"): one process of this user at a time sets up a given file."""
+    path = storage[len("sqlite:///"):] if isinstance(storage, str) and storage.startswith("sqlite:///") else None
+    if not path or path.startswith(":memory:"):
+        yield
+        return
+    from hydra_tune._node_files import locked, private_dir
+
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    with locked(os.path.join(private_dir(), f"sqlite-{digest}.lock")):
+        yield
+
+
 def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
     """A URL string becomes an RDBStorage with Optuna's heartbeat, so dead processes' trials can be failed."""
     if not isinstance(storage, str) or heartbeat_interval is None:
@@ -232,9 +250,11 @@ def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
     if isinstance(heartbeat_interval, bool) or not isinstance(heartbeat_interval, int) or heartbeat_interval < 1:
         raise rule_error("`heartbeat_interval >= 1` (seconds, an int) or None", "pass e.g. 10, or None to leave "
                          "the storage URL to Optuna without a heartbeat", heartbeat_interval=heartbeat_interval)
+    # SQLite: wait for a writer of another process instead of failing with "database is locked" at once.
+    engine = {"connect_args": {"timeout": 60}} if storage.startswith("sqlite") else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval)
+        return optuna.storages.RDBStorage(storage, engine_kwargs=engine, heartbeat_interval=heartbeat_interval)
 
 
 def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
@@ -265,8 +285,9 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(constant_liar=True)
-    kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
-    base = optuna.create_study(sampler=HydraSampler(sampler, tasks), **kwargs)
+    with _creating(kwargs.get("storage")):
+        kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
+        base = optuna.create_study(sampler=HydraSampler(sampler, tasks), **kwargs)
     owns = runtime is None
     if owns:
         if share == "auto":

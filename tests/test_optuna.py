@@ -211,3 +211,16 @@ def test_bad_arguments_are_explained():
         ht.optuna_study(sampler="tpe", devices=["cpu"])
     with _study() as study, pytest.raises(TypeError, match="`trial` is an optuna.Trial of this study"):
         study.submit(object(), _mlp_task(0.1))
+
+
+def test_example_runs_and_reports(tmp_path, capsys):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import optuna_gpt2
+
+    assert optuna_gpt2.main(["--trials", "5", "--epochs", "2", "--train-batches", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "best trial" in out and "5 trials:" in out and "devices busy: cpu:0" in out
+    assert ht.Trace.load(str(tmp_path / "optuna_trace.json")).events

@@ -1,0 +1,126 @@
+"""Where the node runtime server lives: its private directory, authkey, socket, lock and log (hydra_tune/node.py).
+
+    files = server_files(devices=["cpu", "cpu"], device_memory="64MiB")
+    with locked(files["lock"]): ...                     # one starter (or stopper) of that server at a time
+    print(files["socket"], files["log"])
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import site
+import stat
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .errors import HydraError, rule_error
+
+_SOCKET_MAX = 107       # bytes in an AF_UNIX path (sun_path is 108 with its NUL)
+
+
+def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None, *,
+                 policy: str = "lrtf") -> dict[str, Any]:
+    """The server's files for these settings; creates the private base directory and its authkey if missing.
+
+        files = node.server_files(devices=["cpu", "cpu"], device_memory="64MiB")
+        print(open(files["log"]).read())                  # what the server printed
+        files["config"], files["socket"], files["lock"], files["authkey"], files["base"]
+    """
+    config = _normalize(devices, device_memory, policy)
+    # The interpreter and the visible GPUs are part of the identity: a server is only shared by processes that
+    # would have built the same Runtime (same venv, same torch, same devices).
+    identity = dict(config, python=sys.executable, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    base = private_dir()
+    files = {name: os.path.join(base, f"{key}.{ext}") for name, ext in (("socket", "sock"), ("lock", "lock"),
+                                                                       ("log", "log"))}
+    if len(os.fsencode(files["socket"])) > _SOCKET_MAX:
+        raise rule_error(f"the node server's socket path is at most {_SOCKET_MAX} bytes (the AF_UNIX limit)",
+                         "set HYDRA_TUNE_NODE_DIR to a short directory such as /tmp/ht", kind=HydraError,
+                         socket=files["socket"], length=len(os.fsencode(files["socket"])))
+    files.update(base=base, key=key, config=config, authkey=os.path.join(base, "authkey"))
+    _make_authkey(files["authkey"])
+    return files
+
+
+def private_dir() -> str:
+    """This user's private directory for node servers and locks (made 0700 if missing, checked if present)."""
+    base = os.path.abspath(os.environ.get("HYDRA_TUNE_NODE_DIR") or f"/tmp/hydra_tune-{os.getuid()}")
+    _make_private_dir(base)
+    return base
+
+
+def _normalize(devices: Any, device_memory: Any, policy: Any) -> dict[str, Any]:
+    from .devices import parse_bytes
+    from .schedule import POLICIES
+
+    if policy not in POLICIES:
+        raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=policy)
+    if isinstance(devices, tuple):
+        devices = list(devices)
+    if isinstance(devices, list) and devices and all(isinstance(d, str) for d in devices):
+        devices = ["cpu" if re.fullmatch(r"cpu(:\d+)?", d) else d for d in devices]  # the Runtime renames CPUs
+    elif not (devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)):
+        raise rule_error("`devices` is 'auto', a positive int, or a non-empty list of names like ['cuda:0', "
+                         "'cuda:1'] or ['cpu', 'cpu']", "pass one of those forms", devices=devices)
+    return {"devices": devices, "device_memory": parse_bytes(device_memory), "policy": policy}
+
+
+def _make_private_dir(base: str) -> None:
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    _check_private(base, stat.S_ISDIR, "directory", f"`chmod 700 {base}` if it is yours, or set "
+                   "HYDRA_TUNE_NODE_DIR to a directory of your own")
+
+
+def _check_private(path: str, is_kind: Any, kind: str, fix: str) -> None:
+    st = os.lstat(path)  # lstat: a symlink planted by someone else is refused, not followed
+    if not is_kind(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise rule_error(f"the node server's {kind} is a {kind} owned by you (uid {os.getuid()}) with no "
+                         "group/other permissions", fix, kind=HydraError, path=path,
+                         mode=oct(stat.S_IMODE(st.st_mode)), owner=st.st_uid)
+
+
+def _make_authkey(path: str) -> None:
+    if not os.path.exists(path):  # written whole under a temporary name, then linked: readers never see half a key
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secrets.token_bytes(32))
+        os.close(fd)
+        with contextlib.suppress(FileExistsError):  # another process won the race: its key is the key
+            os.link(tmp, path)
+        os.unlink(tmp)
+    _check_private(path, stat.S_ISREG, "authkey file", f"remove {path} (a new one is made; running servers must "
+                   "then be stopped)")
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    """Hold the exclusive ``flock`` on ``path`` (created 0600) for the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _server_env() -> dict[str, str]:
+    """This environment, plus hydra_tune's root on PYTHONPATH where this process found it through sys.path (a
+    checkout), so the server imports this same package. Not a site dir: its .pth files would then be skipped."""
+    env, root = dict(os.environ), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root in {os.path.abspath(p or ".") for p in sys.path} and root not in site.getsitepackages():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    return env
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    with open(path, errors="replace") as f:  # a start-up log is short
+        return f.read()[-n:]
