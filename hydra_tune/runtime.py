@@ -326,9 +326,7 @@ class Runtime:
             del self._tasks[adm.handle.name]
             self._finished[adm.handle.name] = dict(self._task_stats(adm), state=status)
             self._estimator.forget(adm.handle.name)
-        if error is not None and error.__traceback__ is not None:
-            # The traceback's frames hold the failed unit's device tensors: drop their locals, keep the trace.
-            traceback.clear_frames(error.__traceback__)
+        _detach_frames(error)
         adm.chain.close()
         adm.state.abandon_checkpoints(status)
         adm.state.store.clear()
@@ -347,3 +345,18 @@ class Runtime:
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "epoch": st.epoch, "units": adm.units, "host_bytes": st.host_bytes(),
                 "predicted_peak": st.plan.peak}
+
+
+def _detach_frames(error: BaseException | None) -> None:
+    """Keep ``error``'s worker traceback as a note, drop its frames: they hold the failed unit's device tensors and,
+    through the still-running worker frame (which ``traceback.clear_frames`` cannot clear), the task's whole state,
+    for as long as the caller keeps the error (a handle, an Optuna trial's exception)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        if tb is not None:
+            if not isinstance(error, TaskCancelled):   # a cancellation's trace says nothing the message does not
+                error.add_note("Raised in a hydra_tune device worker:\n" + "".join(traceback.format_tb(tb)).rstrip())
+            error.__traceback__ = None
+        error = error.__cause__ or error.__context__

@@ -46,6 +46,7 @@ from hydra_tune.task import ModelTask
 __all__ = ["optuna_study", "HydraStudy", "HydraSampler"]
 
 SHARE = ("auto", "process", "node")
+CANCEL_WAIT = 60.0   # seconds a trial's end waits for its cancelled tasks to stop (one unit, normally far less)
 
 
 class _TrialTasks:
@@ -80,11 +81,19 @@ class _TrialTasks:
         self._cancel(handles)
 
     def _cancel(self, handles: list[Any]) -> None:
-        for h in handles:
-            if not h.done():
-                h.cancel()
-                with self._lock:
-                    self.cancelled += 1
+        ended = [h for h in handles if not h.done()]
+        for h in ended:
+            h.cancel()
+            with self._lock:
+                self.cancelled += 1
+        for h in ended:   # a running task stops at its unit boundary: once the trial is over, so is its task
+            try:
+                h.result(timeout=CANCEL_WAIT)
+            except TimeoutError:
+                warnings.warn(f"hydra_tune task {h.name!r} did not stop within {CANCEL_WAIT} s of its trial's end; "
+                              "it will be freed when its current unit returns", RuntimeWarning, stacklevel=2)
+            except BaseException:  # noqa: BLE001  (TaskCancelled, or the task's own error: the trial is over)
+                pass
 
 
 class HydraSampler(BaseSampler):
