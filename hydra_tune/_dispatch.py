@@ -33,6 +33,7 @@ class MemoryAccount:
         self._live: dict[int, tuple[int, Any]] = {}  # storage identity -> (bytes, its finalizer)
         self.current = 0
         self.peak = 0
+        self.limit: int | None = None  # test-only: exceeding it raises torch.OutOfMemoryError (CpuDevice)
 
     # Storages are keyed by their StorageImpl (``_cdata``), not their data pointer: that identity survives
     # resize_ (release/refill) and also tells apart meta-device storages, which all have data pointer 0.
@@ -43,6 +44,9 @@ class MemoryAccount:
         with self._lock:
             if key in self._live:
                 return
+            if self.limit is not None and self.current + nbytes > self.limit:
+                raise torch.OutOfMemoryError(f"CPU device out of memory (test limit): allocating {nbytes} bytes "
+                                             f"with {self.current} in use would pass the limit of {self.limit}")
             self._live[key] = (nbytes, weakref.finalize(storage, self._release, key))
             self.current += nbytes
             self.peak = max(self.peak, self.current)

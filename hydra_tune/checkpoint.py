@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -113,3 +114,24 @@ def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint; tensors and plain data only (no arbitrary objects are unpickled)."""
     return torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+
+
+class CheckpointRequest:
+    """A checkpoint asked of a running task; ``wait`` returns the written path or raises why it was not."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._result: tuple[str | None, BaseException | None] = (None, None)
+
+    def finish(self, path: str | None, error: BaseException | None) -> None:
+        self._result = (path, error)
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no step boundary within {timeout} s for checkpoint {self.path!r}")
+        path, error = self._result
+        if error is not None:
+            raise error
+        return path  # type: ignore[return-value]

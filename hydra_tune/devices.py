@@ -74,6 +74,9 @@ class Device:
         """Called once in the device's worker thread before its first unit."""
         self.copy_bandwidth = self._measure_bandwidth()
 
+    def after_oom(self) -> None:
+        """Called after a unit ran out of memory and its tensors were dropped, before the task is re-planned."""
+
     def _measure_bandwidth(self, nbytes: int = 16 << 20) -> float:
         """Host -> device -> host copy rate into ready buffers (best of 3): what offloading activations costs per
         byte once the allocator has warmed up. Plain tensors, freed before the device's overhead is read."""
@@ -98,6 +101,12 @@ class Device:
 
     def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode | None]:
         raise NotImplementedError
+
+    def limit_memory(self, nbytes: int | None) -> None:
+        """Test-only: an allocation that would take this device's accounted bytes past ``nbytes`` raises
+        ``torch.OutOfMemoryError``, as CUDA does when memory runs out (None: no limit). Every segment is then
+        counted op by op, so the limit applies to all of them."""
+        self.account.limit = nbytes
 
     def measure(self, key: Any) -> bool:
         """Whether the segment about to run (``key``: task and input shapes) must be measured op by op; the
@@ -131,13 +140,19 @@ class CpuDevice(Device):
         self._unrouted: set[Any] = set()
         self._task: Any = None
 
+    def limit_memory(self, nbytes: int | None) -> None:
+        """Test-only: an allocation that would take this device's accounted bytes past ``nbytes`` raises
+        ``torch.OutOfMemoryError``, as CUDA does when memory runs out (None: no limit). Every segment is then
+        counted op by op, so the limit applies to all of them."""
+        self.account.limit = nbytes
+
     def measure(self, key: Any) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
         # one with the same task and input shapes exactly, so each distinct one is counted once: the device's
         # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
         # whose measured units drew random numbers the light router does not know keeps the full mode.
         self._task = key[0] if isinstance(key, tuple) else key
-        if key in self._measured and self._task not in self._unrouted:
+        if key in self._measured and self._task not in self._unrouted and self.account.limit is None:
             return False
         self._measured.add(key)
         return True
@@ -197,6 +212,9 @@ class CudaDevice(Device):
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.device(self.torch_device)
+
+    def after_oom(self) -> None:
+        torch.cuda.empty_cache()  # give the failed unit's cached blocks back, so the smaller plan starts clean
 
     def peak_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.torch_device))

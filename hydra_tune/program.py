@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._dispatch import UnitMode
 from .devices import Device, TaskRNG
-from .checkpoint import Position, capture, load, restore, save
+from .checkpoint import CheckpointRequest, Position, capture, load, restore, save
 from .errors import HydraError, PlanError
 from .plan import Plan, partition
 from .profile import measure_costs
@@ -110,6 +110,9 @@ class TaskState:
         self.train_batches: int | None = None  # counted in the first epoch (for data without a length)
         self.eval_batches: int | None = None
         self.resume: Position | None = None  # where a resumed task continues (checkpoint.restore)
+        self.costs: Any = None
+        self.replans = 0
+        self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
         self._lock = threading.Lock()
         self._requests: list[CheckpointRequest] = []
 
@@ -147,6 +150,7 @@ class TaskState:
                 raise
             raise PlanError(_uncut_message(model, exc)) from None
         state = cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
+        state.costs = costs  # what a re-plan after a device out-of-memory starts from (hydra_tune/oom.py)
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
             state.steps = state.resume.steps
@@ -252,12 +256,33 @@ class TaskState:
             Unit(self.task.name, kind, ex.index, self.segments, run, pre) for kind, ex, run, pre in units), train,
             (train, shapes))
 
+    def retry(self, plan: Plan) -> Segment:
+        """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
+        epoch's losses and the host buffers go back to where the segment began; the same batch runs again."""
+        attempt = self._attempt
+        if attempt is None:
+            raise RuntimeError(f"task {self.task.name!r} has no segment in flight to retry")
+        self.rng.restore(attempt.rng)
+        del attempt.losses[attempt.n_losses:]
+        self.store.reset_attempt()
+        self.plan = plan
+        self.execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast) for s in plan.shards]
+        self.replans += 1
+        return attempt.rebuild()
+
+    def _begin(self, batch: Any, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
+        self.store.batch = batch
+        self.store.carries[0] = self.cut.prepare(batch)
+        self._attempt = _Attempt(self.rng.snapshot(), losses, len(losses), rebuild)
+        return rebuild()
+
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
-        store, rng, plan = self.store, self.rng, self.plan
-        store.batch = batch
-        store.carries[0] = self.cut.prepare(batch)
         if self.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
-            store.loss_scale = self.scaler.scale(torch.ones((), dtype=torch.float32))
+            self.store.loss_scale = self.scaler.scale(torch.ones((), dtype=torch.float32))
+        return self._begin(batch, losses, lambda: self._train_units(losses))
+
+    def _train_units(self, losses: list[float]) -> Segment:
+        store, rng, plan = self.store, self.rng, self.plan
         last = self.execs[-1]
 
         def run_last(d: Device) -> None:
@@ -291,27 +316,28 @@ class TaskState:
         self.steps += 1
 
     def _evaluate(self) -> Iterator[Segment]:
-        store, rng = self.store, self.rng
+        store = self.store
         self.model.eval()
         losses: list[float] = []
         n = 0
         try:
             for batch in self._batches(self.eval_iterable):
-                store.batch = batch
-                store.carries[0] = self.cut.prepare(batch)
-                last = self.execs[-1]
-                units = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False),
-                          lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in self.execs[:-1]]
-                units.append(("E", last, lambda d: losses.append(last.evaluate(d, store, rng, self.task.loss)),
-                              lambda d: last.prefetch(d, store, "E")))
                 self.eval_in_epoch += 1
-                yield self._segment(units, False)
+                yield self._begin(batch, losses, lambda: self._eval_units(losses))
                 store.clear()
                 n += 1
         finally:
             self.model.train()
         self.eval_batches = n
         return sum(losses) / max(len(losses), 1)
+
+    def _eval_units(self, losses: list[float]) -> Segment:
+        store, rng, last = self.store, self.rng, self.execs[-1]
+        units = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False),
+                  lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in self.execs[:-1]]
+        units.append(("E", last, lambda d: losses.append(last.evaluate(d, store, rng, self.task.loss)),
+                      lambda d: last.prefetch(d, store, "E")))
+        return self._segment(units, False)
 
     def remaining(self) -> dict[str, int]:
         """Estimated units left per kind (for the scheduler): from the data's length when it has one, else from
@@ -344,25 +370,17 @@ class TaskState:
 _END = object()
 
 
-class CheckpointRequest:
-    """A checkpoint asked of a running task; ``wait`` returns the written path or raises why it was not."""
+@dataclass
+class _Attempt:
+    """Where the segment in flight began: the task's RNG state, the losses list and its length, and how to build
+    the segment's units again (over the task's current shards)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._done = threading.Event()
-        self._result: tuple[str | None, BaseException | None] = (None, None)
+    rng: Any
+    losses: list[float]
+    n_losses: int
+    rebuild: Callable[[], Segment]
 
-    def finish(self, path: str | None, error: BaseException | None) -> None:
-        self._result = (path, error)
-        self._done.set()
 
-    def wait(self, timeout: float | None = None) -> str:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"no step boundary within {timeout} s for checkpoint {self.path!r}")
-        path, error = self._result
-        if error is not None:
-            raise error
-        return path  # type: ignore[return-value]
 _DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

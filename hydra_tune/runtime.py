@@ -24,6 +24,7 @@ from typing import Any
 from .devices import Device, resolve_devices
 from .errors import RuntimeClosed, TaskCancelled, rule_error
 from .handle import TaskHandle
+from .oom import is_oom, replan
 from .program import Segment, TaskState, Unit
 from .schedule import POLICIES, Estimator, Ready
 from .shard import ShardCache
@@ -196,6 +197,8 @@ class Runtime:
         if adm.handle.cancel_requested:
             self._end(adm, "cancelled", TaskCancelled(f"task {adm.handle.name!r} was cancelled"))
             return False
+        if adm.segment is not None:
+            return True  # a re-planned minibatch, open since its out-of-memory
         adm.handle._set_running()
         try:
             adm.segment = next(adm.chain)
@@ -296,9 +299,17 @@ class Runtime:
         except BaseException as exc:
             if pending is not None:
                 pending.exception()  # let a prefetch of this task finish before its state is freed
-            self._end(adm, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
+            retry = is_oom(exc) and self._replan(adm, unit, device, exc)
+            if not retry:
+                self._end(adm, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
             following = nxt.result() if nxt is not None else None
-            return None if following is adm else following
+            if not retry:
+                return None if following is adm else following
+            if following is None or following is adm:
+                return adm  # its minibatch, re-planned, runs again here now
+            with self._cond:  # the copy thread already opened another task for this device: that one goes first
+                self._push(adm)
+            return following
         following = nxt.result() if nxt is not None else None
         with self._cond:
             adm.last_device = index
@@ -308,6 +319,26 @@ class Runtime:
         if following is adm:  # the policy keeps this device on the same task: open its next segment here
             return adm if self._open(adm) else None
         return following
+
+    def _replan(self, adm: _Admitted, unit: Unit, device: Device, exc: BaseException) -> bool:
+        """After a device out-of-memory in ``unit``: drop what the attempt held, cut the task smaller and open
+        the same minibatch again (``adm.segment``); False when that failed (the task then ended with why)."""
+        exc.__traceback__ = None  # its frames hold the failed unit's device tensors
+        old = adm.state.execs
+        for d in self.devices:
+            for ex in old:
+                d.resident.drop(ex)
+        device.after_oom()
+        rates = [d.copy_bandwidth for d in self.devices if d.copy_bandwidth]
+        try:
+            adm.segment = replan(adm.state, unit, device.name, min(rates) if rates else None,
+                                 all(d.releases_graphs for d in self.devices))
+        except BaseException as error:  # noqa: BLE001  (a stage that no longer fits: that task's error alone)
+            self._end(adm, "failed", error)
+            return False
+        with self._cond:
+            self._estimator.forget(adm.handle.name)  # its units are other units now
+        return True
 
     def _cancel(self, handle: TaskHandle) -> None:
         with self._cond:
@@ -343,7 +374,7 @@ class Runtime:
         return {"state": adm.handle.status, "shards": [list(ex.names) for ex in st.execs],
                 "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
-                "epoch": st.epoch, "units": adm.units, "host_bytes": st.host_bytes(),
+                "epoch": st.epoch, "units": adm.units, "host_bytes": st.host_bytes(), "replans": st.replans,
                 "predicted_peak": st.plan.peak}
 
 

@@ -208,9 +208,11 @@ class ShardExec:
         with self.precision(device):
             return model_loss(loss_fn, out, self.to_device(device, batch))
 
-    def _write_back_buffers(self, copies: dict[int, torch.Tensor], device: Device, store: HostStore | None,
-                            mode: Any) -> None:
-        """Buffers the forward changed in place (BatchNorm statistics) go back to the host model."""
+    def _write_back_buffers(self, copies: dict[int, torch.Tensor], device: Device, store: HostStore,
+                            mode: Any, recompute: bool = False) -> None:
+        """Buffers the forward changed in place (BatchNorm statistics) go back to the host model; their values
+        before the minibatch stay in ``store.undo`` (a retried segment starts from them), and with ``recompute``
+        the values this forward saw stay for its B unit's recompute."""
         if not self.buffers:
             return
         with paused_accounting(mode):
@@ -218,8 +220,12 @@ class ShardExec:
             # always bump its version counter.
             back = {k: device.copier.to_host(copies[k]) for k in self.buffers}
             changed = [k for k, t in back.items() if not torch.equal(t, self.buffers[k])]
-            if store is not None and changed:
+            if recompute and changed:
                 store.buffers[self.index] = {k: self.buffers[k].clone() for k in changed}
+            for k in changed:
+                if k not in store.undo:
+                    store.undo[k] = (self.buffers[k], store.buffers[self.index][k] if recompute else
+                                     self.buffers[k].clone())
             for k in changed:
                 self.buffers[k].copy_(back[k])
 
@@ -239,7 +245,7 @@ class ShardExec:
             carry = self.to_device(device, store.carries[self.index])
             out = self.run(carry, copies, device)
             if train:
-                self._write_back_buffers(copies, device, store, mode)
+                self._write_back_buffers(copies, device, store, mode, recompute=True)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = tree_map(
                     lambda t: device.copier.to_host(t) if isinstance(t, torch.Tensor) else t, out)
@@ -256,7 +262,7 @@ class ShardExec:
                     out = self.run(carry, copies, device)
             else:
                 out = self.run(carry, copies, device)
-            self._write_back_buffers(copies, device, None, mode)
+            self._write_back_buffers(copies, device, store, mode)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = tree_map(
                     lambda t: device.copier.to_host(t.detach()) if isinstance(t, torch.Tensor) else t, out)
@@ -302,7 +308,7 @@ class ShardExec:
             if store.loss_scale is not None:  # fp16: GradScaler.scale(), the same multiply
                 scaled = scaled * store.loss_scale.to(device=scaled.device, non_blocking=True)
             scaled.backward()
-            self._write_back_buffers(copies, device, None, mode)
+            self._write_back_buffers(copies, device, store, mode)
             self._grads_out(device, store, copies, leaves, mode)
             return float(loss.detach().item())
 

@@ -36,6 +36,7 @@ class HostStore:
         self.out_grads: dict[int, list[torch.Tensor | None]] = {}  # shard -> grads of its output leaves
         self.kept: dict[int, Any] = {}               # shard -> shard.Kept: its forward's graph, on its device
         self.loss_scale: torch.Tensor | None = None  # fp16: the task's GradScaler scale for this minibatch
+        self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host buffer -> its value before the batch
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -55,8 +56,20 @@ class HostStore:
                 param.grad.add_(grad)
         self._pending.clear()
 
+    def reset_attempt(self) -> None:
+        """Forget what a failed attempt at the minibatch left (kept graphs, carries past the first, gradients in
+        flight) and put changed host buffers back; the batch, its prepared input and loss scale stay."""
+        for host, old in self.undo.values():
+            host.copy_(old)
+        first = self.carries.get(0)
+        batch, scale = self.batch, self.loss_scale
+        self.clear()
+        self.batch, self.loss_scale = batch, scale
+        self.carries[0] = first
+
     def clear(self) -> None:
         self.batch = None
+        self.undo.clear()
         self.carries.clear()
         self.rng.clear()
         self.buffers.clear()

@@ -1,0 +1,56 @@
+"""A device ran out of memory during a unit: re-plan that task with smaller shards and run its minibatch again.
+
+    except torch.OutOfMemoryError as exc:
+        segment = replan(state, unit, device.name, bandwidth, keep)   # the same minibatch over smaller shards
+        # ... run ``segment``; a stage that does not fit even alone raises PlanError naming it
+
+The minibatch starts over from where it began (``TaskState.retry``: the task's RNG state, the epoch's losses, host
+buffers such as BatchNorm statistics), and nothing of the failed attempt reached the parameters (gradients are
+added and the optimizer steps only after a segment), so the task ends exactly as it would have without the
+out-of-memory. Each re-plan asks for 75% of the failed plan's predicted peak (85% or 95% when no plan fits that):
+the memory the device really had is unknown (another process, fragmentation, a model whose measured costs were
+off), so it shrinks until the units fit, or until a single stage no longer fits even in 95% and the task fails with
+the partitioner's error.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import HydraError, PlanError, format_bytes
+from .plan import partition
+
+if TYPE_CHECKING:
+    from .program import Segment, TaskState, Unit
+
+SHRINK = (0.75, 0.85, 0.95)  # a re-plan fits the task into the first of these shares of the failed plan's peak
+                              # that a plan exists for
+MAX_REPLANS = 8   # a task that keeps running out of memory after this many re-plans fails
+
+
+def is_oom(exc: BaseException) -> bool:
+    """The device's allocator refused an allocation (CUDA, or the CPU stand-ins' test-only limit)."""
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def replan(state: TaskState, unit: Unit, device: str, bandwidth: float | None, keep: bool) -> Segment:
+    """Cut ``state``'s model for a smaller budget and rebuild the minibatch in flight over the new shards."""
+    plan, name = state.plan, state.task.name
+    ceiling = plan.peak if plan.budget is None else min(plan.budget, plan.peak)
+    where = (f"task {name!r} ran out of device memory on {device} in unit {unit} (plan: {len(plan.shards)} shards, "
+             f"predicted peak {format_bytes(plan.peak)})")
+    if state.replans >= MAX_REPLANS:
+        raise HydraError(f"{where} after {state.replans} re-plans; the last budget was {format_bytes(ceiling)}. "
+                         "Fix: lower device_memory to what the device really has free, or free the memory other "
+                         "processes hold on it.")
+    for share in SHRINK:  # the smallest budget a plan exists for: the device holds less than the plan said
+        budget = int(ceiling * share)
+        try:
+            smaller = partition(state.costs, budget, bandwidth=bandwidth, keep=keep)
+            break
+        except PlanError as exc:
+            error = exc
+    else:
+        raise PlanError(f"{where}; re-planning it for {format_bytes(budget)} failed: {error}") from None
+    return state.retry(smaller)
