@@ -49,22 +49,13 @@ def make_objective(args: argparse.Namespace):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=sorted(tune_gpt2.SIZES), default="tiny", help="GPT-2 size (default tiny)")
+    p = tune_gpt2.search_parser(__doc__, "max epochs per trial (default 6)")
     p.add_argument("--trials", type=int, default=16, help="trials (default 16)")
-    p.add_argument("--epochs", type=int, default=6, help="max epochs per trial (default 6)")
-    p.add_argument("--train-batches", type=int, default=16, help="training batches per epoch (default 16)")
-    p.add_argument("--eval-batches", type=int, default=2, help="held-out batches (default 2)")
-    p.add_argument("--devices", default="cpu,cpu", help="'auto', a count, or names such as cpu,cpu (default)")
-    p.add_argument("--device-memory", default=None, help="budget per device, e.g. 10MiB (default: none)")
     p.add_argument("--n-jobs", type=int, default=None, help="trials at once (default: the study's concurrency)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: in memory)")
     p.add_argument("--study-name", default="optuna_gpt2", help="study name (with --storage: shared by processes)")
     p.add_argument("--out", default=".", help="folder for the plots and the trace (default: here)")
-    args = p.parse_args(argv)
-    d = args.devices
-    args.devices = d if d == "auto" else int(d) if d.isdigit() else d.split(",")
-    return args
+    return tune_gpt2.parse_search(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,23 +53,33 @@ def train_fn(config: dict[str, Any]) -> None:
         tune.report(metrics)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def search_parser(doc: str, epochs_help: str) -> argparse.ArgumentParser:
+    """The options every GPT-2 search example shares (model size, data, devices); parse with ``parse_search``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--model", choices=sorted(SIZES), default="tiny", help="GPT-2 size (default tiny)")
-    p.add_argument("--samples", type=int, default=12, help="trials sampled (default 12)")
-    p.add_argument("--epochs", type=int, default=6, help="max epochs per trial = ASHA's max_t (default 6)")
+    p.add_argument("--epochs", type=int, default=6, help=epochs_help)
     p.add_argument("--train-batches", type=int, default=16, help="training batches per epoch (default 16)")
     p.add_argument("--eval-batches", type=int, default=2, help="held-out batches (default 2)")
     p.add_argument("--devices", default="cpu,cpu", help="'auto', a count, or names such as cpu,cpu (default)")
     p.add_argument("--device-memory", default=None, help="budget per device, e.g. 10MiB (default: none)")
-    p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_trials (default 4)")
-    p.add_argument("--cpus", type=int, default=2, help="CPUs for the local Ray (default 2)")
-    p.add_argument("--trace", default="tune_trace.json", help="Chrome trace output ('' to skip)")
-    p.add_argument("--timeline", default="tune_timeline.png", help="Gantt chart output ('' to skip)")
+    return p
+
+
+def parse_search(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     d = args.devices
     args.devices = d if d == "auto" else int(d) if d.isdigit() else d.split(",")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = search_parser(__doc__, "max epochs per trial = ASHA's max_t (default 6)")
+    p.add_argument("--samples", type=int, default=12, help="trials sampled (default 12)")
+    p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_trials (default 4)")
+    p.add_argument("--cpus", type=int, default=2, help="CPUs for the local Ray (default 2)")
+    p.add_argument("--trace", default="tune_trace.json", help="Chrome trace output ('' to skip)")
+    p.add_argument("--timeline", default="tune_timeline.png", help="Gantt chart output ('' to skip)")
+    return parse_search(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
