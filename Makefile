@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: test demo venv clean
+.PHONY: test demo demo-optuna venv clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: venv
 # The Ray Tune ASHA search (examples/tune_gpt2.py); `$(BIN)/python examples/demo_gpt2.py` is the single-runtime demo.
 demo: venv
 	$(BIN)/python examples/tune_gpt2.py
+
+# The Optuna TPE + MedianPruner search (examples/optuna_gpt2.py) on one shared runtime.
+demo-optuna: venv
+	$(BIN)/python examples/optuna_gpt2.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
