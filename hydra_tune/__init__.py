@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .api import configure, current_handle, default_runtime, save_checkpoint, train
-from .errors import HydraError, PlanError, RuntimeClosed, TaskCancelled
+from .errors import HydraError, NonFiniteLoss, PlanError, RuntimeClosed, TaskCancelled
 from .handle import TaskHandle
 from .planning import plan_model
 from .runtime import Runtime
@@ -23,7 +23,7 @@ from .trace import Trace
 
 __version__ = "0.1.0"
 __all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "save_checkpoint", "current_handle", "configure", "default_runtime", "HydraError",
-           "PlanError", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
+           "PlanError", "NonFiniteLoss", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
          "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),

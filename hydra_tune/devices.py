@@ -285,18 +285,26 @@ def resolve_devices(devices: int | str | Sequence[str] = "auto",
     if len(kinds) > 1:
         raise rule_error("all `devices` are of one kind", "use only CUDA devices or only CPU devices",
                          devices=names)
+    # One worker per GPU: two on one GPU would each plan for its whole memory. CPU stand-ins may repeat.
+    gpus = ["cuda:0" if n == "cuda" else n for n in names if n == "cuda" or re.fullmatch(r"cuda:\d+", n)]
+    if len(set(gpus)) < len(gpus):
+        raise rule_error("each CUDA device is listed once", "remove the duplicate (one worker per GPU; 'cuda' "
+                         "is 'cuda:0'); only CPU stand-ins such as ['cpu', 'cpu'] may repeat", devices=names)
     out: list[Device] = []
     for i, name in enumerate(names):
         if name == "cpu" or re.fullmatch(r"cpu:\d+", name):
             out.append(CpuDevice(f"cpu:{i}", budget))
-        elif re.fullmatch(r"cuda:\d+", name):
+        elif name == "cuda" or re.fullmatch(r"cuda:\d+", name):
+            if n_cuda == 0:
+                raise rule_error("a CUDA device is available (torch.cuda.device_count() > 0)", "use CPU "
+                                 "stand-ins here, e.g. devices=['cpu', 'cpu'] with a device_memory budget, or "
+                                 "run where a GPU is visible (a CUDA build of torch, CUDA_VISIBLE_DEVICES not "
+                                 "empty)", device=name, device_count=0, torch_cuda=torch.version.cuda)
+            name = "cuda:0" if name == "cuda" else name
             index = int(name.split(":")[1])
             if index >= n_cuda:
                 raise rule_error("each `cuda:i` has `i < torch.cuda.device_count()`", "use an existing GPU "
-                                 "index, or devices=['cpu', ...] on a machine without GPUs", device=name,
-                                 device_count=n_cuda)
-            if name in (d.name for d in out):
-                raise rule_error("each CUDA device is listed once", "remove the duplicate", devices=names)
+                                 f"index (0 to {n_cuda - 1})", device=name, device_count=n_cuda)
             own = budget if budget is not None else int(_cuda_free_bytes(index) * (1 - CUDA_MARGIN))
             out.append(CudaDevice(name, own))
         else:

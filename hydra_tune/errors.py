@@ -23,6 +23,10 @@ class RuntimeClosed(HydraError):
     """The runtime was closed while the task was still queued or running."""
 
 
+class NonFiniteLoss(HydraError, FloatingPointError):
+    """A training minibatch's loss was NaN or inf under ``ModelTask(nonfinite_loss="fail")`` (the default)."""
+
+
 def _fmt(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

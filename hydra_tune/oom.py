@@ -52,5 +52,7 @@ def replan(state: TaskState, unit: Unit, device: str, bandwidth: float | None, k
         except PlanError as exc:
             error = exc
     else:
-        raise PlanError(f"{where}; re-planning it for {format_bytes(budget)} failed: {error}") from None
+        raise PlanError(f"{where}; re-planning it for {format_bytes(budget)} failed: {error} (Plans are measured "
+                        "on the task's first batch: a larger later batch needs more than planned; make the first "
+                        "batch the largest, or keep batch shapes equal.)") from None
     return state.retry(smaller)

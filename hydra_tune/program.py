@@ -11,6 +11,7 @@ metrics go to ``emit``.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,13 +25,13 @@ from torch.utils._pytree import tree_flatten
 from ._dispatch import UnitMode
 from .devices import Device, TaskRNG
 from .checkpoint import CheckpointRequest, Position, capture, load, restore, save
-from .errors import HydraError, PlanError
+from .errors import HydraError, NonFiniteLoss, PlanError, rule_error
 from .plan import Plan, partition
 from .profile import measure_costs
 from .shard import ShardExec
 from .stages import ModelStages, extract_stages
 from .store import HostStore
-from .task import ModelTask
+from .task import ModelTask, check_batch, check_model, check_optimizer
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class TaskState:
         self.costs: Any = None
         self.replans = 0
         self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
+        self.skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
         self._lock = threading.Lock()
         self._requests: list[CheckpointRequest] = []
 
@@ -122,17 +124,10 @@ class TaskState:
         rng = TaskRNG(task.seed)
         with UnitMode(rng.cpu):  # init and data order draw from the task's stream, as after manual_seed(seed)
             model = task.model if isinstance(task.model, nn.Module) else _build(task.model, "model")
-            if not isinstance(model, nn.Module):
-                raise TypeError(f"the `model` factory returns an nn.Module, but got (type={type(model).__name__})."
-                                " Fix: make the factory return the model instance.")
-            if not any(True for _ in model.parameters()):
-                raise ValueError(f"the model has at least one parameter to train, but got (model="
-                                 f"{type(model).__name__}, parameters=0). Fix: pass a model with parameters.")
+            check_model(task, model)
             model.train()
             optimizer = _build(task.optimizer, "optimizer (`optimizer(model)`)", model)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(f"`optimizer(model)` returns a torch.optim.Optimizer, but got (type="
-                                f"{type(optimizer).__name__}). Fix: e.g. `lambda m: torch.optim.AdamW(m.parameters())`.")
+            check_optimizer(task, model, optimizer)
             scheduler = None if task.lr_scheduler is None else _build(task.lr_scheduler, "lr_scheduler", optimizer)
             train_iterable = _iterable(task.train_data)
             eval_iterable = None if task.eval_data is None else _iterable(task.eval_data)
@@ -140,8 +135,9 @@ class TaskState:
         with UnitMode(torch.Generator().manual_seed(task.seed)):  # a scratch stream: the task's stays untouched
             sample = next(iter(train_iterable), None)
         if sample is None:
-            raise ValueError(f"`train_data` yields at least one batch, but got (batches=0, task={task.name!r}). "
-                             "Fix: check the dataset and the DataLoader's drop_last/batch_size.")
+            raise rule_error("`train_data` yields at least one batch", "check the dataset's length and the "
+                             "DataLoader's batch_size and drop_last", task=task.name, batches=0)
+        check_batch(sample, task.name, "train_data", 1)
         costs = measure_costs(cut, sample, task.loss, task.seed, _DTYPES[task.precision])
         try:
             plan = partition(costs, budget, bandwidth=bandwidth, keep=keep)
@@ -170,8 +166,11 @@ class TaskState:
             if resume is not None:  # repeat the epoch's data order, step over what was trained, continue
                 rng.cpu.set_state(resume.epoch_rng)
                 losses, skip = list(resume.losses), resume.batch_in_epoch
+                if skip == 0:  # an epoch-start position: nothing to step over, continue from its state now
+                    rng.restore((resume.rng, resume.accel_rng))
+                    resume = self.resume = None
             epoch_rng = rng.cpu.get_state()
-            pending = 0
+            pending = skipped = 0
             for batch in self._batches(self.train_iterable):
                 self.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
                 if self.batch_in_epoch <= skip:
@@ -180,6 +179,12 @@ class TaskState:
                         resume = self.resume = None
                     continue
                 yield self._train_segment(batch, losses)
+                if self.skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
+                    self.skipping = False
+                    self.store.clear()
+                    self.optimizer.zero_grad()
+                    pending, skipped = 0, skipped + 1
+                    continue
                 self.store.flush_grads()
                 self.store.clear()
                 samples += _batch_size(batch)
@@ -191,15 +196,14 @@ class TaskState:
                                                      epoch_rng, *rng.snapshot()))
                     if task.max_steps is not None and self.steps >= task.max_steps:
                         break
-            if resume is not None:  # an epoch-start position (nothing to skip): continue from its state
-                rng.restore((resume.rng, resume.accel_rng))
-                resume = self.resume = None
             self.train_batches = self.batch_in_epoch if epoch == 1 else self.train_batches
             if pending:
                 self._step()
             metrics: dict[str, Any] = {
-                "epoch": epoch, "train_loss": sum(losses) / max(len(losses), 1), "steps": self.steps,
-                "samples": samples, "lr": self.optimizer.param_groups[0]["lr"]}
+                "epoch": epoch, "train_loss": sum(losses) / len(losses) if losses else math.nan,
+                "steps": self.steps, "samples": samples, "lr": self.optimizer.param_groups[0]["lr"]}
+            if task.nonfinite_loss == "skip_step":
+                metrics["skipped_batches"] = skipped
             if self.scaler is not None:
                 metrics["loss_scale"] = self.scaler.get_scale()
             if self.eval_iterable is not None:
@@ -264,6 +268,7 @@ class TaskState:
             raise RuntimeError(f"task {self.task.name!r} has no segment in flight to retry")
         self.rng.restore(attempt.rng)
         del attempt.losses[attempt.n_losses:]
+        self.skipping = False
         self.store.reset_attempt()
         self.plan = plan
         self.execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast) for s in plan.shards]
@@ -277,6 +282,7 @@ class TaskState:
         return rebuild()
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
+        check_batch(batch, self.task.name, "train_data", self.batch_in_epoch)
         if self.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
             self.store.loss_scale = self.scaler.scale(torch.ones((), dtype=torch.float32))
         return self._begin(batch, losses, lambda: self._train_units(losses))
@@ -286,7 +292,10 @@ class TaskState:
         last = self.execs[-1]
 
         def run_last(d: Device) -> None:
-            losses.append(last.last(d, store, rng, self.task.loss, self.task.grad_accumulation))
+            # The loss is on the host already (metrics): checking it costs no device sync.
+            value = last.last(d, store, rng, self.task.loss, self.task.grad_accumulation)
+            if math.isfinite(value) or self._nonfinite(value):
+                losses.append(value)
 
         def pre(ex: ShardExec, kind: str) -> Callable[[Device], int]:
             return lambda d: ex.prefetch(d, store, kind)
@@ -298,6 +307,22 @@ class TaskState:
         units += [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng), pre(ex, "B"))
                   for ex in reversed(self.execs[:-1])]
         return self._segment(units, True)
+
+    def _nonfinite(self, value: float) -> bool:
+        """The task's ``nonfinite_loss`` policy for a NaN/inf training loss: raise ("fail"), drop the minibatch
+        ("skip_step", False) or keep it (True)."""
+        policy = self.task.nonfinite_loss
+        if policy == "fail":
+            fix = ("lower the learning rate, clip gradients (grad_clip_norm=1.0), check that batch for inf/NaN "
+                   "inputs or labels that are all ignored (-100)")
+            if self.task.precision == "fp16":
+                fix += ", use precision='bf16' (fp16 overflows above 65504) or leave nonfinite_loss=None"
+            raise rule_error("the training loss is finite (nonfinite_loss='fail')", fix + ", or pass "
+                             "nonfinite_loss='skip_step' to drop such batches ('ignore' trains on them)",
+                             kind=NonFiniteLoss, task=self.task.name, epoch=self.epoch,
+                             batch_in_epoch=self.batch_in_epoch, steps_done=self.steps, loss=value)
+        self.skipping = policy == "skip_step"
+        return not self.skipping
 
     def _step(self) -> None:
         scaler = self.scaler
@@ -322,6 +347,7 @@ class TaskState:
         n = 0
         try:
             for batch in self._batches(self.eval_iterable):
+                check_batch(batch, self.task.name, "eval_data", self.eval_in_epoch + 1)
                 self.eval_in_epoch += 1
                 yield self._begin(batch, losses, lambda: self._eval_units(losses))
                 store.clear()
@@ -407,3 +433,4 @@ def _iterable(data: Any) -> Any:
             raise TypeError(f"the data factory returns something iterable once per epoch, but got a one-shot "
                             f"iterator (type={type(data).__name__}). Fix: return a list or DataLoader.")
     return data
+

@@ -357,7 +357,7 @@ class Runtime:
             del self._tasks[adm.handle.name]
             self._finished[adm.handle.name] = dict(self._task_stats(adm), state=status)
             self._estimator.forget(adm.handle.name)
-        _detach_frames(error)
+        _detach_frames(error, adm.handle.name)
         adm.chain.close()
         adm.state.abandon_checkpoints(status)
         adm.state.store.clear()
@@ -378,16 +378,17 @@ class Runtime:
                 "predicted_peak": st.plan.peak}
 
 
-def _detach_frames(error: BaseException | None) -> None:
-    """Keep ``error``'s worker traceback as a note, drop its frames: they hold the failed unit's device tensors and,
-    through the still-running worker frame (which ``traceback.clear_frames`` cannot clear), the task's whole state,
-    for as long as the caller keeps the error (a handle, an Optuna trial's exception)."""
+def _detach_frames(error: BaseException | None, task: str) -> None:
+    """Keep ``error``'s worker traceback as a note naming ``task``, drop its frames: they hold the failed unit's
+    device tensors and, through the still-running worker frame (which ``traceback.clear_frames`` cannot clear), the
+    task's whole state, for as long as the caller keeps the error (a handle, an Optuna trial's exception)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         tb = error.__traceback__
         if tb is not None:
             if not isinstance(error, TaskCancelled):   # a cancellation's trace says nothing the message does not
-                error.add_note("Raised in a hydra_tune device worker:\n" + "".join(traceback.format_tb(tb)).rstrip())
+                error.add_note(f"Raised in task {task!r} in a hydra_tune device worker:\n"
+                               + "".join(traceback.format_tb(tb)).rstrip())
             error.__traceback__ = None
         error = error.__cause__ or error.__context__

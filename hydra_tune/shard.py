@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ._dispatch import paused_accounting
 from .devices import Device, TaskRNG
+from .errors import rule_error
 from .stages import Stage
 from .store import HostStore
 
@@ -37,12 +38,13 @@ def _is_float(t: object) -> bool:
 def check_loss(loss: object, where: str) -> torch.Tensor:
     """The loss a unit backpropagates must be a real scalar tensor: say so clearly when it is not."""
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"the loss is a scalar tensor, but got (loss={type(loss).__name__}) from {where}. Fix: "
-                        "return a tensor from `loss(outputs, batch)`, or give the model labels so outputs.loss "
-                        "is set.")
+        raise rule_error("the loss is a tensor", "return the loss tensor itself (not `.item()` or a number), or "
+                         "give the model labels so `outputs.loss` is set", kind=TypeError, source=where,
+                         type=type(loss).__name__)
     if loss.numel() != 1 or not loss.is_floating_point():
-        raise ValueError(f"the loss is a floating-point scalar (numel == 1), but got (shape={tuple(loss.shape)}, "
-                         f"dtype={loss.dtype}) from {where}. Fix: reduce it, e.g. `.mean()`.")
+        raise rule_error("the loss is a floating-point scalar (numel == 1) tensor", "reduce it to one number, e.g. "
+                         "`.mean()`, and keep it floating point", source=where, shape=tuple(loss.shape),
+                         dtype=loss.dtype)
     return loss
 
 
@@ -53,9 +55,9 @@ def model_loss(loss_fn: LossFn | None, outputs: Any, batch: Any) -> torch.Tensor
     if loss is None and isinstance(outputs, dict):
         loss = outputs.get("loss")
     if loss is None:
-        raise ValueError(f"`loss` is given or the model's outputs carry `.loss`, but got (loss=None, "
-                         f"outputs={type(outputs).__name__}). Fix: pass ModelTask(loss=lambda outputs, batch: ...) "
-                         "or include labels in the batch.")
+        raise rule_error("`loss` is given or the model's outputs carry `.loss`", "pass ModelTask(loss=lambda "
+                         "outputs, batch: ...) or include labels in the batch", outputs=type(outputs).__name__,
+                         loss=None)
     return check_loss(loss, "the model's `outputs.loss`")
 
 

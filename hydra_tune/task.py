@@ -24,6 +24,8 @@ def _check_data(arg: str, data: object) -> None:
         raise rule_error(f"`{arg} is not None`", "pass a DataLoader, a list of batches, or a callable returning one",
                          kind=TypeError, **{arg: data})
     if callable(data) and not hasattr(data, "__iter__"):
+        _check_call(arg, data, 0, f"`{arg}` is iterable or a zero-argument callable", "pass a DataLoader or a "
+                    "list of batches, or `lambda: make_loader()`")
         return
     if not isinstance(data, Iterable):
         raise rule_error(f"`{arg}` is iterable or a zero-argument callable", "pass a DataLoader or a list of "
@@ -32,6 +34,44 @@ def _check_data(arg: str, data: object) -> None:
         raise rule_error(f"`{arg}` can be iterated once per epoch (not a one-shot iterator or generator)",
                          "pass a list or DataLoader, or a factory such as `lambda: my_generator()`",
                          kind=TypeError, **{arg: type(data).__name__})
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _check_call(arg: str, fn: object, n: int, rule: str, fix: str) -> None:
+    """A callable the runtime will call with ``n`` positional arguments must accept them: say so now, in the
+    caller's code, rather than when the runtime builds the task."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # some builtins and C callables have no signature: called as they are
+        return
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        raise rule_error(rule, fix, kind=TypeError, **{arg: _name(fn)}, signature=str(sig)) from None
+
+
+_BATCH_RULE = "each batch is a dict, a non-empty (inputs, target, ...) tuple or list, or a tensor"
+_BATCH_FIX = ("make the Dataset or collate_fn return tensors, e.g. {'input_ids': ids, 'labels': ids} (-> "
+              "model(**batch)) or (inputs, target) (-> model(inputs)); tokenize text there, and turn a "
+              "BatchEncoding or other Mapping into a dict with dict(batch)")
+
+
+def check_batch(batch: object, task: str, data: str, batch_in_epoch: int) -> None:
+    """Reject what can never be a batch (text, numbers, None, an empty tuple, a non-dict Mapping) with the
+    accepted forms; any other object goes to ``model(batch)`` as it is (a custom model's own batch type)."""
+    from collections.abc import Mapping
+    from numbers import Number
+
+    empty = isinstance(batch, (tuple, list)) and not batch
+    mapping = isinstance(batch, Mapping) and not isinstance(batch, dict)  # model(**batch) is for dicts only
+    if batch is None or isinstance(batch, (str, bytes, Number)) or empty or mapping:
+        raise rule_error(_BATCH_RULE, _BATCH_FIX, kind=TypeError, task=task, data=data,
+                         batch_in_epoch=batch_in_epoch, type=type(batch).__name__)
 
 
 def _check_int(arg: str, value: object, minimum: int, fix: str, allow_none: bool = False) -> None:
@@ -67,6 +107,14 @@ class ModelTask:
         exactly as the uninterrupted one would (hydra_tune/checkpoint.py). ``resume_hparams="task"`` (PBT's
         explore step) instead keeps this task's optimizer hyper-parameters (weight decay, betas, ...) and base
         learning rates: the learning rate keeps its schedule position, scaled by new base / checkpointed base.
+      * ``nonfinite_loss``: what a NaN or inf training loss does. "fail": the task fails with ``NonFiniteLoss``
+        at that minibatch, before its optimizer step. "skip_step": the minibatch is dropped as the plain loop
+        ``if not torch.isfinite(loss): optimizer.zero_grad(); continue`` drops it: no step, the gradients pending
+        in its accumulation window are discarded and the window starts again at the next batch; its loss is left
+        out of ``train_loss`` and counted in the metric ``skipped_batches``. "ignore": trained on as a plain loop
+        without the check would. None (the default) is "fail", except under fp16, where it is "ignore": the
+        GradScaler then skips a step whose gradients are inf/NaN and lowers the scale, as torch.amp does.
+        Eval losses are reported as they are, never checked.
     """
 
     def __init__(
@@ -88,6 +136,7 @@ class ModelTask:
         precision: str = "fp32",
         resume_from: str | None = None,
         resume_hparams: str = "checkpoint",
+        nonfinite_loss: str | None = None,
     ) -> None:
         if not callable(model):  # an nn.Module is callable too
             raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
@@ -102,17 +151,25 @@ class ModelTask:
             raise rule_error("`optimizer` is callable(model) -> torch.optim.Optimizer",
                              "pass e.g. `lambda model: torch.optim.SGD(model.parameters(), lr=0.1)`",
                              kind=TypeError, optimizer=type(optimizer).__name__)
+        if not _is_module(model):
+            _check_call("model", model, 0, "`model` is an nn.Module or a zero-argument callable returning one",
+                        "pass the module, or a factory such as `lambda: MyModel(config)`")
+        _check_call("optimizer", optimizer, 1, "`optimizer` is callable(model) -> torch.optim.Optimizer",
+                    "take the runtime's copy of the model as the one argument, e.g. "
+                    "`lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)`")
         _check_data("train_data", train_data)
         if eval_data is not None:
             _check_data("eval_data", eval_data)
-        for arg, fn, fix in (("loss", loss, "pass `callable(outputs, batch) -> scalar tensor`, or None to use "
-                              "`outputs.loss`"),
-                             ("stages", stages, "pass `callable(model) -> [module, ...]` (see hydra_tune/stages/"
-                              "explicit.py), or None"),
-                             ("lr_scheduler", lr_scheduler, "pass e.g. `lambda opt: "
-                              "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)`")):
+        for arg, fn, n, fix in (("loss", loss, 2, "pass `callable(outputs, batch) -> scalar tensor`, or None to "
+                                 "use `outputs.loss`"),
+                                ("stages", stages, 1, "pass `callable(model) -> [module, ...]` (see hydra_tune/"
+                                 "stages/explicit.py), or None"),
+                                ("lr_scheduler", lr_scheduler, 1, "pass e.g. `lambda opt: "
+                                 "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)`")):
             if fn is not None and not callable(fn):
                 raise rule_error(f"`{arg}` is None or callable", fix, kind=TypeError, **{arg: type(fn).__name__})
+            if fn is not None:
+                _check_call(arg, fn, n, f"`{arg}` is None or callable with {n} argument{'s' * (n > 1)}", fix)
         _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier)")
         _check_int("max_steps", max_steps, 1, "pass None for no limit, or a positive number of optimizer steps",
                    allow_none=True)
@@ -152,10 +209,61 @@ class ModelTask:
                              "or 'task' to apply this task's optimizer settings (PBT's explore step)",
                              resume_hparams=resume_hparams)
         self.resume_hparams = resume_hparams
+        if nonfinite_loss not in (None, "fail", "skip_step", "ignore"):
+            raise rule_error("`nonfinite_loss` in (None, 'fail', 'skip_step', 'ignore')", "keep None (the default: "
+                             "'fail', or under fp16 'ignore' so the GradScaler skips the step) or pick one of those",
+                             nonfinite_loss=nonfinite_loss)
+        # fp16 overflow (a batch beyond 65504 makes the loss inf or NaN) is torch.amp's GradScaler's to handle:
+        # by default it skips that step and lowers the scale, as in the plain AMP loop.
+        self.nonfinite_loss = nonfinite_loss or ("ignore" if precision == "fp16" else "fail")
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "
                 f"grad_accumulation={self.grad_accumulation}, grad_clip_norm={self.grad_clip_norm}, seed={self.seed})")
+
+
+def check_model(task: ModelTask, model: Any) -> None:
+    """What the model factory built is a module with something to train."""
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise rule_error("the `model` factory returns an nn.Module", "return the model instance, e.g. `lambda: "
+                         "MyModel(config)` (not the class or a tuple)", kind=TypeError, task=task.name,
+                         returned=type(model).__name__)
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise rule_error("the model has at least one parameter to train (requires_grad=True)", "pass a model "
+                         "with parameters, and unfreeze the ones to train with `requires_grad_(True)`",
+                         task=task.name, model=type(model).__name__, parameters=len(params), trainable=0)
+
+
+def check_optimizer(task: ModelTask, model: Any, optimizer: Any) -> None:
+    """The optimizer must update the runtime's model: parameters of a model built elsewhere would be stepped
+    with no gradient ever reaching them. Leaving some of the model's parameters out is allowed, as in torch."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise rule_error("`optimizer(model)` returns a torch.optim.Optimizer", "return the optimizer itself, e.g. "
+                         "`lambda m: torch.optim.AdamW(m.parameters())`", kind=TypeError, task=task.name,
+                         returned=type(optimizer).__name__)
+    own = {id(p): p for p in model.parameters()}
+    given = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in given if id(p) not in own]
+    if foreign:
+        raise rule_error("the optimizer's parameters are all parameters of the model it is given",
+                         "build it from the factory's argument, `lambda model: torch.optim.AdamW(model.parameters()"
+                         ")`, not from a model made outside the factory", task=task.name, foreign=len(foreign),
+                         optimizer_params=len(given), first_foreign_shape=tuple(foreign[0].shape))
+    if not any(p.requires_grad for p in given):
+        raise rule_error("the optimizer updates at least one trainable parameter of the model", "pass the "
+                         "parameters to train, e.g. `model.parameters()`", task=task.name,
+                         optimizer_params=len(given), trainable=sum(p.requires_grad for p in own.values()))
+
+
+def _is_module(obj: object) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
 
 
 def _is_optimizer(obj: object) -> bool:

@@ -46,6 +46,10 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
                 out = model(**batch) if isinstance(batch, dict) else model(
                     batch[0] if isinstance(batch, (list, tuple)) else batch)
                 loss = task.loss(out, batch) if task.loss else out.loss
+            if getattr(task, "nonfinite_loss", None) == "skip_step" and not torch.isfinite(loss):
+                opt.zero_grad()  # drop the batch and its accumulation window's gradients; the window restarts
+                pending = 0
+                continue
             scaled = loss / k if k != 1 else loss
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
             losses.append(loss.item())

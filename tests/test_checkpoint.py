@@ -123,3 +123,25 @@ def test_resume_hparams_task_applies_the_new_optimizer_settings(tmp_path):
     assert explored["lr"] == pytest.approx(2 * kept["lr"], rel=1e-12)   # same schedule position, doubled base
     with pytest.raises(ValueError, match="resume_hparams"):
         task(1e-3, 0.0, resume_from=path, resume_hparams="new")
+
+
+def test_resume_from_an_epoch_start_position_is_exact(tmp_path):
+    # One batch an epoch and grad_accumulation=2: a step only at each epoch's end, so every checkpoint is taken at
+    # the next epoch's start (batch_in_epoch=0). Dropout draws from the RNG: the resumed epochs must not repeat it.
+    def task(**kw) -> ht.ModelTask:
+        return ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batches(1),
+                            epochs=4, grad_accumulation=2, seed=6, name="epoch-start", **kw)
+
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h = rt.submit(task())
+        path = h.checkpoint(tmp_path / "c.pt", timeout=60)
+        h.cancel()
+        whole = rt.submit(task())
+        expected, expected_metrics = whole.model(), list(whole.metrics())
+    pos = checkpoint.load(path)["position"]
+    assert (pos["epoch"], pos["batch_in_epoch"]) == (2, 0)
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        resumed = rt.submit(task(resume_from=path))
+        model, metrics = resumed.model(), list(resumed.metrics())
+    assert max_param_diff(expected, model) == 0.0
+    assert [m["train_loss"] for m in metrics] == [m["train_loss"] for m in expected_metrics[1:]]

@@ -60,8 +60,8 @@ def test_bad_budget_is_rejected(bad):
 
 @pytest.mark.parametrize("devices, text", [
     (["tpu:0"], "each device name is 'cpu' or 'cuda:<index>' must hold, but got (device='tpu:0')"),
-    (["cuda:0"], "each `cuda:i` has `i < torch.cuda.device_count()` must hold, but got (device='cuda:0', "
-                 "device_count=0)"),
+    (["cuda:0"], "a CUDA device is available (torch.cuda.device_count() > 0) must hold, but got (device='cuda:0', "
+                 "device_count=0"),
     (["cpu", "cuda:0"], "all `devices` are of one kind must hold"),
     (0, "`devices >= 1` must hold, but got (devices=0)"),
     ("gpu", "`devices` is 'auto', a positive int, or a non-empty list"),
