@@ -20,16 +20,18 @@ from .task import ModelTask
 
 _lock = threading.Lock()
 _default: Runtime | None = None
-_config: dict[str, Any] = {"devices": "auto", "device_memory": None}
+_config: dict[str, Any] = {"devices": "auto", "device_memory": None, "host_memory": None}
 _threads: dict[int, TaskHandle] = {}   # thread ident -> the task that thread's latest ``train`` submitted
 _bound = threading.local()             # .submit: where this thread's ``train`` sends tasks (an Optuna trial's study)
 
 
-def configure(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None) -> None:
-    """Set the default runtime's devices and budget; a running default runtime is closed and replaced lazily."""
+def configure(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
+              host_memory: int | str | None = None) -> None:
+    """Set the default runtime's devices and budgets (``Runtime``'s arguments); a running default runtime is closed
+    and replaced lazily."""
     global _default
     with _lock:
-        _config.update(devices=devices, device_memory=device_memory)
+        _config.update(devices=devices, device_memory=device_memory, host_memory=host_memory)
         old, _default = _default, None
     if old is not None:
         old.close()

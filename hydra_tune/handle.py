@@ -22,8 +22,8 @@ ENDED = STATES[2:]
 class TaskHandle:
     """The caller's view of a submitted task: metrics as they come, the result, the trained model, cancel."""
 
-    def __init__(self, runtime: "Runtime", state: TaskState) -> None:
-        self.name = state.task.name
+    def __init__(self, runtime: "Runtime", state: TaskState | None, name: str | None = None) -> None:
+        self.name = state.task.name if state is not None else name  # no state yet: waiting for host memory
         self._runtime = runtime
         self._state: TaskState | None = state
         self._cond = threading.Condition()

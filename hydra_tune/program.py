@@ -115,6 +115,7 @@ class TaskState:
         self.replans = 0
         self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
         self.skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
+        self.held_bytes = 0    # host_bytes() as of the latest optimizer step: what other threads may read
         self._lock = threading.Lock()
         self._requests: list[CheckpointRequest] = []
 
@@ -147,6 +148,7 @@ class TaskState:
             raise PlanError(_uncut_message(model, exc)) from None
         state = cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng)
         state.costs = costs  # what a re-plan after a device out-of-memory starts from (hydra_tune/oom.py)
+        state.held_bytes = state.host_bytes()
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
             state.steps = state.resume.steps
@@ -325,6 +327,9 @@ class TaskState:
         return not self.skipping
 
     def _step(self) -> None:
+        # Measured here, in the thread that steps (gradients present, optimizer state from earlier steps): other
+        # threads read ``held_bytes``, never the tensors a step is changing (that read crashed the interpreter).
+        self.held_bytes = max(self.held_bytes, self.host_bytes())
         scaler = self.scaler
         if self.task.grad_clip_norm is not None:
             if scaler is not None:
@@ -381,7 +386,9 @@ class TaskState:
         return {"F": batches * (n_sh - 1), "L": batches, "B": batches * (n_sh - 1), "E": evals}
 
     def host_bytes(self) -> int:
-        """Host bytes this task holds: parameters, gradients, buffers, optimizer state, minibatch in flight."""
+        """Host bytes this task holds: parameters, gradients, buffers, optimizer state, minibatch in flight. Only
+        for the thread that runs the task's host work (or when it is not running): other threads read
+        ``held_bytes``."""
         seen: dict[int, int] = {}
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ._host_gate import HostGate
 from .devices import Device, resolve_devices
 from .errors import RuntimeClosed, TaskCancelled, rule_error
+from .footprint import Footprint
 from .handle import TaskHandle
 from .oom import is_oom, replan
 from .program import Segment, TaskState, Unit
@@ -41,6 +43,7 @@ class _Admitted:
         self.handle, self.state, self.order = handle, state, order
         self.chain = state.units(handle._emit)
         self.segment: Segment | None = None  # taken from the chain, not yet run
+        self.footprint: Footprint | None = None  # host bytes admission charged it
         self.last_device: int | None = None
         self.units = 0
         self.turns = 0
@@ -50,12 +53,16 @@ class Runtime:
     """Owns the node's devices and runs the units of every admitted task on them.
 
     ``policy``: "lrtf" (Sharded-LRTF with affinity, the default), "fifo" or "round_robin" (schedule.py).
+    ``host_memory``: what the admitted tasks' host state may take: None measures it (available memory less a
+    reserve, sampled at every admission), a byte count or "64GiB" is a hard budget. A task that does not fit
+    waits, a task that could never fit is rejected at submit (admission.py; footprints: footprint.py).
     """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
-                 *, policy: str = "lrtf") -> None:
+                 *, policy: str = "lrtf", host_memory: int | str | None = None) -> None:
         if policy not in POLICIES:
             raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=policy)
+        self._gate = HostGate(self, host_memory)
         self.devices: list[Device] = resolve_devices(devices, device_memory)
         self.policy = policy
         self._pick = POLICIES[policy]
@@ -85,45 +92,53 @@ class Runtime:
         if self._start_errors:
             self.close()
             raise self._start_errors[0]
+        self._gate.start()
 
     # -- public ---------------------------------------------------------------------------------------------
     def submit(self, task: ModelTask) -> TaskHandle:
-        """Build, measure and plan ``task`` here (errors raise now), then queue it for the devices."""
+        """Admit ``task`` if its host footprint fits: build, measure and plan it here (errors raise now) and queue
+        it for the devices. One that does not fit yet waits (status "queued"; built when running tasks have freed
+        enough, and errors of that build go to its handle); one that could never fit raises now."""
         if not isinstance(task, ModelTask):
             raise rule_error("`task` is a hydra_tune.ModelTask", "wrap the job in ModelTask(model, optimizer, "
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
         if self._closed:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
-        budgets = [d.plan_budget for d in self.devices if d.plan_budget is not None]
-        rates = [d.copy_bandwidth for d in self.devices if d.copy_bandwidth]
-        keep = all(d.releases_graphs for d in self.devices)  # kept/offloaded forwards: see Device.releases_graphs
-        state = TaskState.build(task, min(budgets) if budgets else None, min(rates) if rates else None, keep)
-        self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
-        handle = TaskHandle(self, state)
-        with self._cond:
-            if task.name in self._tasks:
-                raise rule_error("task names are unique among running tasks", "give each ModelTask its own "
-                                 "`name`", name=task.name)
-            shared = [n for n, a in self._tasks.items() if a.state.model is state.model]
-            if shared:
-                raise rule_error("each running task trains its own model object", "pass a factory "
-                                 "(`lambda: MyModel()`) or a fresh module per task", task=task.name,
-                                 model_also_in=shared[0])
-            self._admitted += 1
-            adm = _Admitted(handle, state, self._admitted)
-            self._tasks[task.name] = adm
-            self._push(adm)
-        return handle
+        handle, footprint, state = self._gate.submit(task)
+        if handle is not None:
+            return handle  # waiting for host memory
+        try:
+            return self._start(None, task, footprint, state)
+        except BaseException:
+            self._gate.release(task.name)
+            raise
+
+    def footprint(self, task: ModelTask) -> Footprint:
+        """``task``'s host footprint on this runtime, estimated on the meta device without submitting it (what a task
+        that has to wait is charged; a task whose model cannot be built there is built here to be measured).
+
+            fp = rt.footprint(task); fp.total, fp.parts()              # bytes: params, grads, optimizer, ...
+            at_once = rt.host_memory()["free"] // fp.total             # how many such tasks would start now
+        """
+        return self._gate.footprint(task)[0]
+
+    def host_memory(self) -> dict[str, Any]:
+        """Host-memory admission now: ``budget`` (bytes the admitted tasks may take; measured: available memory less
+        the reserve plus what they hold), ``measured``, ``admitted_bytes`` (their charged footprints), ``free``,
+        ``admitted`` and ``waiting`` (name -> footprint; the waiting ones in the order they will start)."""
+        return self._gate.snapshot()
 
     def stats(self) -> dict[str, Any]:
         """Per device: units run, busy seconds, prefetches, measured peak/current bytes, budget. Per task: shards,
-        kept shards, state."""
+        kept shards, state, host bytes held and the footprint admission charged (tasks waiting for host memory:
+        state "queued", ``waiting_for_host_memory``). ``host``: what ``host_memory()`` returns."""
         with self._cond:
             tasks = {name: self._task_stats(a) for name, a in self._tasks.items()}
             tasks.update({n: s for n, s in self._finished.items() if n not in tasks})
             devices = [dict(name=d.name, budget=d.budget, overhead_bytes=d.overhead, peak_bytes=d.peak_bytes(),
                             current_bytes=d.current_bytes(), **self._dev_stats[i]) for i, d in enumerate(self.devices)]
-        return {"devices": devices, "tasks": tasks, "policy": self.policy}
+        tasks.update(self._gate.waiting_stats())
+        return {"devices": devices, "tasks": tasks, "policy": self.policy, "host": self.host_memory()}
 
     def trace(self) -> Trace:
         """Every unit and prefetch copy so far: ``.save("trace.json")`` for Perfetto, or ``plot_timeline``."""
@@ -140,6 +155,7 @@ class Runtime:
         for w in self._workers:
             if w is not threading.current_thread():
                 w.join()
+        self._gate.close()
         for c in self._copiers:
             c.shutdown(wait=True)
         for adm in pending:
@@ -153,6 +169,45 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- host-memory admission ------------------------------------------------------------------------------
+    def _plan_args(self) -> tuple[int | None, float | None, bool]:
+        """What every task is planned with: the smallest planner budget and copy rate of the devices, and whether
+        forwards may keep or offload activations (see Device.releases_graphs)."""
+        budgets = [d.plan_budget for d in self.devices if d.plan_budget is not None]
+        rates = [d.copy_bandwidth for d in self.devices if d.copy_bandwidth]
+        return (min(budgets) if budgets else None, min(rates) if rates else None,
+                all(d.releases_graphs for d in self.devices))
+
+    def _start(self, handle: TaskHandle | None, task: ModelTask, footprint: Footprint,
+               state: TaskState | None) -> TaskHandle:
+        """Build an admitted task (unless built) and queue it for the devices; ``handle``: a waiting task's."""
+        if state is None:
+            state = TaskState.build(task, *self._plan_args())
+        self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
+        if handle is None:
+            handle = TaskHandle(self, state)
+        else:
+            handle._state = state
+        with self._cond:
+            if self._closed:
+                raise RuntimeClosed(f"the runtime was closed before task {task.name!r} started")
+            if handle.cancel_requested:
+                raise TaskCancelled(f"task {task.name!r} was cancelled")
+            if task.name in self._tasks:
+                raise rule_error("task names are unique among running tasks", "give each ModelTask its own "
+                                 "`name`", name=task.name)
+            shared = [n for n, a in self._tasks.items() if a.state.model is state.model]
+            if shared:
+                raise rule_error("each running task trains its own model object", "pass a factory "
+                                 "(`lambda: MyModel()`) or a fresh module per task", task=task.name,
+                                 model_also_in=shared[0])
+            self._admitted += 1
+            adm = _Admitted(handle, state, self._admitted)
+            adm.footprint = footprint
+            self._tasks[task.name] = adm
+            self._push(adm)
+        return handle
 
     # -- choosing work --------------------------------------------------------------------------------------
     def _push(self, adm: _Admitted) -> None:
@@ -341,6 +396,8 @@ class Runtime:
         return True
 
     def _cancel(self, handle: TaskHandle) -> None:
+        if self._gate.withdraw(handle, TaskCancelled(f"task {handle.name!r} was cancelled")):
+            return  # it was waiting for host memory
         with self._cond:
             handle.cancel_requested = True
             adm = self._tasks.get(handle.name)
@@ -357,6 +414,7 @@ class Runtime:
             del self._tasks[adm.handle.name]
             self._finished[adm.handle.name] = dict(self._task_stats(adm), state=status)
             self._estimator.forget(adm.handle.name)
+        self._gate.release(adm.handle.name)  # before the handle reports the end: its name is free to reuse
         _detach_frames(error, adm.handle.name)
         adm.chain.close()
         adm.state.abandon_checkpoints(status)
@@ -374,8 +432,9 @@ class Runtime:
         return {"state": adm.handle.status, "shards": [list(ex.names) for ex in st.execs],
                 "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
-                "epoch": st.epoch, "units": adm.units, "host_bytes": st.host_bytes(), "replans": st.replans,
-                "predicted_peak": st.plan.peak}
+                "epoch": st.epoch, "units": adm.units, "host_bytes": st.held_bytes, "replans": st.replans,
+                "predicted_peak": st.plan.peak,
+                "host_footprint": adm.footprint.parts() if adm.footprint is not None else None}
 
 
 def _detach_frames(error: BaseException | None, task: str) -> None:

@@ -114,7 +114,7 @@ def test_lrtf_starts_the_longest_task_first():
                 self.lin = nn.Linear(16, 4)
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                calls[0] += 1
+                calls[0] += x.device.type != "meta"  # the host-footprint estimate's passes (meta tensors) run freely
                 if calls[0] > 2:  # the profile's two passes run freely; the first unit waits for the gate
                     gate.wait(60)
                 return self.lin(x)

@@ -1,0 +1,201 @@
+"""The runtime's host-memory gate: each submitted task's footprint is estimated, then the task is admitted, waits, or
+is rejected; a thread of the gate's own starts waiting tasks, first come first served, as admitted ones end.
+
+    gate = HostGate(runtime, host_memory="2GiB"); gate.start()
+    handle, footprint, state = gate.submit(task)   # handle: the task waits for memory (None: admitted, start it)
+    gate.release(name)                             # an admitted task ended: its footprint is free again
+
+The rules are admission.py's; the footprints footprint.py's. At submit, the task's parameters, gradients and
+optimizer state are measured on the meta device (no forward: cheap). If that fits what is free and nobody waits,
+that much is reserved, the task is built here as before (the build allocates only its parameters, and measures
+and plans it), and its own plan adds the activations: it is admitted if the total still fits. Otherwise (it
+does not fit, others wait, or its activations tipped it over) its activations are bounded on the meta device
+too, and it waits unbuilt, or is rejected when it could never fit. (A task whose model cannot be built on the
+meta device is built at submit to be measured, and waits built.)
+
+Only a waiting task defers its errors: it is built when it is admitted, in the gate's thread, and what that
+build raises (a plan error, a factory's error) ends its handle (``handle.result()`` raises it). A task admitted
+at submit is built in the caller, whose submit raises.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .admission import HostAdmission, measured_capacity, parse_host_memory
+from .errors import RuntimeClosed, TaskCancelled, rule_error
+from .footprint import Footprint, Unmeasurable, estimate_footprint, footprint_of_state, state_footprint
+from .handle import TaskHandle
+from .program import TaskState
+from .task import ModelTask
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+_Waiting = tuple[TaskHandle, ModelTask, Footprint, "TaskState | None"]
+
+
+class HostGate:
+    """Host-memory admission for one runtime (``Runtime(host_memory=...)``)."""
+
+    def __init__(self, runtime: "Runtime", host_memory: int | str | None) -> None:
+        self.host = HostAdmission(parse_host_memory(host_memory))
+        self._rt = runtime
+        self._cv = threading.Condition()  # guards host and _waiting; the runtime's lock is never taken inside it
+        self._waiting: dict[str, _Waiting] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="hydra-admit", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def footprint(self, task: ModelTask) -> tuple[Footprint, TaskState | None]:
+        """``task``'s footprint from its meta-device build; when that cannot run (a factory that needs real
+        tensors, a model over the device budget, no data, ...), from the task built here for real (its errors
+        raise now) together with that state."""
+        try:
+            return estimate_footprint(task, *self._rt._plan_args()), None
+        except Unmeasurable:
+            state = TaskState.build(task, *self._rt._plan_args())
+            return footprint_of_state(state), state
+
+    def submit(self, task: ModelTask) -> tuple[TaskHandle | None, Footprint, TaskState | None]:
+        """Estimate and decide ``task``: a handle when it waits; None when it is admitted (the caller starts it,
+        and releases it if that fails); raises when it could never fit."""
+        try:
+            base = state_footprint(task)
+        except Unmeasurable:  # its model cannot be built on the meta device: built here, measured, then decided
+            state = TaskState.build(task, *self._rt._plan_args())
+            footprint = footprint_of_state(state)
+        else:
+            with self._cv:
+                self._check_open()
+                reserved = self.host.reserve(task.name, base.total, *self._now())
+            if reserved:
+                built = self._build_reserved(task, base)
+                if built is not None:
+                    return None, *built
+            footprint, state = self.footprint(task)
+        with self._cv:
+            self._check_open()
+            capacity, held = self._now()
+            verdict = self.host.offer(task.name, footprint.total, capacity, held)
+            if verdict == "queue":
+                handle = TaskHandle(self._rt, None, name=task.name)
+                self._waiting[task.name] = (handle, task, footprint, state)
+                self._cv.notify_all()
+                return handle, footprint, state
+        if verdict == "reject":
+            raise self._never_fits(task.name, footprint, capacity)
+        return None, footprint, state
+
+    def _build_reserved(self, task: ModelTask, base: Footprint) -> tuple[Footprint, TaskState] | None:
+        """Build a task admitted for its state part; its plan's activations added, keep it if it still fits."""
+        try:
+            state = TaskState.build(task, *self._rt._plan_args())
+            footprint = footprint_of_state(state, (base.optimizer, base.optimizer_measured))
+        except BaseException:
+            self.release(task.name)
+            raise
+        with self._cv:
+            if self.host.resize(task.name, footprint.total, *self._now()):
+                return footprint, state
+            self.host.release(task.name)
+            self._cv.notify_all()
+        return None  # its activations do not fit now: dropped, it waits (or is rejected) unbuilt
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
+
+    def release(self, name: str) -> None:
+        with self._cv:
+            self.host.release(name)
+            self._cv.notify_all()
+
+    def withdraw(self, handle: TaskHandle, error: BaseException) -> bool:
+        """End ``handle``'s task if it is waiting (cancelled, or the runtime closing); False if it is not."""
+        with self._cv:
+            entry = self._waiting.get(handle.name)
+            if entry is None or entry[0] is not handle:
+                return False
+            del self._waiting[handle.name]
+            self.host.withdraw(handle.name)
+            handle.cancel_requested = True
+            self._cv.notify_all()  # the task behind it may fit now
+        handle._finish("cancelled", error)
+        return True
+
+    def close(self) -> None:
+        """Stop the thread (a build in progress ends first; its task sees the runtime closed) and end every
+        waiting task with RuntimeClosed."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for handle, *_ in list(self._waiting.values()):
+            self.withdraw(handle, RuntimeClosed(f"the runtime was closed before task {handle.name!r} started"))
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``Runtime.host_memory()`` reports."""
+        with self._cv:
+            capacity, held = self._now()
+            return {"budget": capacity, "measured": self.host.measured, "admitted_bytes": self.host.charged(held),
+                    "free": self.host.free(capacity, held), "admitted": dict(self.host.admitted),
+                    "waiting": dict(self.host.waiting)}
+
+    def waiting_stats(self) -> dict[str, dict[str, Any]]:
+        with self._cv:
+            return {name: {"state": "queued", "waiting_for_host_memory": True, "host_footprint": fp.parts()}
+                    for name, (_, _, fp, _) in self._waiting.items()}
+
+    # -- inside ---------------------------------------------------------------------------------------------
+    def _now(self) -> tuple[int, dict[str, int]]:
+        """(capacity, host bytes each admitted task holds): the fixed budget and nothing, or measured now."""
+        if not self.host.measured:
+            return self.host.budget, {}  # type: ignore[return-value]
+        held: dict[str, int] = {}
+        for name, adm in list(self._rt._tasks.items()):
+            state = adm.state
+            if state is not None:
+                held[name] = state.held_bytes  # as of its latest step: its tensors may be changing now
+        return measured_capacity(sum(held.values())), held
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._closed:
+                        return  # close() ends the waiting tasks
+                    turn, capacity = None, 0
+                    if self.host.waiting:
+                        capacity, held = self._now()
+                        turn = self.host.next(capacity, held)
+                    if turn is not None:
+                        break
+                    # A fixed budget frees up only when a task ends (release notifies); measured memory also when
+                    # other processes free theirs, so look again now and then.
+                    self._cv.wait(1.0 if self.host.measured and self.host.waiting else None)
+                verdict, name = turn
+                handle, task, footprint, state = self._waiting.pop(name)
+            if verdict == "reject":
+                handle._finish("failed", self._never_fits(name, footprint, capacity))
+                continue
+            try:
+                self._rt._start(handle, task, footprint, state)
+            except BaseException as exc:  # its build failed, or it was cancelled or the runtime closed meanwhile
+                self.release(name)
+                from .runtime import _detach_frames
+
+                _detach_frames(exc, name)
+                handle._finish("cancelled" if isinstance(exc, (TaskCancelled, RuntimeClosed)) else "failed", exc)
+            del handle, task, state  # a failed build's model must not outlive it here
+
+    def _never_fits(self, name: str, fp: Footprint, capacity: int) -> Exception:
+        return rule_error(
+            "`task host footprint <= host_memory`", "train a smaller model or smaller batches, use an optimizer "
+            "with less state (SGD keeps none, SGD with momentum one copy of the parameters, Adam two), or give the "
+            "runtime more host memory (Runtime(host_memory=...), or free memory on the machine)", task=name,
+            footprint=fp.total, params=fp.params, grads=fp.grads, optimizer=fp.optimizer,
+            activations=fp.activations, overhead=fp.overhead, host_memory=capacity, measured=self.host.measured)
