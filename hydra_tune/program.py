@@ -166,6 +166,9 @@ class TaskState:
             if resume is not None:  # repeat the epoch's data order, step over what was trained, continue
                 rng.cpu.set_state(resume.epoch_rng)
                 losses, skip = list(resume.losses), resume.batch_in_epoch
+                if skip == 0:  # an epoch-start position: nothing to step over, its state is the epoch's start
+                    rng.restore((resume.rng, resume.accel_rng))
+                    resume = self.resume = None
             epoch_rng = rng.cpu.get_state()
             pending = 0
             for batch in self._batches(self.train_iterable):
@@ -187,9 +190,6 @@ class TaskState:
                                                      epoch_rng, *rng.snapshot()))
                     if task.max_steps is not None and self.steps >= task.max_steps:
                         break
-            if resume is not None:  # an epoch-start position (nothing to skip): continue from its state
-                rng.restore((resume.rng, resume.accel_rng))
-                resume = self.resume = None
             self.train_batches = self.batch_in_epoch if epoch == 1 else self.train_batches
             if pending:
                 self._step()
