@@ -49,8 +49,9 @@ ACTIONS = {"queued": 3, "loss": 2, "unit": 2, "prefetch": 3, "data": 2, "epoch":
 # Besides, malloc's in-use bytes moved by 0.05-2 MiB between runs at any task count (caches of the math libraries
 # and per-thread buffers), so the fixed part is twice the largest move seen.
 MALLOC_TOLERANCE = (4 << 20, 16 << 10)   # fixed bytes, bytes per task
-# With fixed malloc thresholds RSS ended 0.2-5 MiB above its baseline after 36-200 tasks (malloc's own growth plus
-# partly used pymalloc arenas and heap pages); with glibc's defaults 30-70 MiB (see the module docstring).
+# With fixed malloc thresholds RSS ended 0.5-7 MiB above its baseline after 32-200 tasks: about 2 MiB at once (the
+# malloc steps above) and ~17 KiB per task, the trace events the runtime keeps (flat with recording disabled); with
+# glibc's defaults 30-70 MiB (see the module docstring).
 RSS_TOLERANCE = {True: (16 << 20, 64 << 10), False: (128 << 20, 256 << 10)}  # keyed by "thresholds fixed"
 
 
