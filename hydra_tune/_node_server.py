@@ -11,6 +11,7 @@ A client's connection ending (close, exit, kill -9) cancels all of its unfinishe
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -132,6 +133,10 @@ class _Server:
                     return False
                 self.closing = True
             self._close_listener()
+            # Idle and ending normally: nothing in the log to look at. Removed under the start lock, so the log a
+            # new server for this configuration opens (same path) is never the one unlinked.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.log_path)
         return True
 
     def _shutdown(self) -> None:

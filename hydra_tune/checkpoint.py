@@ -7,12 +7,17 @@ A checkpoint holds the model, optimizer, LR scheduler and loss scaler states, th
 the loop stands (epoch, batches done in it, steps, samples, the epoch's losses so far, and the RNG state at the
 epoch's start). Resuming rebuilds the data iterator from that epoch-start state and steps over the batches
 already trained on, so shuffling and any random data transforms repeat exactly; then the RNG continues from the
-checkpoint. Files are written to a private temporary file in the target directory and renamed into place, so a
-kill mid-write never leaves a torn checkpoint, and read with ``torch.load(weights_only=True)``.
+checkpoint. Files are written to a private (0600) temporary file in the target directory and renamed into place,
+so a kill mid-write never leaves a torn checkpoint, and read with ``torch.load(weights_only=True)`` (tensors and
+plain data only: a file holding any other pickled object is refused, not run). A writer killed mid-write (SIGKILL,
+power loss) leaves its temporary file, ``.hydra-ckpt-<host>-<pid>-<random>``; the next save into that directory
+removes those of writers on this host that are no longer running.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 FORMAT = 1
+_TEMP = f".hydra-ckpt-{socket.gethostname()}-"   # + "<pid>-<random>": whose write it is
 
 
 @dataclass
@@ -93,11 +99,13 @@ def _keep_hparams(state: Any, fresh: list[dict[str, Any]], fresh_bases: list[flo
 
 
 def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:
-    """Write ``data`` to ``path`` atomically (private temp file in the same directory, fsync, rename)."""
+    """Write ``data`` to ``path`` atomically (private temp file in the same directory, fsync, rename, fsync of the
+    directory); first remove the temp files dead writers on this host left there."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".hydra-ckpt-", dir=directory)  # mode 0600
+    _remove_stale(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP}{os.getpid()}-", dir=directory)  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(data, f)
@@ -108,7 +116,34 @@ def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    with contextlib.suppress(OSError):  # the rename itself survives a power loss (not every filesystem can)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     return path
+
+
+def _remove_stale(directory: str) -> None:
+    """Unlink this user's temp files in ``directory`` whose writer (a process on this host) no longer runs."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            pid = entry.name[len(_TEMP):].split("-")[0] if entry.name.startswith(_TEMP) else ""
+            if pid.isdigit() and not _running(int(pid)):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                        os.unlink(entry.path)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -113,6 +113,9 @@ class Device:
         caller sets ``measuring`` to the answer. CUDA measures itself: never."""
         return False
 
+    def forget(self, task: str) -> None:
+        """``task`` ended: drop what ``measure`` learned of it (a later task may take its name)."""
+
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where the device's copy engine (the prefetch thread) makes device copies: counted, no RNG swap."""
         raise NotImplementedError
@@ -136,7 +139,7 @@ class CpuDevice(Device):
         self.copier = make_copier(self.torch_device, self.account)
         self._scratch = torch.Generator()
         self.measuring = True
-        self._measured: set[Any] = set()
+        self._measured: dict[Any, set[Any]] = {}  # task -> the segment keys measured
         self._unrouted: set[Any] = set()
         self._task: Any = None
 
@@ -152,10 +155,17 @@ class CpuDevice(Device):
         # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
         # whose measured units drew random numbers the light router does not know keeps the full mode.
         self._task = key[0] if isinstance(key, tuple) else key
-        if key in self._measured and self._task not in self._unrouted and self.account.limit is None:
+        seen = self._measured.setdefault(self._task, set())
+        if key in seen and self._task not in self._unrouted and self.account.limit is None:
             return False
-        self._measured.add(key)
+        seen.add(key)
         return True
+
+    def forget(self, task: str) -> None:
+        # Else a later task of that name and batch shapes would skip being measured, and could run on the light
+        # router with a random op it does not know; and the records would grow with every task the runtime saw.
+        self._measured.pop(task, None)
+        self._unrouted.discard(task)
 
     @contextlib.contextmanager
     def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode | None]:

@@ -246,6 +246,7 @@ class Runtime:
                 adm = self._choose(index)
             if adm is not None and self._open(adm):
                 return adm
+            adm = None  # it ended: waiting must not keep its handle (a done task's model, an error's frames)
 
     def _open(self, adm: _Admitted) -> bool:
         """Advance ``adm``'s chain to its next segment (its host work runs here); False if the task ended."""
@@ -422,6 +423,7 @@ class Runtime:
         for d in self.devices:
             for ex in adm.state.execs:
                 d.resident.drop(ex)
+            d.forget(adm.handle.name)
         adm.handle._finish(status, error)
         with self._cond:
             adm.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now

@@ -3,16 +3,23 @@ the uninterrupted task; files are written atomically and read without unpickling
 from __future__ import annotations
 
 import functools
+import json
 import os
+import signal
+import socket
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import lm_batches, make_gpt2
 from reference import max_param_diff
 from test_transparency import _adamw_two_groups, _Tokens, _warmup
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 import hydra_tune as ht
 from hydra_tune import checkpoint
@@ -84,6 +91,109 @@ def test_resume_in_a_new_process(tmp_path):
     assert oct(os.stat(ckpt).st_mode & 0o777) == "0o600"  # private file
 
 
+def test_a_checkpoint_at_an_epoch_start_resumes_bit_identical(tmp_path):
+    """With more accumulation than batches per epoch the only step boundaries are epoch ends, so the checkpoint's
+    position is the start of an epoch (nothing to step over): the resumed task draws on from its RNG state."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, 8, generator=g), torch.randn(24, 2, generator=g))
+
+    def task(**kw) -> ht.ModelTask:
+        return ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 2)),
+                            lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                            DataLoader(data, batch_size=8, shuffle=True), loss=lambda o, b: F.mse_loss(o, b[1]),
+                            epochs=5, seed=4, grad_accumulation=4, name="epoch-start", **kw)
+
+    with ht.Runtime(devices=["cpu"]) as rt:
+        expected = rt.submit(task()).model()
+        h = rt.submit(task())
+        path = h.checkpoint(tmp_path / "c.pt", timeout=60)
+        h.cancel()
+    pos = checkpoint.load(path)["position"]
+    assert pos["batch_in_epoch"] == 0 and 2 <= pos["epoch"] <= 5, pos
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=8_000) as rt:  # another runtime and plan
+        resumed = rt.submit(task(resume_from=path)).model()
+    assert max_param_diff(expected, resumed) == 0.0
+
+
+_GPT2_CHILD = """
+import json, sys, torch
+torch.set_num_threads(1)
+from test_checkpoint import _task
+import hydra_tune as ht
+with ht.Runtime(devices=["cpu"], device_memory="500KiB") as rt:  # another process, runtime and plan
+    h = rt.submit(_task(resume_from=sys.argv[1]))
+    model, metrics = h.model(), list(h.metrics())
+torch.save(model.state_dict(), sys.argv[2])
+print(json.dumps([(m["epoch"], m["train_loss"], m["steps"]) for m in metrics]))
+"""
+
+
+def test_gpt2_checkpointed_mid_epoch_resumes_bit_identical_in_a_new_process(tmp_path):
+    """GPT-2 with dropout, a shuffled DataLoader, clipping, accumulation and a schedule: checkpointed at a step in
+    the middle of epoch 2 (its data order replayed after a reshuffle), resumed by a new process."""
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
+        whole = rt.submit(_task())
+        expected, expected_metrics = whole.model(), list(whole.metrics())
+        first = rt.submit(_task())
+        next(m for m in first.metrics() if m["epoch"] == 1)
+        paths = [first.checkpoint(tmp_path / f"c{i}.pt", timeout=60) for i in range(2)]  # the 2nd: mid-epoch 2
+        first.cancel()
+    pos = checkpoint.load(paths[1])["position"]
+    assert pos["epoch"] == 2 and 0 < pos["batch_in_epoch"] < 6, pos
+    out = subprocess.run([sys.executable, "-c", _GPT2_CHILD, str(paths[1]), str(tmp_path / "resumed.pt")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert all(torch.equal(v, resumed[k]) for k, v in expected.state_dict().items())
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        [m["epoch"], m["train_loss"], m["steps"]] for m in expected_metrics if m["epoch"] >= 2]
+
+
+_WRITER = """
+import sys, torch
+from hydra_tune import checkpoint
+for i in range(10**6):
+    checkpoint.save({"format": 1, "i": i, "blob": torch.full((int(sys.argv[2]),), float(i))}, sys.argv[1])
+    print(i, flush=True)
+"""
+
+
+def test_sigkill_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
+    """A writer killed while a 32 MiB checkpoint is half written: the target is the previous checkpoint, whole and
+    loadable; the torn temporary file is private and named after its writer; the next save removes it."""
+    target, n = tmp_path / "c.pt", 1 << 23
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target), str(n)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    killed_mid_write = False
+    try:
+        assert proc.stdout.readline().strip() == "0"  # one whole checkpoint is in place
+        deadline = time.monotonic() + 60
+        while not killed_mid_write and time.monotonic() < deadline:  # kill it while the next is under half written
+            for p in tmp_path.iterdir():
+                try:
+                    if p.name.startswith(".hydra-ckpt-") and 0 < p.stat().st_size < 2 * n:
+                        proc.kill()
+                        killed_mid_write = True
+                        break
+                except FileNotFoundError:  # renamed into place meanwhile
+                    pass
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_mid_write and proc.returncode == -signal.SIGKILL
+    data = checkpoint.load(target)
+    assert data["blob"].numel() == n and torch.equal(data["blob"], torch.full((n,), float(data["i"])))
+    left = [p for p in tmp_path.iterdir() if p != target]
+    assert left and all(p.name.startswith(f".hydra-ckpt-{socket.gethostname()}-{proc.pid}-") for p in left)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in [target, *left])
+    assert all(p.stat().st_size < target.stat().st_size for p in left)  # torn, and never the target
+    live = tmp_path / f".hydra-ckpt-{socket.gethostname()}-{os.getpid()}-inflight"  # a running writer's
+    live.write_bytes(b"")
+    checkpoint.save({"format": 1, "i": -1}, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name])
+
+
 def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
     def torn(data, f):
         f.write(b"partial")
@@ -136,6 +246,10 @@ def test_resume_from_an_epoch_start_position_is_exact(tmp_path):
         h = rt.submit(task())
         path = h.checkpoint(tmp_path / "c.pt", timeout=60)
         h.cancel()
+        try:   # it ends at its next unit boundary (or has finished): then its name is free again
+            h.result(timeout=60)
+        except ht.TaskCancelled:
+            pass
         whole = rt.submit(task())
         expected, expected_metrics = whole.model(), list(whole.metrics())
     pos = checkpoint.load(path)["position"]
