@@ -23,7 +23,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .admission import HostAdmission, measured_capacity, parse_host_memory
-from .errors import RuntimeClosed, TaskCancelled, rule_error
+from .errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
 from .footprint import Footprint, Unmeasurable, estimate_footprint, footprint_of_state, state_footprint
 from .handle import TaskHandle
 from .program import TaskState
@@ -186,9 +186,7 @@ class HostGate:
                 self._rt._start(handle, task, footprint, state)
             except BaseException as exc:  # its build failed, or it was cancelled or the runtime closed meanwhile
                 self.release(name)
-                from .runtime import _detach_frames
-
-                _detach_frames(exc, name)
+                detach_frames(exc, name)
                 handle._finish("cancelled" if isinstance(exc, (TaskCancelled, RuntimeClosed)) else "failed", exc)
             del handle, task, state  # a failed build's model must not outlive it here
 

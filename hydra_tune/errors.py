@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import traceback
+
 
 class HydraError(Exception):
     """Base class of the errors hydra_tune raises itself."""
@@ -47,3 +49,19 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024:
             return f"{n:.2f} {unit}"
     return f"{n / 1024:.2f} TiB"
+
+
+def detach_frames(error: BaseException | None, task: str) -> None:
+    """Keep ``error``'s worker traceback as a note naming ``task``, drop its frames: they hold the failed unit's
+    device tensors and, through the still-running worker frame (which ``traceback.clear_frames`` cannot clear), the
+    task's whole state, for as long as the caller keeps the error (a handle, an Optuna trial's exception)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        if tb is not None:
+            if not isinstance(error, TaskCancelled):   # a cancellation's trace says nothing the message does not
+                error.add_note(f"Raised in task {task!r} in a hydra_tune device worker:\n"
+                               + "".join(traceback.format_tb(tb)).rstrip())
+            error.__traceback__ = None
+        error = error.__cause__ or error.__context__

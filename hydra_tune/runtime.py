@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ._host_gate import HostGate
 from .devices import Device, resolve_devices
-from .errors import RuntimeClosed, TaskCancelled, rule_error
+from .errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
 from .footprint import Footprint
 from .handle import TaskHandle
 from .oom import is_oom, replan
@@ -416,7 +415,7 @@ class Runtime:
             self._finished[adm.handle.name] = dict(self._task_stats(adm), state=status)
             self._estimator.forget(adm.handle.name)
         self._gate.release(adm.handle.name)  # before the handle reports the end: its name is free to reuse
-        _detach_frames(error, adm.handle.name)
+        detach_frames(error, adm.handle.name)
         adm.chain.close()
         adm.state.abandon_checkpoints(status)
         adm.state.store.clear()
@@ -438,18 +437,3 @@ class Runtime:
                 "predicted_peak": st.plan.peak,
                 "host_footprint": adm.footprint.parts() if adm.footprint is not None else None}
 
-
-def _detach_frames(error: BaseException | None, task: str) -> None:
-    """Keep ``error``'s worker traceback as a note naming ``task``, drop its frames: they hold the failed unit's
-    device tensors and, through the still-running worker frame (which ``traceback.clear_frames`` cannot clear), the
-    task's whole state, for as long as the caller keeps the error (a handle, an Optuna trial's exception)."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        tb = error.__traceback__
-        if tb is not None:
-            if not isinstance(error, TaskCancelled):   # a cancellation's trace says nothing the message does not
-                error.add_note(f"Raised in task {task!r} in a hydra_tune device worker:\n"
-                               + "".join(traceback.format_tb(tb)).rstrip())
-            error.__traceback__ = None
-        error = error.__cause__ or error.__context__

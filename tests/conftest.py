@@ -37,6 +37,15 @@ def lm_batches(n: int, batch: int = 4, seq: int = 16, vocab: int = 128, seed: in
     return out
 
 
+def process_alive(pid: int) -> bool:
+    """The process runs (exists and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     try:

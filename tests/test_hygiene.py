@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import process_alive
 
 import hydra_tune as ht
 from hydra_tune import checkpoint, node
@@ -43,14 +44,6 @@ def _mlp_task(**kw) -> ht.ModelTask:
     return ht.ModelTask(lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
                         lambda m: torch.optim.SGD(m.parameters(), lr=0.1), data,
                         loss=lambda o, b: F.mse_loss(o, b[1]), **kw)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _private(path: str, mode: int | None) -> bool:
@@ -94,15 +87,15 @@ def test_node_server_files_are_private_never_unpickle_strangers_and_go_with_the_
                         time.sleep(0.01)
             assert rt.stats()["server"]["pid"] == pid               # still serving its clients
         deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:       # idle: it exits after its linger
+        while process_alive(pid) and time.monotonic() < deadline:       # idle: it exits after its linger
             time.sleep(0.05)
-        assert not _alive(pid)
+        assert not process_alive(pid)
         assert not marker.exists(), "the node server unpickled bytes from an unauthenticated peer"
         # Gone with the server: its socket and log. Kept by design: the authkey (the user's key for every server
         # and client) and the lock file (an flock rendezvous; unlinking it would let two starters both proceed).
         assert sorted(os.listdir(home)) == sorted(["authkey", os.path.basename(files["lock"])])
     finally:
-        if pid is not None and _alive(pid):
+        if pid is not None and process_alive(pid):
             os.kill(pid, signal.SIGTERM)
         shutil.rmtree(base, ignore_errors=True)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import process_alive
 from reference import max_param_diff
 
 import hydra_tune as ht
@@ -50,14 +51,6 @@ def _mlp():
 
 def _wide():
     return nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 4))  # 330 KB of weights in one stage
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _wait(cond, seconds: float = 15.0) -> bool:
@@ -97,9 +90,9 @@ def node_dir():
         mp.setenv("HYDRA_TUNE_NODE_LINGER", "3")
         yield base
     for pid in _PIDS:
-        if _alive(pid):
+        if process_alive(pid):
             os.kill(pid, signal.SIGTERM)
-    assert _wait(lambda: not any(_alive(p) for p in _PIDS)), "a node server outlived the tests"
+    assert _wait(lambda: not any(process_alive(p) for p in _PIDS)), "a node server outlived the tests"
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -238,5 +231,5 @@ def test_server_death_ends_handles_and_an_idle_server_exits_after_linger(monkeyp
     with _connect(**cfg) as rt2:    # the killed server's socket is stale: a new server replaces it
         assert rt2.pid != rt.pid and rt2.submit(ht.ModelTask(_mlp, _sgd, _data(2), loss=_mse)).result(30)
         socket_path = rt2.stats()["server"]["socket"]
-    assert _wait(lambda: not _alive(rt2.pid), 15), "the idle server did not exit after its linger"
+    assert _wait(lambda: not process_alive(rt2.pid), 15), "the idle server did not exit after its linger"
     assert not os.path.exists(socket_path)

@@ -3,6 +3,7 @@ every worker waits for work) its model and optimizer. Cancels land at real momen
 mid-unit, mid-prefetch, while queued, at close. The short soak is benchmarks/soak.py --quick."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +24,18 @@ from hydra_tune.errors import RuntimeClosed, TaskCancelled
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
 import soak  # noqa: E402  (benchmarks/soak.py: the watcher and the settle/measure helpers)
+
+
+@contextlib.contextmanager
+def _watching() -> Iterator[soak.Watcher]:
+    """The soak's watcher thread (it cancels a task at a named moment), stopped however the test ends."""
+    watcher = soak.Watcher()
+    watcher.start()
+    try:
+        yield watcher
+    finally:
+        watcher.stop = True
+        watcher.join()
 
 
 def _data(n: int, seed: int = 0) -> list:
@@ -89,10 +103,8 @@ def test_cancel_while_its_shard_is_copied_ahead_frees_the_task(where):
     """``prefetch``: the copy thread copies the task's next shard while its unit runs; ``next``: the copy thread
     copies the first shard of the task the device runs next, while another task's segment ends."""
     refs: list = []
-    watcher = soak.Watcher()
-    watcher.start()
     out: dict = {}
-    try:
+    with _watching() as watcher:
         with ht.Runtime(devices=["cpu"], device_memory=16 << 20, policy="round_robin") as rt:
             other = rt.submit(_task(refs, "other", width=1024))  # 4 MiB layers: copies take milliseconds
             victim = rt.submit(_task(refs, "victim", width=1024))
@@ -102,25 +114,17 @@ def test_cancel_while_its_shard_is_copied_ahead_frees_the_task(where):
             other.cancel()
             _ended(other)
             _assert_released(rt, refs)
-    finally:
-        watcher.stop = True
-        watcher.join()
 
 
 def test_cancel_mid_unit_from_another_thread_frees_the_task():
     refs: list = []
-    watcher = soak.Watcher()
-    watcher.start()
     out: dict = {}
-    try:
+    with _watching() as watcher:
         with ht.Runtime(devices=["cpu", "cpu"], device_memory=soak.BUDGET) as rt:
             h = rt.submit(_task(refs, "victim"))
             watcher.arm(h, out, "unit")
             assert _ended(h) == "cancelled" and out["moment"] == "unit" and out["confirmed"], out
             _assert_released(rt, refs)
-    finally:
-        watcher.stop = True
-        watcher.join()
 
 
 def test_cancel_while_queued_ends_it_at_once_and_it_never_runs():
