@@ -298,6 +298,38 @@ def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
     return rows
 
 
+def oom_replan(device: str) -> dict[str, Any]:
+    """(g) a real out-of-memory mid-training (CUDA: the allocator capped by set_per_process_memory_fraction; CPU:
+    the test-only accounting limit) at 60% of the plan's peak: the task re-plans smaller and still matches plain."""
+    data = token_batches(SMALL, seed=3)
+
+    def task() -> ht.ModelTask:
+        return ht.ModelTask(gpt2_factory(SMALL, 0.0), adamw(1e-3), data, epochs=2, lr_scheduler=warmup,
+                            grad_clip_norm=1.0, seed=9, name="oom")
+    free_cuda()
+    cuda = device.startswith("cuda")
+    with ht.Runtime(devices=[device], device_memory=budget_for(task().model, data[0], 2, device)) as rt:
+        h = rt.submit(task())
+        first = rt.stats()["tasks"]["oom"]["predicted_peak"]
+        limit = int(0.6 * first)
+        if cuda:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + limit) / total, device)
+        else:
+            rt.devices[0].limit_memory(limit)
+        try:
+            model, error = h.model(), None
+        except Exception as exc:  # noqa: BLE001  (reported: the check fails)
+            model, error = None, f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            if cuda:
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
+        st = rt.stats()["tasks"]["oom"]
+    diff = None if model is None else max_param_diff(model, plain_train(task(), device)[0])
+    return {"first_peak": first, "limit": limit, "replans": st["replans"], "peak": st["predicted_peak"],
+            "shards": len(st["shards"]), "diff": diff, "error": error}
+
+
 def report(res: dict[str, Any]) -> bool:
     ok = True
     ex = res["exact"]
@@ -349,6 +381,13 @@ def report(res: dict[str, Any]) -> bool:
         for r in rows:
             print(f"    {r['mode']:<9} {r['unit']:<4} predicted {format_bytes(r['predicted']):>11}  measured "
                   f"{format_bytes(r['measured']):>11}")
+    om = res.get("oom")
+    if om:
+        good = om["replans"] >= 1 and om["diff"] is not None and om["diff"] <= EXACT_TOL
+        ok &= good
+        print(f"\n(g) out-of-memory at {format_bytes(om['limit'])} (60% of the plan's {format_bytes(om['first_peak'])}):"
+              f" {om['replans']} re-plans -> {om['shards']} shards, predicted {format_bytes(om['peak'])}; max|w| vs "
+              f"plain {om['diff'] if om['diff'] is not None else om['error']}: {'PASS' if good else 'FAIL'}")
     return ok
 
 
@@ -369,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     res["copy_gbps"] = None if args.cpu else bandwidth()
     res["throughput"] = throughput(device, TINY if args.cpu else QUICK if args.quick else FULL)
     res["unit_memory"] = unit_memory(device, SMALL)
+    res["oom"] = oom_replan(device)
     ok = report(res)
     res["seconds"] = time.perf_counter() - t0
     res["ok"] = ok
