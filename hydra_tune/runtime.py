@@ -313,7 +313,11 @@ class Runtime:
                 adm = self._take(index)
                 if adm is None:
                     return
-            adm = self._run_segment(adm, index, device)
+            try:
+                adm = self._run_segment(adm, index, device)
+            except BaseException as exc:  # a fault of ours outside the units: fail that task, keep the device
+                self._end(adm, "failed", exc)
+                adm = None
 
     def _run_segment(self, adm: _Admitted, index: int, device: Device) -> _Admitted | None:
         """Run the open segment's units in order, each with the next one's shard prefetched; returns the

@@ -45,8 +45,9 @@ def test_stage_bigger_than_budget_fails_at_submit_naming_it():
 
 
 def test_measured_peak_within_budget_and_device_memory_released():
+    # enough work that the first task is still running when the last is submitted: both devices get some
     tasks = [ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters()), lm_batches(3, seed=i),
-                          seed=i, name=f"t{i}") for i in range(2)]
+                          epochs=6, seed=i, name=f"t{i}") for i in range(3)]
     with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
         for h in [rt.submit(t) for t in tasks]:
             h.result()
