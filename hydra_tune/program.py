@@ -118,6 +118,7 @@ class TaskState:
         self.held_bytes = 0    # host_bytes() as of the latest optimizer step: what other threads may read
         self._lock = threading.Lock()
         self._requests: list[CheckpointRequest] = []
+        self._ended: str | None = None  # why the task trains no more: later checkpoint requests fail at once
 
     @classmethod
     def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None,
@@ -222,13 +223,18 @@ class TaskState:
         """Ask for a checkpoint at the task's next step boundary (or epoch end); wait on the returned request."""
         req = CheckpointRequest(path)
         with self._lock:
-            self._requests.append(req)
+            ended = self._ended
+            if ended is None:
+                self._requests.append(req)
+        if ended is not None:  # asked after the last chance to serve it: no step boundary will come
+            req.finish(None, RuntimeError(f"task {self.task.name!r} {ended} before a checkpoint could be taken"))
         return req
 
     def abandon_checkpoints(self, why: str) -> None:
-        """Fail the checkpoint requests still waiting (the task ended before a step boundary)."""
+        """Fail the checkpoint requests still waiting, and any asked from now on (the task trains no more)."""
         with self._lock:
             requests, self._requests = self._requests, []
+            self._ended = self._ended or why
         for req in requests:
             req.finish(None, RuntimeError(f"task {self.task.name!r} {why} before a checkpoint could be taken"))
 

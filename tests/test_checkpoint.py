@@ -259,3 +259,15 @@ def test_resume_from_an_epoch_start_position_is_exact(tmp_path):
         model, metrics = resumed.model(), list(resumed.metrics())
     assert max_param_diff(expected, model) == 0.0
     assert [m["train_loss"] for m in metrics] == [m["train_loss"] for m in expected_metrics[1:]]
+
+
+def test_a_checkpoint_asked_once_the_task_trains_no_more_fails_at_once(tmp_path):
+    # The race behind a hang seen under load: save_checkpoint read the running task's state, the task then served
+    # its last step and ended, and only then was the request added, to a list nobody would serve again.
+    from hydra_tune.program import TaskState
+
+    state = TaskState.build(_task(), None)
+    state.abandon_checkpoints("finished")
+    with pytest.raises(RuntimeError, match="task 'ckpt' finished before a checkpoint could be taken"):
+        state.request_checkpoint(str(tmp_path / "late.pt")).wait(timeout=30)   # not a TimeoutError
+    assert not (tmp_path / "late.pt").exists()
