@@ -159,7 +159,7 @@ class HostGate:
         for name, adm in list(self._rt._tasks.items()):
             state = adm.state
             if state is not None:
-                held[name] = state.held_bytes  # as of its latest step: its tensors may be changing now
+                held[name] = state.held_bytes  # measured by its own thread: its tensors may be changing now
         return measured_capacity(sum(held.values())), held
 
     def _run(self) -> None:

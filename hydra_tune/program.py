@@ -115,7 +115,8 @@ class TaskState:
         self.replans = 0
         self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
         self.skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
-        self.held_bytes = 0    # host_bytes() as of the latest optimizer step: what other threads may read
+        self.held_bytes = 0    # host_bytes() at its first two steps (then steady): what other threads may read
+        self._measured_steps = 0
         self._lock = threading.Lock()
         self._requests: list[CheckpointRequest] = []
         self._ended: str | None = None  # why the task trains no more: later checkpoint requests fail at once
@@ -335,7 +336,10 @@ class TaskState:
     def _step(self) -> None:
         # Measured here, in the thread that steps (gradients present, optimizer state from earlier steps): other
         # threads read ``held_bytes``, never the tensors a step is changing (that read crashed the interpreter).
-        self.held_bytes = max(self.held_bytes, self.host_bytes())
+        # Gradients appear by the first step and optimizer state at it: from the second step on the bytes stay.
+        if self._measured_steps < 2:  # counted from this build: a resumed task starts again
+            self._measured_steps += 1
+            self.held_bytes = max(self.held_bytes, self.host_bytes())
         scaler = self.scaler
         if self.task.grad_clip_norm is not None:
             if scaler is not None:

@@ -388,10 +388,9 @@ class Runtime:
             for ex in old:
                 d.resident.drop(ex)
         device.after_oom()
-        rates = [d.copy_bandwidth for d in self.devices if d.copy_bandwidth]
+        _, bandwidth, keep = self._plan_args()
         try:
-            adm.segment = replan(adm.state, unit, device.name, min(rates) if rates else None,
-                                 all(d.releases_graphs for d in self.devices))
+            adm.segment = replan(adm.state, unit, device.name, bandwidth, keep)
         except BaseException as error:  # noqa: BLE001  (a stage that no longer fits: that task's error alone)
             self._end(adm, "failed", error)
             return False

@@ -81,20 +81,19 @@ class HydraExecutor(tune.Callback):
 
     def runtime_stats(self) -> dict[str, dict[str, Any]]:
         """Per node id: the node's runtime stats (devices, per-task state incl. "cancelled"), trials, log."""
-        out = {}
-        for nid in self._node_ids():
-            try:
-                out[nid] = ray.get(ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE).stats.remote())
-            except (ValueError, ray.exceptions.RayActorError):
-                pass
-        return out
+        return self._ask_runtimes("stats")
 
     def runtime_traces(self) -> dict[str, Any]:
         """Per node id: the node runtime's ``hydra_tune.Trace`` (``.save(path)``, ``plot_timeline``)."""
+        return self._ask_runtimes("trace")
+
+    def _ask_runtimes(self, method: str) -> dict[str, Any]:
+        """Per node id: what its runtime actor's ``method`` returns (nodes without a live runtime are left out)."""
         out = {}
         for nid in self._node_ids():
             try:
-                out[nid] = ray.get(ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE).trace.remote())
+                actor = ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE)
+                out[nid] = ray.get(getattr(actor, method).remote())
             except (ValueError, ray.exceptions.RayActorError):
                 pass
         return out
