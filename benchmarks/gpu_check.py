@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from _common import Size  # the GPT-2 size record the CPU benchmarks use (benchmarks/ is on sys.path)
 
 import hydra_tune as ht
-from _common import Size  # the GPT-2 size record the CPU benchmarks use (benchmarks/ is on sys.path)
 from hydra_tune.errors import format_bytes
 
 Batch = dict[str, torch.Tensor]
@@ -141,9 +141,9 @@ def budget_for(factory: Callable[[], nn.Module], batch: Batch, min_shards: int, 
 
 def _plan_budget(factory: Callable[[], nn.Module], batch: Batch, min_shards: int) -> int:
     from hydra_tune.errors import PlanError
-    from hydra_tune.plan import partition
-    from hydra_tune.profile import measure_costs
+    from hydra_tune.policy.partition import partition
     from hydra_tune.stages import extract_stages
+    from hydra_tune.training.profile import measure_costs
 
     torch.manual_seed(0)
     costs = measure_costs(extract_stages(factory()), batch)
@@ -266,8 +266,8 @@ def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
     shards, each run alone (no prefetch beside it), predicted bytes vs measured peak."""
     import dataclasses
 
-    from hydra_tune.devices import resolve_devices
-    from hydra_tune.program import TaskState
+    from hydra_tune.device.devices import resolve_devices
+    from hydra_tune.training.state import TaskState
 
     data = token_batches(size, seed=4)[:1]
     task = ht.ModelTask(gpt2_factory(size, 0.1), adamw(1e-4), data, seed=5, name="memory-model")

@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any
 
-from hydra_tune.simulate import SimTask, lower_bound, simulate, synthetic_tasks
+from hydra_tune.sim.simulator import SimTask, lower_bound, simulate, synthetic_tasks
 
 POLICIES = ("lrtf", "fifo", "round_robin", "task_parallel", "model_parallel", "lower_bound")
 GOAL = 1.05

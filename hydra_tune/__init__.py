@@ -13,21 +13,23 @@ from __future__ import annotations
 from typing import Any
 
 from .api import configure, current_handle, default_runtime, save_checkpoint, train
+from .config import RuntimeConfig
 from .errors import HydraError, NonFiniteLoss, PlanError, RuntimeClosed, TaskCancelled
-from .handle import TaskHandle
-from .planning import plan_model
-from .runtime import Runtime
-from .simulate import simulate  # pure Python; bound here so the name is the function, not the submodule
+from .runtime.handle import TaskHandle
+from .runtime.runtime import Runtime
+from .runtime.trace import Trace
+from .sim import simulate
 from .task import ModelTask
-from .trace import Trace
+from .training.plan_model import plan_model
 
 __version__ = "0.1.0"
-__all__ = ["ModelTask", "Runtime", "TaskHandle", "train", "save_checkpoint", "current_handle", "configure", "default_runtime", "HydraError",
-           "PlanError", "NonFiniteLoss", "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
+__all__ = ["ModelTask", "Runtime", "RuntimeConfig", "TaskHandle", "train", "save_checkpoint", "current_handle",
+           "configure", "default_runtime", "HydraError", "PlanError", "NonFiniteLoss", "TaskCancelled", "RuntimeClosed",
+           "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
          "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),
-         "plot_timeline": ("hydra_tune.plot", "plot_timeline")}   # matplotlib is imported when it is called
+         "plot_timeline": ("hydra_tune.sim.plot", "plot_timeline")}   # matplotlib is imported when it is called
 
 
 def __getattr__(name: str) -> Any:

@@ -13,26 +13,29 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from .config import RuntimeConfig
 from .errors import rule_error
-from .handle import TaskHandle
-from .runtime import Runtime
+from .runtime.handle import TaskHandle
+from .runtime.runtime import Runtime
 from .task import ModelTask
 
 _lock = threading.Lock()
 _default: Runtime | None = None
-_config: dict[str, Any] = {"devices": "auto", "device_memory": None, "host_memory": None}
+_config = RuntimeConfig()
 _threads: dict[int, TaskHandle] = {}   # thread ident -> the task that thread's latest ``train`` submitted
 _bound = threading.local()             # .submit: where this thread's ``train`` sends tasks (an Optuna trial's study)
 
 
 def configure(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
-              host_memory: int | str | None = None) -> None:
-    """Set the default runtime's devices and budgets (``Runtime``'s arguments); a running default runtime is closed
-    and replaced lazily."""
-    global _default
+              host_memory: int | str | None = None, *, policy: str = "lrtf",
+              config: RuntimeConfig | None = None) -> None:
+    """Set the default runtime's settings (a ``RuntimeConfig``, or its four keywords; validated now); a running
+    default runtime is closed and replaced lazily."""
+    global _default, _config
+    new = RuntimeConfig.of(config, devices=devices, device_memory=device_memory, host_memory=host_memory,
+                           policy=policy)
     with _lock:
-        _config.update(devices=devices, device_memory=device_memory, host_memory=host_memory)
-        old, _default = _default, None
+        _config, old, _default = new, _default, None
     if old is not None:
         old.close()
 
@@ -42,7 +45,7 @@ def default_runtime() -> Runtime:
     global _default
     with _lock:
         if _default is None:
-            _default = Runtime(**_config)
+            _default = Runtime(config=_config)
         return _default
 
 

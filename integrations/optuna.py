@@ -40,7 +40,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 from hydra_tune import api
 from hydra_tune.errors import rule_error
-from hydra_tune.runtime import Runtime
+from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
 
 __all__ = ["optuna_study", "HydraStudy", "HydraSampler"]
@@ -245,7 +245,7 @@ def _creating(storage: Any) -> Iterator[None]:
     if not path or path.startswith(":memory:"):
         yield
         return
-    from hydra_tune._node_files import locked, private_dir
+    from hydra_tune.node.files import locked, private_dir
 
     digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
     with locked(os.path.join(private_dir(), f"sqlite-{digest}.lock")):

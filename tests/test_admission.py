@@ -11,9 +11,9 @@ from conftest import lm_batches, make_gpt2
 from reference import max_param_diff, plain_train
 
 import hydra_tune as ht
-from hydra_tune.admission import HostAdmission, available_host_memory, host_reserve
 from hydra_tune.errors import RuntimeClosed, TaskCancelled
-from hydra_tune.footprint import state_footprint
+from hydra_tune.policy.admission import HostAdmission, available_host_memory, host_reserve
+from hydra_tune.training.footprint import state_footprint
 
 OPTIMIZERS = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),

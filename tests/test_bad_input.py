@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import hydra_tune as ht
 from hydra_tune.errors import PlanError, format_bytes
-from hydra_tune.plan import shard_of
-from hydra_tune.profile import measure_costs
+from hydra_tune.policy.partition import shard_of
 from hydra_tune.stages import extract_stages
+from hydra_tune.training.profile import measure_costs
 
 X = [(torch.randn(2, 4), torch.randn(2, 2)) for _ in range(3)]
 

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hydra_tune as ht
-from hydra_tune import checkpoint
+from hydra_tune.training import checkpoint
 
 
 def _task(**kw) -> ht.ModelTask:
@@ -152,7 +152,7 @@ def test_gpt2_checkpointed_mid_epoch_resumes_bit_identical_in_a_new_process(tmp_
 
 _WRITER = """
 import sys, torch
-from hydra_tune import checkpoint
+from hydra_tune.training import checkpoint
 for i in range(10**6):
     checkpoint.save({"format": 1, "i": i, "blob": torch.full((int(sys.argv[2]),), float(i))}, sys.argv[1])
     print(i, flush=True)
@@ -264,7 +264,7 @@ def test_resume_from_an_epoch_start_position_is_exact(tmp_path):
 def test_a_checkpoint_asked_once_the_task_trains_no_more_fails_at_once(tmp_path):
     # The race behind a hang seen under load: save_checkpoint read the running task's state, the task then served
     # its last step and ended, and only then was the request added, to a list nobody would serve again.
-    from hydra_tune.program import TaskState
+    from hydra_tune.training.state import TaskState
 
     state = TaskState.build(_task(), None)
     state.abandon_checkpoints("finished")

@@ -6,7 +6,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from hydra_tune._dispatch import MemoryAccount, UnitMode, paused_accounting
+from hydra_tune.device.dispatch import MemoryAccount, UnitMode, paused_accounting
 
 
 def _draws() -> list[torch.Tensor]:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from conftest import process_alive
 
 import hydra_tune as ht
-from hydra_tune import checkpoint, node
+from hydra_tune import node
+from hydra_tune.training import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -114,9 +115,9 @@ _LOADERS = {"pickle", "cloudpickle", "dill", "torch", "joblib", "marshal", "nump
 # Every place hydra_tune turns bytes into objects, and why no other user can have written those bytes. A new one
 # fails this test until it is added here with its reason (and the README's "Files on disk" says the same).
 _KNOWN = {
-    "hydra_tune/checkpoint.py": (1, "torch.load(weights_only=True): tensors and plain data only"),
-    "hydra_tune/node.py": (3, "frames of the node server's connection, after the mutual HMAC handshake"),
-    "hydra_tune/_node_server.py": (3, "frames of a client's connection after the HMAC handshake; its own error"),
+    "hydra_tune/training/checkpoint.py": (1, "torch.load(weights_only=True): tensors and plain data only"),
+    "hydra_tune/node/client.py": (3, "frames of the node server's connection, after the mutual HMAC handshake"),
+    "hydra_tune/node/server.py": (3, "frames of a client's connection after the HMAC handshake; its own error"),
     "integrations/_tune_proxy.py": (1, "the trainable's bytes in a Ray actor call (Ray's own transport)"),
 }
 

@@ -10,8 +10,8 @@ import torch
 from conftest import lm_batches, make_gpt2
 
 import hydra_tune as ht
-from hydra_tune.devices import CpuDevice
-from hydra_tune.program import TaskState
+from hydra_tune.device.devices import CpuDevice
+from hydra_tune.training.state import TaskState
 
 TOLERANCE = 0.10
 

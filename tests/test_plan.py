@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hydra_tune.errors import PlanError
-from hydra_tune.plan import Shard, StageCost, partition, shard_of
+from hydra_tune.policy.partition import Shard, StageCost, partition, shard_of
 
 
 def _stage(name: str, key: int, nbytes: int = 100, act: int = 10) -> StageCost:
@@ -67,7 +67,7 @@ def _sh(i: int, kept: int, fwd: float, io: int = 10) -> Shard:
 
 
 def test_choose_keep_takes_most_seconds_per_byte_within_room():
-    from hydra_tune.plan import choose_keep
+    from hydra_tune.policy.partition import choose_keep
 
     shards = [_sh(0, 100, 1.0), _sh(1, 50, 1.0), _sh(2, 100, 3.0), _sh(3, 10, 9.0)]  # the last never keeps
     # seconds per byte: #1 0.02, #2 0.03, #0 0.01 -> #2 (100) then #1 (50) fit in 160; #0 does not
@@ -78,7 +78,7 @@ def test_choose_keep_takes_most_seconds_per_byte_within_room():
 
 
 def test_choose_offload_when_copies_beat_the_recompute():
-    from hydra_tune.plan import choose_offload
+    from hydra_tune.policy.partition import choose_offload
 
     shards = [_sh(0, 1020, 1.0), _sh(1, 2020, 1.0), _sh(2, 520, 1.0), _sh(3, 20, 1.0)]
     # moved bytes: kept - in - out = 1000, 2000, 500; two copies at 2000 B/s: 1.0 s, 2.0 s, 0.5 s vs 1.0 s forward
@@ -88,7 +88,7 @@ def test_choose_offload_when_copies_beat_the_recompute():
 
 
 def test_plan_peak_counts_kept_activations():
-    from hydra_tune.plan import Plan
+    from hydra_tune.policy.partition import Plan
 
     shards = (_sh(0, 40, 1.0), _sh(1, 60, 1.0), _sh(2, 0, 1.0))
     plan = Plan(shards, 1000, 100, keep=(True, False, False), offload=(False, True, False))

@@ -8,9 +8,10 @@ import torch
 from conftest import lm_batches, make_gpt2
 
 import hydra_tune as ht
-from hydra_tune.plan import partition
-from hydra_tune.profile import measure_costs
+from hydra_tune.config import parse_bytes
+from hydra_tune.policy.partition import partition
 from hydra_tune.stages import extract_stages
+from hydra_tune.training.profile import measure_costs
 
 
 def test_meta_plan_equals_the_plan_measured_on_real_tensors():
@@ -19,7 +20,7 @@ def test_meta_plan_equals_the_plan_measured_on_real_tensors():
         meta = ht.plan_model(make_gpt2, batch, budget)
         torch.manual_seed(0)
         real_costs = measure_costs(extract_stages(make_gpt2()), batch)
-        real = partition(real_costs, ht.devices.parse_bytes(budget), keep=False)
+        real = partition(real_costs, parse_bytes(budget), keep=False)
         assert [s.names for s in meta.shards] == [s.names for s in real.shards]
         assert meta.peak == real.peak
         assert [(s.forward_peak, s.backward_peak, s.state_bytes) for s in meta.shards] == [

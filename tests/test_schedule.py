@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_tune.schedule import POLICIES, Estimator, Ready, fifo, lrtf, round_robin
+from hydra_tune.policy.schedule import POLICIES, Estimator, Ready, fifo, lrtf, round_robin
 
 
 def test_fifo_picks_longest_waiting_then_affinity():

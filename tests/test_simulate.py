@@ -8,13 +8,20 @@ import time
 
 import pytest
 
-from hydra_tune._simpool import ListPool, make_pool
-from hydra_tune.schedule import POLICIES
-from hydra_tune.simulate import (SimResult, SimTask, SimUnit, lower_bound, simulate, synthetic_tasks,
-                                 tasks_from_trace)
-from hydra_tune.trace import COPY, Event, Trace
+from hydra_tune.policy.schedule import POLICIES
+from hydra_tune.runtime.trace import COPY, Event, Trace
+from hydra_tune.sim.pool import ListPool, make_pool
+from hydra_tune.sim.simulator import (
+    SimResult,
+    SimTask,
+    SimUnit,
+    lower_bound,
+    simulate,
+    synthetic_tasks,
+    tasks_from_trace,
+)
 
-sim = importlib.import_module("hydra_tune.simulate")  # the module (hydra_tune.simulate the attribute is the function)
+sim = importlib.import_module("hydra_tune.sim.simulator")
 
 
 def _chain(name: str, segments: int, seconds: float = 1.0) -> SimTask:
@@ -250,7 +257,7 @@ def test_simulator_reproduces_measured_run():
 
 def test_public_names_are_the_functions():
     import hydra_tune as ht
-    import hydra_tune.simulate  # noqa: F401  (loading the submodule must not shadow the function)
+    import hydra_tune.sim.simulator  # noqa: F401  (loading the submodule must not shadow the function)
 
     assert callable(ht.simulate) and ht.simulate.__name__ == "simulate"
     assert callable(ht.plot_timeline) and ht.plot_timeline.__name__ == "plot_timeline"

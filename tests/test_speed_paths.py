@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hydra_tune as ht
-from hydra_tune.program import TaskState
+from hydra_tune.training.state import TaskState
 
 
 def _data(n: int, seed: int = 0) -> list:
@@ -147,8 +147,8 @@ def test_each_backward_mode_is_exact_on_gpt2(mode):
     from conftest import lm_batches, make_gpt2
     from reference import max_param_diff, plain_train
 
-    from hydra_tune.devices import CpuDevice
-    from hydra_tune.shard import ShardCache
+    from hydra_tune.device.devices import CpuDevice
+    from hydra_tune.training.shard import ShardCache
 
     task = ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batches(4), epochs=2,
                         grad_clip_norm=1.0, grad_accumulation=2, seed=5, name=mode)
@@ -171,7 +171,7 @@ def test_each_backward_mode_is_exact_on_gpt2(mode):
 
 
 def test_light_router_draws_what_plain_pytorch_draws():
-    from hydra_tune._dispatch import RandomRouter
+    from hydra_tune.device.dispatch import RandomRouter
 
     q = torch.randn(2, 2, 8, 4)
 
@@ -212,7 +212,7 @@ def test_unknown_random_op_keeps_the_task_on_the_exact_mode():
 
 def test_a_failed_prefetch_only_costs_the_copy(monkeypatch):
     # A copy made ahead can fail (out of memory on a real device): the unit then copies its shard in itself.
-    from hydra_tune.shard import ShardCache
+    from hydra_tune.training.shard import ShardCache
 
     calls = []
 

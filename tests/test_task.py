@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import hydra_tune as ht
-from hydra_tune.devices import parse_bytes
+from hydra_tune.config import parse_bytes
 
 DATA = [(torch.randn(2, 4), torch.randn(2, 4))]
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hydra_tune.trace import COMPUTE, COPY, Event, Recorder, Trace
+from hydra_tune.runtime.trace import COMPUTE, COPY, Event, Recorder, Trace
 
 DEVICES = ["cuda:0", "cuda:1"]
 
@@ -149,7 +149,7 @@ def _read_png(path) -> bytes:
 
 def test_plot_timeline_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from hydra_tune.plot import plot_timeline
+    from hydra_tune.sim.plot import plot_timeline
 
     t = hand_trace()
     assert len(t.devices) == 2 and len(t.tasks()) == 3 and t.copies()
@@ -162,7 +162,7 @@ def test_plot_timeline_writes_png(tmp_path):
 @pytest.mark.parametrize("case", ["many_tasks", "empty", "no_copies_in_trace"])
 def test_plot_timeline_edge_cases(tmp_path, case):
     pytest.importorskip("matplotlib")
-    from hydra_tune.plot import plot_timeline
+    from hydra_tune.sim.plot import plot_timeline
 
     if case == "many_tasks":   # more than 20 tasks: legend says "+N more"
         t = Trace([f"cuda:{d}" for d in range(4)],
@@ -177,7 +177,7 @@ def test_plot_timeline_edge_cases(tmp_path, case):
 
 def test_plot_timeline_rejects_unknown_device(tmp_path):
     pytest.importorskip("matplotlib")
-    from hydra_tune.plot import plot_timeline
+    from hydra_tune.sim.plot import plot_timeline
 
     t = Trace(["cpu"], [Event(2, "a", 0, "F", 0.0, 1.0)])
     with pytest.raises(ValueError, match=r"device 2.*1 device"):
@@ -186,7 +186,7 @@ def test_plot_timeline_rejects_unknown_device(tmp_path):
 
 
 def test_plot_timeline_without_matplotlib_says_how_to_fix(tmp_path, monkeypatch):
-    from hydra_tune.plot import plot_timeline
+    from hydra_tune.sim.plot import plot_timeline
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` raise ImportError
     with pytest.raises(ImportError) as info:
@@ -196,19 +196,19 @@ def test_plot_timeline_without_matplotlib_says_how_to_fix(tmp_path, monkeypatch)
 
 
 def test_import_plot_is_light_and_plotting_leaves_pyplot_alone(tmp_path):
-    code = ("import sys, hydra_tune, hydra_tune.plot\n"
+    code = ("import sys, hydra_tune, hydra_tune.sim.plot\n"
             "print('matplotlib' in sys.modules)\n"
-            "from hydra_tune.trace import Event, Trace\n"
+            "from hydra_tune.runtime.trace import Event, Trace\n"
             "try:\n"
             "    import matplotlib\n"
             "except ImportError:\n"
             "    print('skip'); raise SystemExit\n"
             "t = Trace(['cpu'], [Event(0, 'a', 0, 'F', 0.0, 1.0)])\n"
-            f"hydra_tune.plot.plot_timeline(t, {str(tmp_path / 'p.png')!r})\n"
+            f"hydra_tune.sim.plot.plot_timeline(t, {str(tmp_path / 'p.png')!r})\n"
             "print('matplotlib.pyplot' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     lines = out.stdout.split()
-    assert lines[0] == "False", "import hydra_tune.plot imported matplotlib"
+    assert lines[0] == "False", "import hydra_tune.sim.plot imported matplotlib"
     if lines[1:] != ["skip"]:
         assert lines[1:] == ["False"], "plot_timeline imported pyplot"
 

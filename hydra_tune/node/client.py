@@ -1,16 +1,5 @@
-"""One hydra_tune Runtime per node, shared by many processes (e.g. Optuna workers): a local server and its clients.
-
-    rt = hydra_tune.node.connect(devices=["cpu", "cpu"], device_memory="64MiB")   # find or start the server
-    handle = rt.submit(task); print(handle.result()["train_loss"]); model = handle.model()
-    rt.close()                                     # the server cancels this client's unfinished tasks
-
-The server (``python -m hydra_tune._node_server``) is one detached process per (OS user, devices, device_memory,
-policy), gone ``$HYDRA_TUNE_NODE_LINGER`` s (10) after its last client left. Its files, in the 0700 directory
-/tmp/hydra_tune-<uid> ($HYDRA_TUNE_NODE_DIR): ``authkey`` (0600: the connection's HMAC handshake, passed before
-anything is unpickled), ``<key>.sock``, ``<key>.lock`` (starting and stopping) and ``<key>.log``. Protocol: the
-client sends ``(op, request_id, *args)``; the server replies ``("reply", request_id, ok, value_or_error)`` and
-streams ``("metrics"|"status"|"end", task_id, ...)``; task ids are the client's, so events may precede a reply.
-"""
+"""The client side of the node runtime server: ``connect``, the connection (``NodeRuntime``) and the handles of
+the tasks it runs (``RemoteHandle``). See the package docstring (hydra_tune/node/__init__.py)."""
 from __future__ import annotations
 
 import collections
@@ -26,20 +15,20 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import weakref
 from collections.abc import Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from ._node_files import _server_env, _tail, locked, server_files
-from .errors import HydraError, RuntimeClosed, rule_error
-from .handle import TaskHandle
-from .task import ModelTask
-from .trace import Trace
+from ..config import RuntimeConfig
+from ..errors import HydraError, RuntimeClosed, rule_error
+from ..runtime.handle import TaskHandle
+from ..runtime.trace import Trace
+from ..task import ModelTask
+from .files import _server_env, _tail, locked, server_files
 
-__all__ = ["connect", "server_files", "NodeRuntime", "RemoteHandle", "RemoteError", "TaskNotPicklable"]
+__all__ = ["connect", "NodeRuntime", "RemoteHandle", "RemoteError", "TaskNotPicklable"]
 
 START_TIMEOUT = 120.0   # seconds a new server may take to import torch and set up its devices
 _TASK_FIELDS = ("model", "optimizer", "train_data", "loss", "eval_data", "lr_scheduler", "stages")
@@ -61,14 +50,16 @@ class RemoteError(HydraError):
 
 
 def connect(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None, *,
-            policy: str = "lrtf") -> "NodeRuntime":
-    """Connect to this node's runtime server for these settings, starting it (detached) if none answers.
+            policy: str = "lrtf", host_memory: int | str | None = None,
+            config: RuntimeConfig | None = None) -> "NodeRuntime":
+    """Connect to this node's runtime server for these settings (a ``RuntimeConfig``, or its four keywords),
+    starting it (detached) if none answers.
 
         rt = node.connect(devices=["cpu", "cpu"], device_memory="64MiB", policy="lrtf")
         handles = [rt.submit(t) for t in tasks]          # one Runtime for every process of this user and config
         print([h.result() for h in handles]); rt.close()
     """
-    files = server_files(devices, device_memory, policy=policy)
+    files = server_files(devices, device_memory, policy=policy, host_memory=host_memory, config=config)
     with open(files["authkey"], "rb") as f:
         key = f.read()
     node = _open(files, key)
@@ -87,26 +78,24 @@ class RemoteHandle(TaskHandle):
     """
 
     def __init__(self, node: "NodeRuntime", tid: int, name: str) -> None:
-        super().__init__(node, types.SimpleNamespace(task=types.SimpleNamespace(name=name)))  # type: ignore[arg-type]
-        self._state = None                     # the task's state lives in the server
+        super().__init__(name, lambda handle: None)   # cancel() is this class's own; the state lives in the server
         self._node, self._tid = node, tid
         self.server_name: str | None = None    # its name in the server's stats() and trace(): "c<client>/<name>"
         self._fetch = threading.Lock()
-        self._fetched = False
+        self._fetched: list[Any] = []          # the model, once fetched
 
     def model(self) -> Any:
         """The trained model (CPU), fetched from the server once; the server then drops its copy."""
         self.result()
         with self._fetch:
             if not self._fetched:
-                self._model = pickle.loads(self._node._call("model", self._tid))
-                self._fetched = True
-        return self._model
+                self._fetched.append(pickle.loads(self._node._call("model", self._tid)))
+        return self._fetched[0]
 
     def checkpoint(self, path: str, timeout: float | None = None) -> str:
         """``TaskHandle.checkpoint`` run in the server (same node, same filesystem); returns the absolute path."""
         if self.done():
-            raise RuntimeError(f"task {self.name!r} is {self._status}: a checkpoint needs a running task. Fix: "
+            raise RuntimeError(f"task {self.name!r} is {self.status}: a checkpoint needs a running task. Fix: "
                                "checkpoint before it ends (or keep the returned model).")
         return self._node._call("checkpoint", self._tid, os.path.abspath(os.fspath(path)), timeout)
 
@@ -119,22 +108,16 @@ class RemoteHandle(TaskHandle):
         except RuntimeClosed:
             return  # the connection ended, and with it this handle
         if ended:  # it was queued and ended at once, as with TaskHandle: wait for its end event
-            with self._cond:
-                self._cond.wait_for(self.done, 30)
+            self.wait(30)
 
-    def _event(self, kind: str, *args: Any) -> None:
+    def event(self, kind: str, *args: Any) -> None:
+        """What the server streamed for this task: "status" (it started), "metrics" or "end"."""
         if kind == "end":
-            self._finish(args[0], _unpack_error(args[1]) if args[1] is not None else None)
+            self.finish(args[0], _unpack_error(args[1]) if args[1] is not None else None)
             return
-        with self._cond:
-            if kind == "metrics":
-                self._metrics.append(args[0])  # its "task" is already the client's name
-            if self._status == "queued":
-                self._status = "running"
-            self._cond.notify_all()
-
-    def __repr__(self) -> str:
-        return f"RemoteHandle({self.name!r}, {self._status})"
+        self.started()
+        if kind == "metrics":
+            self.emit(args[0])  # labelled with this handle's name: the client's own, as the server sent it
 
 
 class NodeRuntime:
@@ -252,7 +235,7 @@ class NodeRuntime:
                 with self._lock:
                     handle = self._handles.get(msg[1])
                 if handle is not None:
-                    handle._event(msg[0], *msg[2:])
+                    handle.event(msg[0], *msg[2:])
         except Exception:  # noqa: BLE001  (EOF, a reset, a closed handle: the connection is over either way)
             pass
         finally:
@@ -272,7 +255,7 @@ class NodeRuntime:
             slot[1], slot[2] = False, RuntimeClosed(self._gone)
             slot[0].set()
         for h in handles:
-            h._finish("cancelled", RuntimeClosed(self._why_gone(h.name)))
+            h.finish("cancelled", RuntimeClosed(self._why_gone(h.name)))
 
 
 # -- errors and tasks on the wire ------------------------------------------------------------------------------
@@ -341,7 +324,7 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
     arg = json.dumps(dict(files["config"], base=files["base"], key=files["key"], linger=float(linger)))
     log = os.open(files["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:  # own session: it outlives this process and its Ctrl-C
-        proc = subprocess.Popen([sys.executable, "-m", "hydra_tune._node_server", arg], cwd=os.getcwd(),
+        proc = subprocess.Popen([sys.executable, "-m", "hydra_tune.node.server", arg], cwd=os.getcwd(),
                                 env=_server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True)
     finally:

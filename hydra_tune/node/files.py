@@ -11,7 +11,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import secrets
 import site
 import stat
@@ -19,20 +18,23 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .errors import HydraError, rule_error
+from ..config import RuntimeConfig
+from ..errors import HydraError, rule_error
 
 _SOCKET_MAX = 107       # bytes in an AF_UNIX path (sun_path is 108 with its NUL)
 
 
 def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None, *,
-                 policy: str = "lrtf") -> dict[str, Any]:
+                 policy: str = "lrtf", host_memory: int | str | None = None,
+                 config: RuntimeConfig | None = None) -> dict[str, Any]:
     """The server's files for these settings; creates the private base directory and its authkey if missing.
 
         files = node.server_files(devices=["cpu", "cpu"], device_memory="64MiB")
         print(open(files["log"]).read())                  # what the server printed
         files["config"], files["socket"], files["lock"], files["authkey"], files["base"]
     """
-    config = _normalize(devices, device_memory, policy)
+    config = RuntimeConfig.of(config, devices=devices, device_memory=device_memory, policy=policy,
+                              host_memory=host_memory).as_dict()
     # The interpreter and the visible GPUs are part of the identity: a server is only shared by processes that
     # would have built the same Runtime (same venv, same torch, same devices).
     identity = dict(config, python=sys.executable, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -54,22 +56,6 @@ def private_dir() -> str:
     base = os.path.abspath(os.environ.get("HYDRA_TUNE_NODE_DIR") or f"/tmp/hydra_tune-{os.getuid()}")
     _make_private_dir(base)
     return base
-
-
-def _normalize(devices: Any, device_memory: Any, policy: Any) -> dict[str, Any]:
-    from .devices import parse_bytes
-    from .schedule import POLICIES
-
-    if policy not in POLICIES:
-        raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=policy)
-    if isinstance(devices, tuple):
-        devices = list(devices)
-    if isinstance(devices, list) and devices and all(isinstance(d, str) for d in devices):
-        devices = ["cpu" if re.fullmatch(r"cpu(:\d+)?", d) else d for d in devices]  # the Runtime renames CPUs
-    elif not (devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)):
-        raise rule_error("`devices` is 'auto', a positive int, or a non-empty list of names like ['cuda:0', "
-                         "'cuda:1'] or ['cpu', 'cpu']", "pass one of those forms", devices=devices)
-    return {"devices": devices, "device_memory": parse_bytes(device_memory), "policy": policy}
 
 
 def _make_private_dir(base: str) -> None:

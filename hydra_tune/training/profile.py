@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .devices import CpuDevice, TaskRNG
-from .plan import StageCost
+from ..device.devices import CpuDevice, TaskRNG
+from ..policy.partition import StageCost
+from ..stages import ModelStages
 from .shard import ShardExec, offload_hooks
-from .stages import ModelStages
 from .store import tree_bytes
 
 

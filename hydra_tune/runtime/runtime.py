@@ -20,16 +20,17 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ._host_gate import HostGate
-from .devices import Device, resolve_devices
-from .errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
-from .footprint import Footprint
+from ..config import RuntimeConfig
+from ..device.devices import Device, resolve_devices
+from ..errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
+from ..policy.schedule import POLICIES, Estimator, Ready
+from ..task import ModelTask
+from ..training.footprint import Footprint
+from ..training.replan import is_oom, replan
+from ..training.shard import ShardCache
+from ..training.state import Segment, TaskState, Unit
+from .gate import GateHooks, HostGate
 from .handle import TaskHandle
-from .oom import is_oom, replan
-from .program import Segment, TaskState, Unit
-from .schedule import POLICIES, Estimator, Ready
-from .shard import ShardCache
-from .task import ModelTask
 from .trace import COPY, Recorder, Trace
 
 __all__ = ["Runtime", "TaskHandle"]
@@ -40,7 +41,7 @@ class _Admitted:
 
     def __init__(self, handle: TaskHandle, state: TaskState, order: int) -> None:
         self.handle, self.state, self.order = handle, state, order
-        self.chain = state.units(handle._emit)
+        self.chain = state.units(handle.emit)
         self.segment: Segment | None = None  # taken from the chain, not yet run
         self.footprint: Footprint | None = None  # host bytes admission charged it
         self.last_device: int | None = None
@@ -51,20 +52,21 @@ class _Admitted:
 class Runtime:
     """Owns the node's devices and runs the units of every admitted task on them.
 
-    ``policy``: "lrtf" (Sharded-LRTF with affinity, the default), "fifo" or "round_robin" (schedule.py).
+    The settings are a ``RuntimeConfig``'s (hydra_tune/config.py): pass ``config=`` or its four keywords.
+    ``policy``: "lrtf" (Sharded-LRTF with affinity, the default), "fifo" or "round_robin" (policy/schedule.py).
     ``host_memory``: what the admitted tasks' host state may take: None measures it (available memory less a
     reserve, sampled at every admission), a byte count or "64GiB" is a hard budget. A task that does not fit
-    waits, a task that could never fit is rejected at submit (admission.py; footprints: footprint.py).
+    waits, a task that could never fit is rejected at submit (policy/admission.py; training/footprint.py).
     """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
-                 *, policy: str = "lrtf", host_memory: int | str | None = None) -> None:
-        if policy not in POLICIES:
-            raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=policy)
-        self._gate = HostGate(self, host_memory)
-        self.devices: list[Device] = resolve_devices(devices, device_memory)
-        self.policy = policy
-        self._pick = POLICIES[policy]
+                 *, policy: str = "lrtf", host_memory: int | str | None = None,
+                 config: RuntimeConfig | None = None) -> None:
+        self.config = RuntimeConfig.of(config, devices=devices, device_memory=device_memory,
+                                       host_memory=host_memory, policy=policy)
+        self.devices: list[Device] = resolve_devices(self.config.devices, self.config.device_memory)
+        self.policy = self.config.policy
+        self._pick = POLICIES[self.policy]
         self._cond = threading.Condition()
         self._ready: list[tuple[int, _Admitted]] = []  # (when it became ready, task)
         self._tasks: dict[str, _Admitted] = {}
@@ -88,6 +90,8 @@ class Runtime:
             w.start()
         for e in self._started:  # device set-up (e.g. CUDA workspaces) is done before any task is planned
             e.wait()
+        self._gate = HostGate(self.config.host_memory, self._plan_args(),
+                              GateHooks(self._new_handle, self._held_bytes, self._start))
         if self._start_errors:
             self.close()
             raise self._start_errors[0]
@@ -170,6 +174,16 @@ class Runtime:
         self.close()
 
     # -- host-memory admission ------------------------------------------------------------------------------
+    def _new_handle(self, name: str) -> TaskHandle:
+        return TaskHandle(name, self._cancel)
+
+    def _held_bytes(self) -> dict[str, int]:
+        """Host bytes each admitted task holds, as its own thread last measured them (its tensors may be changing
+        now: other threads never read them)."""
+        with self._cond:
+            states = [(name, adm.state) for name, adm in self._tasks.items()]
+        return {name: state.held_bytes for name, state in states if state is not None}
+
     def _plan_args(self) -> tuple[int | None, float | None, bool]:
         """What every task is planned with: the smallest planner budget and copy rate of the devices, and whether
         forwards may keep or offload activations (see Device.releases_graphs)."""
@@ -185,9 +199,8 @@ class Runtime:
             state = TaskState.build(task, *self._plan_args())
         self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
         if handle is None:
-            handle = TaskHandle(self, state)
-        else:
-            handle._state = state
+            handle = self._new_handle(task.name)
+        handle.attach(state)
         with self._cond:
             if self._closed:
                 raise RuntimeClosed(f"the runtime was closed before task {task.name!r} started")
@@ -254,7 +267,7 @@ class Runtime:
             return False
         if adm.segment is not None:
             return True  # a re-planned minibatch, open since its out-of-memory
-        adm.handle._set_running()
+        adm.handle.started()
         try:
             adm.segment = next(adm.chain)
         except StopIteration:
@@ -426,7 +439,7 @@ class Runtime:
             for ex in adm.state.execs:
                 d.resident.drop(ex)
             d.forget(adm.handle.name)
-        adm.handle._finish(status, error)
+        adm.handle.finish(status, error)
         with self._cond:
             adm.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
 

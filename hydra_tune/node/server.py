@@ -1,7 +1,7 @@
 """The node runtime server: one detached process that owns one Runtime and runs the tasks of every client.
 
-    python -m hydra_tune._node_server '{"devices": ["cpu", "cpu"], "device_memory": 67108864, "policy": "lrtf",
-                                        "base": "/tmp/hydra_tune-1000", "key": "0123abcd0123abcd", "linger": 10}'
+    python -m hydra_tune.node.server '{"devices": ["cpu", "cpu"], "device_memory": 67108864, "host_memory": null,
+        "policy": "lrtf", "base": "/tmp/hydra_tune-1000", "key": "0123abcd0123abcd", "linger": 10}'
     # started by hydra_tune.node.connect(); its output goes to <base>/<key>.log
 
 Threads: the main thread watches for the linger and SIGTERM; one thread accepts connections (the HMAC handshake
@@ -27,11 +27,12 @@ from typing import Any
 
 import cloudpickle
 
-from ._node_files import locked
-from .errors import RuntimeClosed, TaskCancelled, rule_error
-from .handle import ENDED, TaskHandle
-from .node import TaskNotPicklable
-from .runtime import Runtime
+from ..config import RUNTIME_SETTINGS, RuntimeConfig
+from ..errors import RuntimeClosed, TaskCancelled, rule_error
+from ..runtime.handle import ENDED, TaskHandle
+from ..runtime.runtime import Runtime
+from .client import TaskNotPicklable
+from .files import locked
 
 _INLINE = ("cancel", "forget")  # quick requests, answered by the reader in order
 
@@ -94,7 +95,7 @@ class _Server:
         base, key = config["base"], config["key"]
         self.socket, self.lock_path = os.path.join(base, f"{key}.sock"), os.path.join(base, f"{key}.lock")
         self.log_path, self.linger = os.path.join(base, f"{key}.log"), float(config["linger"])
-        self.runtime = Runtime(config["devices"], config["device_memory"], policy=config["policy"])
+        self.runtime = Runtime(config=RuntimeConfig(**{k: config[k] for k in RUNTIME_SETTINGS}))
         with open(os.path.join(base, "authkey"), "rb") as f:
             authkey = f.read()
         self.listener = Listener(self.socket, family="AF_UNIX", backlog=64, authkey=authkey)  # last: ready now
@@ -314,9 +315,8 @@ class _Server:
         """Stream the task's metrics (as the client named it), its start, and finally its end and error."""
         sent, status, told_running = 0, "queued", False
         while True:
-            with handle._cond:
-                handle._cond.wait_for(lambda: len(handle._metrics) > sent or handle._status != status)
-                fresh, status = list(handle._metrics[sent:]), handle._status
+            progress = handle.watch(sent, status)
+            fresh, status = progress.fresh, progress.status
             sent += len(fresh)
             for m in fresh:
                 m = dict(m, task=user)
@@ -329,7 +329,7 @@ class _Server:
             if status == "running" and not told_running and not fresh:
                 client.send(("status", tid, "running"))
             told_running = told_running or status == "running"
-        error = handle._error
+        error = handle.error
         if isinstance(error, TaskCancelled):
             error = TaskCancelled(f"task {user!r} was cancelled")
         elif isinstance(error, RuntimeClosed):  # the server is stopping

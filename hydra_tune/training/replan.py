@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import HydraError, PlanError, format_bytes
-from .plan import partition
+from ..errors import HydraError, PlanError, format_bytes
+from ..policy.partition import partition
 
 if TYPE_CHECKING:
-    from .program import Segment, TaskState, Unit
+    from .state import Segment, TaskState, Unit
 
 SHRINK = (0.75, 0.85, 0.95)  # a re-plan fits the task into the first of these shares of the failed plan's peak
                               # that a plan exists for

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import PlanError, format_bytes
+from ..errors import PlanError, format_bytes
 
 
 @dataclass(frozen=True)

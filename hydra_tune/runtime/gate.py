@@ -1,7 +1,7 @@
 """The runtime's host-memory gate: each submitted task's footprint is estimated, then the task is admitted, waits, or
 is rejected; a thread of the gate's own starts waiting tasks, first come first served, as admitted ones end.
 
-    gate = HostGate(runtime, host_memory="2GiB"); gate.start()
+    gate = HostGate(budget, plan, hooks); gate.start()   # budget: host_memory in bytes, None: measured
     handle, footprint, state = gate.submit(task)   # handle: the task waits for memory (None: admitted, start it)
     gate.release(name)                             # an admitted task ended: its footprint is free again
 
@@ -20,27 +20,42 @@ at submit is built in the caller, whose submit raises.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from .admission import HostAdmission, measured_capacity, parse_host_memory
-from .errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
-from .footprint import Footprint, Unmeasurable, estimate_footprint, footprint_of_state, state_footprint
+from ..errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
+from ..policy.admission import HostAdmission, measured_capacity
+from ..task import ModelTask
+from ..training.footprint import Footprint, Unmeasurable, estimate_footprint, footprint_of_state, state_footprint
+from ..training.state import TaskState
 from .handle import TaskHandle
-from .program import TaskState
-from .task import ModelTask
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
 
 _Waiting = tuple[TaskHandle, ModelTask, Footprint, "TaskState | None"]
 
 
-class HostGate:
-    """Host-memory admission for one runtime (``Runtime(host_memory=...)``)."""
+@dataclass(frozen=True)
+class GateHooks:
+    """What the gate asks of its runtime. ``handle(name)``: a new handle for a task that waits. ``held()``: the
+    host bytes each admitted task holds now (by name). ``start(handle, task, footprint, state)``: build an
+    admitted waiting task (unless built) and queue it for the devices; raises when it cannot start."""
 
-    def __init__(self, runtime: "Runtime", host_memory: int | str | None) -> None:
-        self.host = HostAdmission(parse_host_memory(host_memory))
-        self._rt = runtime
+    handle: Callable[[str], TaskHandle]
+    held: Callable[[], dict[str, int]]
+    start: Callable[[TaskHandle, ModelTask, Footprint, "TaskState | None"], Any]
+
+
+class HostGate:
+    """Host-memory admission for one runtime (``Runtime(host_memory=...)``). ``plan``: the arguments every task
+    is built with after ``TaskState.build(task, ...)`` (budget, copy bandwidth, whether graphs may be kept).
+
+    Lock order: the gate's lock may be held while ``hooks.held`` takes the runtime's; the runtime never calls the
+    gate while holding its own lock.
+    """
+
+    def __init__(self, budget: int | None, plan: tuple[int | None, float | None, bool], hooks: GateHooks) -> None:
+        self.host = HostAdmission(budget)
+        self._plan, self._hooks = plan, hooks
         self._cv = threading.Condition()  # guards host and _waiting; the runtime's lock is never taken inside it
         self._waiting: dict[str, _Waiting] = {}
         self._closed = False
@@ -54,9 +69,9 @@ class HostGate:
         tensors, a model over the device budget, no data, ...), from the task built here for real (its errors
         raise now) together with that state."""
         try:
-            return estimate_footprint(task, *self._rt._plan_args()), None
+            return estimate_footprint(task, *self._plan), None
         except Unmeasurable:
-            state = TaskState.build(task, *self._rt._plan_args())
+            state = TaskState.build(task, *self._plan)
             return footprint_of_state(state), state
 
     def submit(self, task: ModelTask) -> tuple[TaskHandle | None, Footprint, TaskState | None]:
@@ -65,7 +80,7 @@ class HostGate:
         try:
             base = state_footprint(task)
         except Unmeasurable:  # its model cannot be built on the meta device: built here, measured, then decided
-            state = TaskState.build(task, *self._rt._plan_args())
+            state = TaskState.build(task, *self._plan)
             footprint = footprint_of_state(state)
         else:
             with self._cv:
@@ -81,7 +96,7 @@ class HostGate:
             capacity, held = self._now()
             verdict = self.host.offer(task.name, footprint.total, capacity, held)
             if verdict == "queue":
-                handle = TaskHandle(self._rt, None, name=task.name)
+                handle = self._hooks.handle(task.name)
                 self._waiting[task.name] = (handle, task, footprint, state)
                 self._cv.notify_all()
                 return handle, footprint, state
@@ -92,7 +107,7 @@ class HostGate:
     def _build_reserved(self, task: ModelTask, base: Footprint) -> tuple[Footprint, TaskState] | None:
         """Build a task admitted for its state part; its plan's activations added, keep it if it still fits."""
         try:
-            state = TaskState.build(task, *self._rt._plan_args())
+            state = TaskState.build(task, *self._plan)
             footprint = footprint_of_state(state, (base.optimizer, base.optimizer_measured))
         except BaseException:
             self.release(task.name)
@@ -123,7 +138,7 @@ class HostGate:
             self.host.withdraw(handle.name)
             handle.cancel_requested = True
             self._cv.notify_all()  # the task behind it may fit now
-        handle._finish("cancelled", error)
+        handle.finish("cancelled", error)
         return True
 
     def close(self) -> None:
@@ -155,11 +170,7 @@ class HostGate:
         """(capacity, host bytes each admitted task holds): the fixed budget and nothing, or measured now."""
         if not self.host.measured:
             return self.host.budget, {}  # type: ignore[return-value]
-        held: dict[str, int] = {}
-        for name, adm in list(self._rt._tasks.items()):
-            state = adm.state
-            if state is not None:
-                held[name] = state.held_bytes  # measured by its own thread: its tensors may be changing now
+        held = self._hooks.held()
         return measured_capacity(sum(held.values())), held
 
     def _run(self) -> None:
@@ -180,14 +191,14 @@ class HostGate:
                 verdict, name = turn
                 handle, task, footprint, state = self._waiting.pop(name)
             if verdict == "reject":
-                handle._finish("failed", self._never_fits(name, footprint, capacity))
+                handle.finish("failed", self._never_fits(name, footprint, capacity))
                 continue
             try:
-                self._rt._start(handle, task, footprint, state)
+                self._hooks.start(handle, task, footprint, state)
             except BaseException as exc:  # its build failed, or it was cancelled or the runtime closed meanwhile
                 self.release(name)
                 detach_frames(exc, name)
-                handle._finish("cancelled" if isinstance(exc, (TaskCancelled, RuntimeClosed)) else "failed", exc)
+                handle.finish("cancelled" if isinstance(exc, (TaskCancelled, RuntimeClosed)) else "failed", exc)
             del handle, task, state  # a failed build's model must not outlive it here
 
     def _never_fits(self, name: str, fp: Footprint, capacity: int) -> Exception:

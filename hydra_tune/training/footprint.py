@@ -44,15 +44,15 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from ._dispatch import UnitMode
-from .plan import Plan, StageCost, partition
+from ..device.dispatch import UnitMode
+from ..policy.partition import Plan, StageCost, partition
+from ..stages import extract_stages
+from ..task import ModelTask
 from .profile import measure_costs
-from .program import _BUILD_LOCK, _DTYPES, _iterable
-from .stages import extract_stages
-from .task import ModelTask
+from .state import _BUILD_LOCK, _DTYPES, _iterable
 
 if TYPE_CHECKING:
-    from .program import TaskState
+    from .state import TaskState
 
 TASK_OVERHEAD = 4 << 20
 

@@ -22,16 +22,16 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ._dispatch import UnitMode
-from .devices import Device, TaskRNG
+from ..device.devices import Device, TaskRNG
+from ..device.dispatch import UnitMode
+from ..errors import HydraError, NonFiniteLoss, PlanError, rule_error
+from ..policy.partition import Plan, partition
+from ..stages import ModelStages, extract_stages
+from ..task import ModelTask, check_batch, check_model, check_optimizer
 from .checkpoint import CheckpointRequest, Position, capture, load, restore, save
-from .errors import HydraError, NonFiniteLoss, PlanError, rule_error
-from .plan import Plan, partition
 from .profile import measure_costs
 from .shard import ShardExec
-from .stages import ModelStages, extract_stages
 from .store import HostStore
-from .task import ModelTask, check_batch, check_model, check_optimizer
 
 
 @dataclass(frozen=True)
@@ -428,7 +428,7 @@ _DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, 
 
 
 def _uncut_message(model: nn.Module, exc: PlanError) -> str:
-    from .stages import FAMILIES
+    from ..stages import FAMILIES
 
     return (f"{exc} The model {type(model).__name__} is one stage: hydra_tune cuts nn.Sequential and the "
             f"transformers classes {sorted(FAMILIES)} by itself, and any model whose stages are declared. Fix: "

@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._dispatch import paused_accounting
-from .devices import Device, TaskRNG
-from .errors import rule_error
-from .stages import Stage
+from ..device.devices import Device, TaskRNG
+from ..device.dispatch import paused_accounting
+from ..errors import rule_error
+from ..stages import Stage
 from .store import HostStore
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -1,6 +1,6 @@
 """Gantt chart of a runtime trace: one row per device, one colour per task (needs the `plot` extra).
 
-    trace = runtime.trace()                            # or hydra_tune.trace.Trace.load("trace.json")
+    trace = runtime.trace()                            # or hydra_tune.runtime.trace.Trace.load("trace.json")
     hydra_tune.plot_timeline(trace, "timeline.png")    # units per device; copies as a thin row under each
     hydra_tune.plot_timeline(trace, "t.svg", title="sweep 3", copies=False)
 
@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .trace import Event, Trace
+    from ..runtime.trace import Event, Trace
 
 __all__ = ["plot_timeline"]
 

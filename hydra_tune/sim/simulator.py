@@ -1,7 +1,7 @@
 """Discrete-event simulator of hydra_tune schedules: makespans for clusters we do not have, in pure Python.
 
     tasks = synthetic_tasks(1000, seed=0)                       # or tasks_from_trace(runtime.trace())
-    res = simulate(tasks, devices=512, policy="lrtf")           # replays hydra_tune.schedule.lrtf itself
+    res = simulate(tasks, devices=512, policy="lrtf")           # replays hydra_tune.policy.schedule.lrtf itself
     print(res.makespan / lower_bound(tasks, 512), res.utilisation())
 
 The model, as the runtime behaves: a task is a chain of units (F, L, B, E) grouped into segments (one minibatch's
@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ._simpool import ListPool, Waiting, make_pool
-from .errors import rule_error
-from .schedule import POLICIES
-from .trace import COMPUTE, COPY, Event, Trace
+from ..errors import rule_error
+from ..policy.schedule import POLICIES
+from ..runtime.trace import COMPUTE, COPY, Event, Trace
+from .pool import ListPool, Waiting, make_pool
 
 KINDS = ("F", "L", "B", "E")
 BASELINES = ("task_parallel", "model_parallel", "lower_bound")

@@ -1,6 +1,6 @@
 """Device discovery, budgets, memory measurement and RNG scoping: the only module that branches on device type.
 
-    devices = resolve_devices(["cpu", "cpu"], "64MiB")      # two CPU stand-ins for two GPUs
+    devices = resolve_devices(["cpu", "cpu"], 64 << 20)      # two CPU stand-ins for two GPUs
     with devices[0].unit_scope(task_rng) as mode: ...        # run one unit: measured memory, task's RNG stream
     devices[0].peak_bytes() <= devices[0].budget
 
@@ -18,33 +18,11 @@ from typing import Any
 
 import torch
 
-from ._dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
-from ._streams import HostCopier, make_copier
-from .errors import rule_error
+from ..errors import rule_error
+from .dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
+from .streams import HostCopier, make_copier
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
-
-
-def parse_bytes(value: int | str | None) -> int | None:
-    """``parse_bytes("512MiB") == 536870912``; ints pass through; None means unlimited."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise rule_error("`device_memory > 0`", "pass a positive byte count or a string like '512MiB'",
-                             device_memory=value)
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-            if n > 0:
-                return n
-    raise rule_error("`device_memory` is a positive int or a size string with a unit in "
-                     "B, KB, KiB, MB, MiB, GB, GiB, TB, TiB", "write e.g. 512MiB or 8GB",
-                     device_memory=value)
 
 
 class Device:
@@ -274,37 +252,21 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_devices(devices: int | str | Sequence[str] = "auto",
-                    device_memory: int | str | None = None) -> list[Device]:
-    """Turn Runtime's ``devices``/``device_memory`` arguments into Device objects (validated)."""
-    budget = parse_bytes(device_memory)
+def resolve_devices(devices: int | str | Sequence[str] = "auto", budget: int | None = None) -> list[Device]:
+    """The Device objects for a ``RuntimeConfig``'s ``devices`` and ``device_memory`` (bytes), which it has
+    validated; what needs the machine (a GPU, its index, its free memory) is checked here."""
     n_cuda = cuda_count()
     if devices == "auto":
         names = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
-    elif isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise rule_error("`devices >= 1`", "pass the number of devices to use, 'auto', or a list of names",
-                             devices=devices)
+    elif isinstance(devices, int):
         names = [f"cuda:{i}" for i in range(devices)] if n_cuda else ["cpu"] * devices
-    elif isinstance(devices, (list, tuple)) and devices and all(isinstance(d, str) for d in devices):
-        names = list(devices)
     else:
-        raise rule_error("`devices` is 'auto', a positive int, or a non-empty list of names like ['cuda:0', "
-                         "'cuda:1'] or ['cpu', 'cpu']", "pass one of those forms", devices=devices)
-    kinds = {n.split(":")[0] for n in names}
-    if len(kinds) > 1:
-        raise rule_error("all `devices` are of one kind", "use only CUDA devices or only CPU devices",
-                         devices=names)
-    # One worker per GPU: two on one GPU would each plan for its whole memory. CPU stand-ins may repeat.
-    gpus = ["cuda:0" if n == "cuda" else n for n in names if n == "cuda" or re.fullmatch(r"cuda:\d+", n)]
-    if len(set(gpus)) < len(gpus):
-        raise rule_error("each CUDA device is listed once", "remove the duplicate (one worker per GPU; 'cuda' "
-                         "is 'cuda:0'); only CPU stand-ins such as ['cpu', 'cpu'] may repeat", devices=names)
+        names = list(devices)
     out: list[Device] = []
     for i, name in enumerate(names):
         if name == "cpu" or re.fullmatch(r"cpu:\d+", name):
             out.append(CpuDevice(f"cpu:{i}", budget))
-        elif name == "cuda" or re.fullmatch(r"cuda:\d+", name):
+        else:  # "cuda" or "cuda:<index>"
             if n_cuda == 0:
                 raise rule_error("a CUDA device is available (torch.cuda.device_count() > 0)", "use CPU "
                                  "stand-ins here, e.g. devices=['cpu', 'cpu'] with a device_memory budget, or "
@@ -317,7 +279,4 @@ def resolve_devices(devices: int | str | Sequence[str] = "auto",
                                  f"index (0 to {n_cuda - 1})", device=name, device_count=n_cuda)
             own = budget if budget is not None else int(_cuda_free_bytes(index) * (1 - CUDA_MARGIN))
             out.append(CudaDevice(name, own))
-        else:
-            raise rule_error("each device name is 'cpu' or 'cuda:<index>'", "write e.g. ['cuda:0', 'cuda:1'] or "
-                             "['cpu', 'cpu']", device=name)
     return out

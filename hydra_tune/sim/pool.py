@@ -1,4 +1,4 @@
-"""The simulator's ready pools and waiting devices (hydra_tune.simulate's internals).
+"""The simulator's ready pools and waiting devices (hydra_tune.sim.simulator's internals).
 
 A pool holds the ready tasks and answers ``take(device, idle, cur)``: the task the policy gives ``device``, where
 ``cur`` (optional) is the task the device is running, competing as the runtime makes it compete (newest seq, last
@@ -12,8 +12,8 @@ import bisect
 import heapq
 from collections.abc import Iterator, Sequence
 
-from .errors import rule_error
-from .schedule import POLICIES, Ready, fifo, lrtf, round_robin
+from ..errors import rule_error
+from ..policy.schedule import POLICIES, Ready, fifo, lrtf, round_robin
 
 Rec = tuple[int, int, "int | None", float, int]
 """(task id, seq, last device, remaining seconds, turns): one pool entry's fields; the task id is its admission."""

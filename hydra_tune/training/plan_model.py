@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .devices import parse_bytes
-from .plan import Plan, partition
+from ..config import parse_bytes
+from ..policy.partition import Plan, partition
+from ..stages import extract_stages
 from .profile import measure_costs
-from .program import _DTYPES
-from .stages import extract_stages
+from .state import _DTYPES
 
 
 def plan_model(model: Callable[[], nn.Module], sample_batch: Any, device_memory: int | str | None, *,

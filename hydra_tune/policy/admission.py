@@ -1,6 +1,6 @@
 """Host-memory admission: which submitted tasks may hold their state in host memory now, which wait, which never fit.
 
-    host = HostAdmission(budget=parse_host_memory("2GiB"))     # None: measured (MemAvailable less a reserve)
+    host = HostAdmission(budget=2 << 30)                         # None: measured (MemAvailable less a reserve)
     host.offer("t0", footprint=600 << 20, capacity=host.budget)  # "admit" | "queue" | "reject"
     host.release("t0"); host.next(capacity=host.budget)          # ("admit", "t1") once the head of the queue fits
 
@@ -24,23 +24,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .devices import parse_bytes
-from .errors import rule_error
+from ..errors import rule_error
 
 GIB = 1 << 30
 RESERVE_FRACTION = 0.10
 RESERVE_MIN = 1 * GIB
 RESERVE_MAX = 8 * GIB
-
-
-def parse_host_memory(value: int | str | None) -> int | None:
-    """``Runtime(host_memory=...)``: None (measured), a positive byte count, or a size string like "2GiB"."""
-    try:
-        return parse_bytes(value)
-    except ValueError:
-        raise rule_error("`host_memory` is None (measured), a positive int or a size string with a unit in B, KB, "
-                         "KiB, MB, MiB, GB, GiB, TB, TiB", "write e.g. host_memory='16GiB', or None to measure the "
-                         "available memory", host_memory=value) from None
 
 
 def host_reserve(total: int) -> int:

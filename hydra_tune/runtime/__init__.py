@@ -1,0 +1,2 @@
+"""The node's runtime: per-device workers that run every admitted task's segments, the host-memory gate, the
+handles callers hold, and the trace of what ran where."""
