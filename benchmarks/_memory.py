@@ -1,7 +1,7 @@
 """Process memory as the soak measures it: RSS, the bytes malloc has handed out, and glibc's knobs.
 
     fix_malloc_thresholds()          # before the work: RSS then follows live memory (benchmarks/soak.py docstring)
-    trim(); print(rss(), malloc_in_use(), deep_size(runtime._finished))
+    trim(); print(rss(), malloc_in_use(), deep_size(runtime.scheduler.task_stats()))
 """
 from __future__ import annotations
 

@@ -139,12 +139,12 @@ def _moment(frame: Any, copying: bool) -> tuple[Any, str, str, bool] | None:
     """(innermost frame of the moment, task, unit, whether the copy thread is preparing the device's next task)
     when the stack from ``frame`` is inside a unit (worker) or a shard copy made ahead of use (copy thread)."""
     inner, found, f = None, None, frame
-    wanted, outer = (_COPY_FRAMES, "_prefetch") if copying else (_UNIT_FRAMES, "_run_segment")
+    wanted, outer = (_COPY_FRAMES, "_prefetch") if copying else (_UNIT_FRAMES, "_run_unit")
     while f is not None:
         code = f.f_code
         if inner is None and code.co_name in wanted and code.co_filename.endswith("shard.py"):
             inner = f
-        elif inner is not None and found is None and code.co_name == outer and code.co_filename.endswith("runtime.py"):
+        elif inner is not None and found is None and code.co_name == outer and code.co_filename.endswith("worker.py"):
             unit = f.f_locals.get("unit")
             if unit is None:
                 return None
@@ -212,9 +212,9 @@ def quiesce(rt: ht.Runtime, timeout: float = 60.0) -> None:
     frames let go of the task's host state (model, optimizer) a moment later."""
     deadline = time.monotonic() + timeout
     while True:
-        with rt._cond:
-            if len(rt._idle) == len(rt.devices) and not rt._ready:
-                return
+        counts = rt.scheduler.counts()
+        if counts["idle_devices"] == len(rt.devices) and counts["ready"] == 0:
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the runtime's workers were still busy {timeout} s after the last task ended")
         time.sleep(0.005)
@@ -223,12 +223,13 @@ def quiesce(rt: ht.Runtime, timeout: float = 60.0) -> None:
 def snapshot(rt: ht.Runtime) -> dict[str, Any]:
     quiesce(rt)
     trim()
+    counts, trace = rt.scheduler.counts(), rt.trace()
     return {"rss": rss(), "malloc_in_use": malloc_in_use(), "gc_objects": len(gc.get_objects()),
             "device_bytes": [d.current_bytes() for d in rt.devices],
             "live_storages": [len(d.account._live) for d in rt.devices],
-            "resident_shards": [len(d.resident) for d in rt.devices], "tasks": len(rt._tasks),
-            "ready": len(rt._ready), "finished_records": len(rt._finished), "trace_events": len(rt.trace().events),
-            "records_bytes": deep_size([rt._finished, rt._recorder._events])}  # kept by design: stats(), trace()
+            "resident_shards": [len(d.resident) for d in rt.devices], "tasks": counts["admitted"],
+            "ready": counts["ready"], "finished_records": counts["finished"], "trace_events": len(trace.events),
+            "records_bytes": deep_size([rt.scheduler.task_stats(), trace.events])}  # kept by design: stats(), trace()
 
 
 # -- the soak -------------------------------------------------------------------------------------------------------

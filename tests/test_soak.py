@@ -67,7 +67,8 @@ def _assert_released(rt: ht.Runtime, refs: list) -> None:
     assert [d.current_bytes() for d in rt.devices] == [0] * len(rt.devices)
     assert [len(d.account._live) for d in rt.devices] == [0] * len(rt.devices)
     assert [len(d.resident) for d in rt.devices] == [0] * len(rt.devices)
-    assert not rt._tasks and not rt._ready
+    counts = rt.scheduler.counts()
+    assert counts["admitted"] == 0 and counts["ready"] == 0
     assert [r() for r in refs] == [None] * len(refs), "a cancelled task's model is still referenced"
 
 
@@ -131,9 +132,9 @@ def test_cancel_while_queued_ends_it_at_once_and_it_never_runs():
     refs: list = []
     with ht.Runtime(devices=["cpu"], device_memory=soak.BUDGET) as rt:
         blocker = rt.submit(_task(refs, "blocker"))
-        with rt._cond:  # the scheduler's (re-entrant) lock: the device cannot take the victim before its cancel
+        with rt.scheduler.cond:  # the scheduler's (re-entrant) lock: the device cannot take the victim before its cancel
             victim = rt.submit(_task(refs, "victim"))
-            assert victim.status == "queued" and any(a.handle is victim for _, a in rt._ready)
+            assert victim.status == "queued" and any(a.handle is victim for a in rt.scheduler.ready())
             victim.cancel()
             assert victim.done() and victim.status == "cancelled"  # a queued task ends within cancel()
         assert _ended(victim) == "cancelled"
@@ -153,7 +154,7 @@ def test_close_with_running_and_queued_tasks_frees_them():
             h.result(timeout=60)
     gc.collect()
     assert [d.current_bytes() for d in rt.devices] == [0, 0] and [len(d.resident) for d in rt.devices] == [0, 0]
-    assert not rt._tasks and len(refs) >= 4 and all(r() is None for r in refs)   # meta builds count too
+    assert rt.scheduler.counts()["admitted"] == 0 and len(refs) >= 4 and all(r() is None for r in refs)   # meta builds count too
 
 
 def test_what_the_device_learned_of_an_ended_task_goes_with_it():
