@@ -1,5 +1,14 @@
 """The client side of the node runtime server: ``connect``, the connection (``NodeRuntime``) and the handles of
-the tasks it runs (``RemoteHandle``). See the package docstring (hydra_tune/node/__init__.py)."""
+the tasks it runs (``RemoteHandle``).
+
+    rt = connect(devices=["cpu", "cpu"], device_memory="64MiB")    # or connect(config=RuntimeConfig(...))
+    handle = rt.submit(task); handle.result(); rt.close()
+
+Rules: one starter at a time (the server's start lock); a server that does not accept within ``START_TIMEOUT`` s,
+or exits, fails ``connect`` with its log's tail. One reader thread per connection routes replies to the waiting
+call and task events to their handles; when the connection ends, every waiting call and unfinished handle ends
+with RuntimeClosed naming the server's log. A handle collected here is forgotten by the server on the next send.
+"""
 from __future__ import annotations
 
 import collections
@@ -16,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -26,27 +35,13 @@ from ..errors import HydraError, RuntimeClosed, rule_error
 from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
 from ..task import ModelTask
-from .files import _server_env, _tail, locked, server_files
+from .files import locked, log_tail, server_env, server_files
+from .wire import RemoteError, TaskNotPicklable, unpack_error
 
 __all__ = ["connect", "NodeRuntime", "RemoteHandle", "RemoteError", "TaskNotPicklable"]
 
 START_TIMEOUT = 120.0   # seconds a new server may take to import torch and set up its devices
 _TASK_FIELDS = ("model", "optimizer", "train_data", "loss", "eval_data", "lr_scheduler", "stages")
-
-
-class TaskNotPicklable(HydraError, TypeError):
-    """A ModelTask could not be shipped to the node server (cloudpickle failed here, or loading failed there)."""
-
-
-class RemoteError(HydraError):
-    """An error raised in the node server whose own type could not come back: its type name, message, traceback."""
-
-    def __init__(self, type_name: str, message: str, traceback_text: str) -> None:
-        super().__init__(f"{type_name}: {message}\n--- raised in the hydra_tune node server ---\n{traceback_text}")
-        self.type_name, self.message, self.traceback_text = type_name, message, traceback_text
-
-    def __reduce__(self) -> Any:
-        return RemoteError, (self.type_name, self.message, self.traceback_text)
 
 
 def connect(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None, *,
@@ -77,9 +72,9 @@ class RemoteHandle(TaskHandle):
         model = handle.model()                                          # shipped from the server on request
     """
 
-    def __init__(self, node: "NodeRuntime", tid: int, name: str) -> None:
+    def __init__(self, call: Callable[..., Any], tid: int, name: str) -> None:
         super().__init__(name, lambda handle: None)   # cancel() is this class's own; the state lives in the server
-        self._node, self._tid = node, tid
+        self._call, self._tid = call, tid             # call(op, *args): a request to the server, its reply
         self.server_name: str | None = None    # its name in the server's stats() and trace(): "c<client>/<name>"
         self._fetch = threading.Lock()
         self._fetched: list[Any] = []          # the model, once fetched
@@ -89,7 +84,7 @@ class RemoteHandle(TaskHandle):
         self.result()
         with self._fetch:
             if not self._fetched:
-                self._fetched.append(pickle.loads(self._node._call("model", self._tid)))
+                self._fetched.append(pickle.loads(self._call("model", self._tid)))
         return self._fetched[0]
 
     def checkpoint(self, path: str, timeout: float | None = None) -> str:
@@ -97,14 +92,14 @@ class RemoteHandle(TaskHandle):
         if self.done():
             raise RuntimeError(f"task {self.name!r} is {self.status}: a checkpoint needs a running task. Fix: "
                                "checkpoint before it ends (or keep the returned model).")
-        return self._node._call("checkpoint", self._tid, os.path.abspath(os.fspath(path)), timeout)
+        return self._call("checkpoint", self._tid, os.path.abspath(os.fspath(path)), timeout)
 
     def cancel(self) -> None:
         """Stop the task at its next unit boundary; a finished task is left as it is."""
         if self.done():
             return
         try:
-            ended = self._node._call("cancel", self._tid)
+            ended = self._call("cancel", self._tid)
         except RuntimeClosed:
             return  # the connection ended, and with it this handle
         if ended:  # it was queued and ended at once, as with TaskHandle: wait for its end event
@@ -113,7 +108,7 @@ class RemoteHandle(TaskHandle):
     def event(self, kind: str, *args: Any) -> None:
         """What the server streamed for this task: "status" (it started), "metrics" or "end"."""
         if kind == "end":
-            self.finish(args[0], _unpack_error(args[1]) if args[1] is not None else None)
+            self.finish(args[0], unpack_error(args[1]) if args[1] is not None else None)
             return
         self.started()
         if kind == "metrics":
@@ -156,7 +151,7 @@ class NodeRuntime:
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
         blob = _dump_task(task)
         tid = next(self._ids)
-        handle = RemoteHandle(self, tid, task.name)
+        handle = RemoteHandle(self._call, tid, task.name)
         with self._lock:
             self._handles[tid] = handle
         try:
@@ -229,7 +224,7 @@ class NodeRuntime:
                     with self._lock:
                         slot = self._pending.pop(msg[1], None)
                     if slot is not None:
-                        slot[1], slot[2] = msg[2], msg[3] if msg[2] else _unpack_error(msg[3])
+                        slot[1], slot[2] = msg[2], msg[3] if msg[2] else unpack_error(msg[3])
                         slot[0].set()
                     continue
                 with self._lock:
@@ -258,17 +253,7 @@ class NodeRuntime:
             h.finish("cancelled", RuntimeClosed(self._why_gone(h.name)))
 
 
-# -- errors and tasks on the wire ------------------------------------------------------------------------------
-def _unpack_error(packed: tuple[bytes | None, str, str, str]) -> BaseException:
-    blob, type_name, message, tb = packed
-    if blob is not None:
-        try:
-            return pickle.loads(blob)
-        except Exception:  # noqa: BLE001  (its class does not import here)
-            pass
-    return RemoteError(type_name, message, tb)
-
-
+# -- tasks on the wire and the server's start -------------------------------------------------------------------
 def _dump_task(task: ModelTask) -> bytes:
     try:
         import cloudpickle
@@ -325,7 +310,7 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
     log = os.open(files["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:  # own session: it outlives this process and its Ctrl-C
         proc = subprocess.Popen([sys.executable, "-m", "hydra_tune.node.server", arg], cwd=os.getcwd(),
-                                env=_server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True)
     finally:
         os.close(log)
@@ -339,5 +324,5 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
             why = f"exited with code {proc.returncode}" if proc.returncode is not None else \
                 f"did not accept connections within {START_TIMEOUT:.0f} s"
             raise HydraError(f"the hydra_tune node server (pid {proc.pid}) {why}. Its log {files['log']} ends "
-                             f"with:\n{_tail(files['log'])}")
+                             f"with:\n{log_tail(files['log'])}")
         time.sleep(0.05)

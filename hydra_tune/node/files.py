@@ -1,8 +1,13 @@
-"""Where the node runtime server lives: its private directory, authkey, socket, lock and log (hydra_tune/node.py).
+"""Where the node runtime server lives: its private directory, authkey, socket, lock and log.
 
-    files = server_files(devices=["cpu", "cpu"], device_memory="64MiB")
+    files = server_files(devices=["cpu", "cpu"], device_memory="64MiB")     # or server_files(config=config)
     with locked(files["lock"]): ...                     # one starter (or stopper) of that server at a time
-    print(files["socket"], files["log"])
+    print(files["socket"], log_tail(files["log"]))
+
+Rules: one server per (OS user, RuntimeConfig, interpreter, visible GPUs), named by a hash of those. Its files live
+in this user's 0700 directory (``$HYDRA_TUNE_NODE_DIR``, else /tmp/hydra_tune-<uid>); an existing directory or
+authkey that is not private to this user is refused, never used. The authkey is written whole or not at all and
+outlives servers; the socket and log go with their server.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import secrets
 import site
 import stat
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -98,7 +104,7 @@ def locked(path: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _server_env() -> dict[str, str]:
+def server_env() -> dict[str, str]:
     """This environment, plus hydra_tune's root on PYTHONPATH where this process found it through sys.path (a
     checkout), so the server imports this same package. Not a site dir: its .pth files would then be skipped."""
     env, root = dict(os.environ), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +113,12 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-def _tail(path: str, n: int = 3000) -> str:
+def log_tail(path: str, n: int = 3000) -> str:
+    """The last ``n`` characters of the server's log (what a server that failed to start printed)."""
     with open(path, errors="replace") as f:  # a start-up log is short
         return f.read()[-n:]
+
+
+def server_log(msg: str) -> None:
+    """One line in the server's log (its stdout), stamped with the time and the server's pid."""
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [hydra_tune node server {os.getpid()}] {msg}", flush=True)
