@@ -81,6 +81,79 @@ def _check_int(arg: str, value: object, minimum: int, fix: str, allow_none: bool
         raise rule_error(f"`{arg} >= {minimum}` (an int)", fix, **{arg: value})
 
 
+def _check_factories(model: object, optimizer: object) -> None:
+    """The model (or its factory) and the optimizer factory, with their arities."""
+    if not callable(model):  # an nn.Module is callable too
+        raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
+                         "pass the module, or a factory such as `lambda: MyModel(config)`",
+                         kind=TypeError, model=type(model).__name__)
+    if _is_optimizer(optimizer):
+        raise rule_error("`optimizer` is a factory `callable(model) -> torch.optim.Optimizer`",
+                         "pass e.g. `lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)` so the "
+                         "optimizer is built over the runtime's copy of the model",
+                         kind=TypeError, optimizer=type(optimizer).__name__)
+    if not callable(optimizer):
+        raise rule_error("`optimizer` is callable(model) -> torch.optim.Optimizer",
+                         "pass e.g. `lambda model: torch.optim.SGD(model.parameters(), lr=0.1)`",
+                         kind=TypeError, optimizer=type(optimizer).__name__)
+    if not _is_module(model):
+        _check_call("model", model, 0, "`model` is an nn.Module or a zero-argument callable returning one",
+                    "pass the module, or a factory such as `lambda: MyModel(config)`")
+    _check_call("optimizer", optimizer, 1, "`optimizer` is callable(model) -> torch.optim.Optimizer",
+                "take the runtime's copy of the model as the one argument, e.g. "
+                "`lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)`")
+
+
+def _check_hooks(loss: object, stages: object, lr_scheduler: object) -> None:
+    """The optional callables: None, or callable with the arguments the runtime passes."""
+    for arg, fn, n, fix in (("loss", loss, 2, "pass `callable(outputs, batch) -> scalar tensor`, or None to "
+                             "use `outputs.loss`"),
+                            ("stages", stages, 1, "pass `callable(model) -> [module, ...]` (see hydra_tune/"
+                             "stages/explicit.py), or None"),
+                            ("lr_scheduler", lr_scheduler, 1, "pass e.g. `lambda opt: "
+                             "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)`")):
+        if fn is not None and not callable(fn):
+            raise rule_error(f"`{arg}` is None or callable", fix, kind=TypeError, **{arg: type(fn).__name__})
+        if fn is not None:
+            _check_call(arg, fn, n, f"`{arg}` is None or callable with {n} argument{'s' * (n > 1)}", fix)
+
+
+def _check_loop(epochs: object, max_steps: object, grad_accumulation: object, grad_clip_norm: object,
+                seed: object, name: object) -> None:
+    """The training loop's settings: counts, the clip norm, the seed and the name."""
+    _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier)")
+    _check_int("max_steps", max_steps, 1, "pass None for no limit, or a positive number of optimizer steps",
+               allow_none=True)
+    _check_int("grad_accumulation", grad_accumulation, 1, "pass 1 for a step every batch, k for every k batches")
+    if grad_clip_norm is not None and (isinstance(grad_clip_norm, bool)
+                                       or not isinstance(grad_clip_norm, (int, float)) or not grad_clip_norm > 0):
+        raise rule_error("`grad_clip_norm > 0` (or None)", "pass a positive max norm such as 1.0, or None",
+                         grad_clip_norm=grad_clip_norm)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise rule_error("`seed` is an int", "pass an integer seed", kind=TypeError, seed=seed)
+    if name is not None and not isinstance(name, str):
+        raise rule_error("`name` is a str or None", "pass a short label such as 'lr=3e-4'", kind=TypeError,
+                         name=name)
+
+
+def _check_options(precision: object, resume_from: object, resume_hparams: object, nonfinite_loss: object) -> None:
+    """Mixed precision, resuming from a checkpoint, and what a non-finite loss does."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise rule_error("`precision` in ('fp32', 'bf16', 'fp16')", "pass 'bf16' or 'fp16' for mixed precision "
+                         "(autocast; fp16 adds dynamic loss scaling), 'fp32' for none", precision=precision)
+    if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+        raise rule_error("`resume_from` is a checkpoint path or None", "pass the path TaskHandle.checkpoint "
+                         "returned", kind=TypeError, resume_from=type(resume_from).__name__)
+    if resume_hparams not in ("checkpoint", "task"):
+        raise rule_error("`resume_hparams` in ('checkpoint', 'task')", "keep 'checkpoint' for an exact resume, "
+                         "or 'task' to apply this task's optimizer settings (PBT's explore step)",
+                         resume_hparams=resume_hparams)
+    if nonfinite_loss not in (None, "fail", "skip_step", "ignore"):
+        raise rule_error("`nonfinite_loss` in (None, 'fail', 'skip_step', 'ignore')", "keep None (the default: "
+                         "'fail', or under fp16 'ignore' so the GradScaler skips the step) or pick one of those",
+                         nonfinite_loss=nonfinite_loss)
+
+
 class ModelTask:
     """One trial's job: model, optimizer, data, loss and the training-loop settings.
 
@@ -104,9 +177,9 @@ class ModelTask:
         ``torch.amp.GradScaler`` whose unscale/step/update run with the optimizer step (an inf/nan step is
         skipped for that task only; metrics report ``loss_scale``).
       * ``resume_from``: a file written by ``TaskHandle.checkpoint``; the task continues from there and ends
-        exactly as the uninterrupted one would (hydra_tune/checkpoint.py). ``resume_hparams="task"`` (PBT's
-        explore step) instead keeps this task's optimizer hyper-parameters (weight decay, betas, ...) and base
-        learning rates: the learning rate keeps its schedule position, scaled by new base / checkpointed base.
+        exactly as the uninterrupted one would (hydra_tune/training/checkpoint.py). ``resume_hparams="task"``
+        (PBT's explore step) instead keeps this task's optimizer hyper-parameters (weight decay, betas, ...) and
+        base learning rates: the learning rate keeps its schedule position, scaled by new base / checkpointed base.
       * ``nonfinite_loss``: what a NaN or inf training loss does. "fail": the task fails with ``NonFiniteLoss``
         at that minibatch, before its optimizer step. "skip_step": the minibatch is dropped as the plain loop
         ``if not torch.isfinite(loss): optimizer.zero_grad(); continue`` drops it: no step, the gradients pending
@@ -138,51 +211,13 @@ class ModelTask:
         resume_hparams: str = "checkpoint",
         nonfinite_loss: str | None = None,
     ) -> None:
-        if not callable(model):  # an nn.Module is callable too
-            raise rule_error("`model` is an nn.Module or a zero-argument callable returning one",
-                             "pass the module, or a factory such as `lambda: MyModel(config)`",
-                             kind=TypeError, model=type(model).__name__)
-        if _is_optimizer(optimizer):
-            raise rule_error("`optimizer` is a factory `callable(model) -> torch.optim.Optimizer`",
-                             "pass e.g. `lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)` so the "
-                             "optimizer is built over the runtime's copy of the model",
-                             kind=TypeError, optimizer=type(optimizer).__name__)
-        if not callable(optimizer):
-            raise rule_error("`optimizer` is callable(model) -> torch.optim.Optimizer",
-                             "pass e.g. `lambda model: torch.optim.SGD(model.parameters(), lr=0.1)`",
-                             kind=TypeError, optimizer=type(optimizer).__name__)
-        if not _is_module(model):
-            _check_call("model", model, 0, "`model` is an nn.Module or a zero-argument callable returning one",
-                        "pass the module, or a factory such as `lambda: MyModel(config)`")
-        _check_call("optimizer", optimizer, 1, "`optimizer` is callable(model) -> torch.optim.Optimizer",
-                    "take the runtime's copy of the model as the one argument, e.g. "
-                    "`lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)`")
+        _check_factories(model, optimizer)
         _check_data("train_data", train_data)
         if eval_data is not None:
             _check_data("eval_data", eval_data)
-        for arg, fn, n, fix in (("loss", loss, 2, "pass `callable(outputs, batch) -> scalar tensor`, or None to "
-                                 "use `outputs.loss`"),
-                                ("stages", stages, 1, "pass `callable(model) -> [module, ...]` (see hydra_tune/"
-                                 "stages/explicit.py), or None"),
-                                ("lr_scheduler", lr_scheduler, 1, "pass e.g. `lambda opt: "
-                                 "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)`")):
-            if fn is not None and not callable(fn):
-                raise rule_error(f"`{arg}` is None or callable", fix, kind=TypeError, **{arg: type(fn).__name__})
-            if fn is not None:
-                _check_call(arg, fn, n, f"`{arg}` is None or callable with {n} argument{'s' * (n > 1)}", fix)
-        _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier)")
-        _check_int("max_steps", max_steps, 1, "pass None for no limit, or a positive number of optimizer steps",
-                   allow_none=True)
-        _check_int("grad_accumulation", grad_accumulation, 1, "pass 1 for a step every batch, k for every k batches")
-        if grad_clip_norm is not None and (isinstance(grad_clip_norm, bool)
-                                           or not isinstance(grad_clip_norm, (int, float)) or not grad_clip_norm > 0):
-            raise rule_error("`grad_clip_norm > 0` (or None)", "pass a positive max norm such as 1.0, or None",
-                             grad_clip_norm=grad_clip_norm)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise rule_error("`seed` is an int", "pass an integer seed", kind=TypeError, seed=seed)
-        if name is not None and not isinstance(name, str):
-            raise rule_error("`name` is a str or None", "pass a short label such as 'lr=3e-4'", kind=TypeError,
-                             name=name)
+        _check_hooks(loss, stages, lr_scheduler)
+        _check_loop(epochs, max_steps, grad_accumulation, grad_clip_norm, seed, name)
+        _check_options(precision, resume_from, resume_hparams, nonfinite_loss)
         self.model = model
         self.optimizer = optimizer
         self.train_data = train_data
@@ -196,23 +231,9 @@ class ModelTask:
         self.seed = seed
         self.name = name if name is not None else f"task-{next(_names)}"
         self.stages = stages
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise rule_error("`precision` in ('fp32', 'bf16', 'fp16')", "pass 'bf16' or 'fp16' for mixed precision "
-                             "(autocast; fp16 adds dynamic loss scaling), 'fp32' for none", precision=precision)
         self.precision = precision
-        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
-            raise rule_error("`resume_from` is a checkpoint path or None", "pass the path TaskHandle.checkpoint "
-                             "returned", kind=TypeError, resume_from=type(resume_from).__name__)
         self.resume_from = None if resume_from is None else os.fspath(resume_from)
-        if resume_hparams not in ("checkpoint", "task"):
-            raise rule_error("`resume_hparams` in ('checkpoint', 'task')", "keep 'checkpoint' for an exact resume, "
-                             "or 'task' to apply this task's optimizer settings (PBT's explore step)",
-                             resume_hparams=resume_hparams)
         self.resume_hparams = resume_hparams
-        if nonfinite_loss not in (None, "fail", "skip_step", "ignore"):
-            raise rule_error("`nonfinite_loss` in (None, 'fail', 'skip_step', 'ignore')", "keep None (the default: "
-                             "'fail', or under fp16 'ignore' so the GradScaler skips the step) or pick one of those",
-                             nonfinite_loss=nonfinite_loss)
         # fp16 overflow (a batch beyond 65504 makes the loss inf or NaN) is torch.amp's GradScaler's to handle:
         # by default it skips that step and lowers the scale, as in the plain AMP loop.
         self.nonfinite_loss = nonfinite_loss or ("ignore" if precision == "fp16" else "fail")

@@ -1,4 +1,8 @@
-"""`import hydra_tune` stays light: no ray, optuna, transformers, pynvml or matplotlib until a feature needs them."""
+"""`import hydra_tune` stays light: no ray, optuna, transformers, pynvml or matplotlib until a feature needs them;
+the layers keep their imports: policy/ is torch-free, only device/ touches ``torch.cuda``."""
+import ast
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -26,3 +30,75 @@ def test_integrations_subpackage_is_installed():
     out = subprocess.run([sys.executable, "-c", "import hydra_tune.integrations as i; print(i.__name__)"],
                          capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "hydra_tune.integrations"
+
+
+# ----------------------------------------------------------------------------------------------- layer rules
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+POLICY_MODULES = ("hydra_tune.policy.partition", "hydra_tune.policy.schedule", "hydra_tune.policy.admission")
+POLICY_MAY_IMPORT = ("hydra_tune.policy", "hydra_tune.errors", "hydra_tune.config")
+
+
+def _module_file(name: str) -> pathlib.Path:
+    path = ROOT.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _imports(name: str) -> set[str]:
+    """Absolute names of every module ``name``'s source imports, at any depth (inside functions too)."""
+    tree = ast.parse(_module_file(name).read_text())
+    package = name if _module_file(name).name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            mod = ".".join(p for p in (base, node.module) if p)
+            out.add(mod)
+            # `from . import schedule` names a submodule; `from .errors import rule_error` names an attribute.
+            out |= {f"{mod}.{a.name}" for a in node.names if _module_file(f"{mod}.{a.name}").exists()}
+    return out
+
+
+def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_policy_modules_import_only_the_standard_library_errors_and_config():
+    seen, todo, bad = set(), list(POLICY_MODULES), []
+    while todo:   # follow hydra_tune's own imports: what errors and config import counts too
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for mod in sorted(_imports(name)):
+            if mod == "__future__" or mod.split(".")[0] in sys.stdlib_module_names:
+                continue
+            if _inside(mod, POLICY_MAY_IMPORT):
+                todo.append(mod)
+            else:
+                bad.append(f"{name} imports {mod}")
+    assert not bad, bad
+
+
+def test_policy_modules_load_without_torch():
+    # hydra_tune/__init__ imports torch: stand in an empty package for it, then load the policy modules for real.
+    code = ("import importlib, importlib.util, sys, types\n"
+            "spec = importlib.util.find_spec('hydra_tune')\n"
+            "pkg = types.ModuleType('hydra_tune'); pkg.__path__ = list(spec.submodule_search_locations)\n"
+            "sys.modules['hydra_tune'] = pkg\n"
+            f"for m in {POLICY_MODULES!r}: importlib.import_module(m)\n"
+            "print(','.join(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"the policy modules imported: {out.stdout.strip()}"
+
+
+def test_only_device_modules_touch_torch_cuda():
+    cuda = re.compile(r"\btorch\.cuda\b|\bfrom\s+torch\s+import\s+[^\n]*\bcuda\b")
+    device = ROOT / "hydra_tune" / "device"
+    files = [p for d in ("hydra_tune", "integrations") for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 20 and any(p.parent == device for p in files)
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in files if device not in p.parents
+           for n, line in enumerate(p.read_text().splitlines(), 1) if cuda.search(line)]
+    assert not bad, f"torch.cuda outside hydra_tune/device/: {bad}"

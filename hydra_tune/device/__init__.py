@@ -1,3 +1,4 @@
-"""Device code, the only place that branches on the device type: CPU and CUDA devices with their byte accounting
-and budgets, host<->device copies (CUDA streams and pinned memory, CPU stand-ins), and the per-unit dispatch
-modes that account bytes and route a task's random numbers."""
+"""Device code, the only place that branches on the device type or touches ``torch.cuda``: CPU and CUDA devices
+with their byte accounting and budgets (devices.py), host<->device copies (streams.py: CUDA streams and pinned
+memory, CPU stand-ins), the per-unit dispatch modes that account bytes and route a task's random numbers
+(dispatch.py), and a task's own random streams (rng.py)."""

@@ -1,12 +1,13 @@
-"""Device discovery, budgets, memory measurement and RNG scoping: the only module that branches on device type.
+"""Device discovery, budgets, memory measurement and RNG scoping per unit: CPU stand-ins and CUDA devices.
 
     devices = resolve_devices(["cpu", "cpu"], 64 << 20)      # two CPU stand-ins for two GPUs
     with devices[0].unit_scope(task_rng) as mode: ...        # run one unit: measured memory, task's RNG stream
     devices[0].peak_bytes() <= devices[0].budget
 
-CPU devices measure memory with the runtime's own accounting (every storage created while a unit runs on the
-device, until it is freed); CUDA devices with ``torch.cuda`` memory statistics. Discovery uses NVML (pynvml,
-imported lazily) for free memory and falls back to ``torch.cuda``.
+CPU devices measure memory with the runtime's own accounting (device/dispatch.py: every storage created while a
+unit runs on the device, until it is freed); CUDA devices with ``torch.cuda`` memory statistics. Discovery uses
+NVML (pynvml, imported lazily) for free memory and falls back to ``torch.cuda``. A task's random streams are
+``TaskRNG`` (device/rng.py); host<->device copies are the device's ``copier`` (device/streams.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 from ..errors import rule_error
 from .dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
+from .rng import TaskRNG
 from .streams import HostCopier, make_copier
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
@@ -42,10 +44,8 @@ class Device:
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
         self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
         # Kept and offloaded forwards free storages their graph still references (resize_(0)) and refill them
-        # for the backward. Proven exact on CPU. On CUDA (torch 2.11, H200) an offloaded backward crashed the
-        # autograd engine (also with the graph ends left in place: the saved-tensor hooks are the suspect); a kept
-        # one ran exact unit by unit, but its refill from the copy thread has not run on a GPU. So CUDA plans
-        # recompute until both are proven there.
+        # for the backward. Only where that is proven exact (CPU): on CUDA an offloaded backward has crashed the
+        # autograd engine and a kept one's refill from the copy thread is untested, so CUDA plans recompute.
         self.releases_graphs = torch_device.type == "cpu"
 
     def start(self) -> None:
@@ -77,7 +77,7 @@ class Device:
         """What the planner may give one unit: the budget less the device's own overhead."""
         return None if self.budget is None else self.budget - self.overhead
 
-    def unit_scope(self, rng: "TaskRNG") -> contextlib.AbstractContextManager[UnitMode | None]:
+    def unit_scope(self, rng: TaskRNG) -> contextlib.AbstractContextManager[UnitMode | None]:
         raise NotImplementedError
 
     def limit_memory(self, nbytes: int | None) -> None:
@@ -146,7 +146,7 @@ class CpuDevice(Device):
         self._unrouted.discard(task)
 
     @contextlib.contextmanager
-    def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode | None]:
+    def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode | None]:
         if self.measuring:
             with UnitMode(rng.cpu, self.account) as mode:
                 yield mode
@@ -186,7 +186,7 @@ class CudaDevice(Device):
             torch.cuda.reset_peak_memory_stats(dev)
 
     @contextlib.contextmanager
-    def unit_scope(self, rng: "TaskRNG") -> Iterator[UnitMode]:
+    def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode]:
         gen = torch.cuda.default_generators[self.torch_device.index]
         if rng.accel_state is None:
             gen.manual_seed(rng.seed)
@@ -209,28 +209,6 @@ class CudaDevice(Device):
 
     def current_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.torch_device))
-
-
-class TaskRNG:
-    """A task's own random streams: a CPU generator (init, data order, CPU dropout) and the accelerator state."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.cpu = torch.Generator().manual_seed(seed)
-        self.accel_state: torch.Tensor | None = None
-
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.cpu.get_state(), self.accel_state
-
-    def restore(self, snap: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        self.cpu.set_state(snap[0])
-        self.accel_state = snap[1]
-
-    def fork(self) -> "TaskRNG":
-        """A copy of the current state that advances independently (for replaying a forward pass)."""
-        other = TaskRNG(self.seed)
-        other.restore(self.snapshot())
-        return other
 
 
 def _cuda_free_bytes(index: int) -> int:

@@ -5,8 +5,8 @@
     plan = partition(costs, budget=4096)            # fewest shards whose every unit fits, or PlanError
     [s.names for s in plan.shards]
 
-Units of a shard i..j (see DESIGN.md): a forward without autograd (F), or a forward with autograd followed by
-backward (B: recompute + backward; L: the last shard's forward + loss + backward). Their peak device bytes:
+Units of a shard i..j: a forward without autograd (F), or a forward with autograd followed by backward
+(B: recompute + backward; L: the last shard's forward + loss + backward). Their peak device bytes:
 
     F = P + Bf + in_i + max_k (fwd_peak_k + [k > i] * in_k)
     B = P + Bf + in_i + max( max_k (sum_{m<k} saved_m + grad_fwd_peak_k),
@@ -15,7 +15,8 @@ backward (B: recompute + backward; L: the last shard's forward + loss + backward
                                               max_k (G_{>k} + off_bwd_peak_k) )
 
 P: bytes of the distinct parameters (a parameter shared by two stages is one copy), G_{>k}: gradients of the
-trainable parameters of the stages after k (made earlier in the backward), Bf: buffers, in_k: stage k's input carry, and the per-stage measurements of StageCost.
+trainable parameters of the stages after k (made earlier in the backward), Bf: buffers, in_k: stage k's input
+carry, and the per-stage measurements of StageCost.
 With ``prefetch`` each unit must also leave room for the next shard's parameters and buffers (the second buffer
 of double buffering), bounded by the plan's largest shard.
 

@@ -10,6 +10,7 @@ no global backend switch, no figure left open. The output format follows the fil
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,28 +68,65 @@ def plot_timeline(trace: Trace, path: str | os.PathLike[str], *, title: str | No
     seconds since the runtime started; the subtitle gives the makespan and each device's compute-busy share.
     """
     colormaps, FigureCanvasAgg, Figure, Patch = _import_matplotlib()
+    rows = _rows(trace, copies, colormaps)
+    fig, ax = _figure(Figure, FigureCanvasAgg, rows)
+    _bars(ax, rows, rows.units, rows.unit_row, copy_lane=False)
+    if rows.draw_copies:
+        _bars(ax, rows, rows.copy_events, _COPY_ROW, copy_lane=True)
+    _axes_labels(ax, rows)
+    _titles(fig, ax, trace, rows.devices, title)
+    _legend(ax, Patch, rows)
+    _unit_labels(fig, ax, rows)
+    fig.savefig(os.fspath(path))
 
+
+@dataclass(frozen=True)
+class _Rows:
+    """What the chart shows, decided before anything is drawn: devices, events per lane, task colours."""
+
+    devices: list[str]
+    units: list[Event]
+    copy_events: list[Event]    # empty when copies are not drawn
+    tasks: list[str]
+    colour: dict[str, tuple[float, ...]]
+    unit_row: tuple[float, float]
+
+    @property
+    def n_dev(self) -> int:
+        return len(self.devices)
+
+    @property
+    def draw_copies(self) -> bool:
+        return bool(self.copy_events)
+
+    @property
+    def shown(self) -> list[str]:
+        """The tasks the legend names."""
+        return self.tasks[:MAX_LEGEND_TASKS]
+
+
+def _rows(trace: Trace, copies: bool, colormaps: Any) -> _Rows:
+    """Check every event's device is one of the trace's, then pick the lanes and colours."""
     devices = list(trace.devices)
     n_dev = len(devices)
     for e in trace.events:
         if not 0 <= e.device < n_dev:
             raise ValueError(f"plot_timeline: an event names device {e.device}, but got {n_dev} device(s) "
                              f"{devices}. Fix: build the Trace with every device the events use.")
-    units = trace.units()
     copy_events = trace.copies() if copies else []
-    draw_copies = bool(copy_events)
     tasks = trace.tasks()
-    colour = dict(zip(tasks, _task_colours(colormaps, len(tasks))))
+    return _Rows(devices, trace.units(), copy_events, tasks, dict(zip(tasks, _task_colours(colormaps, len(tasks)))),
+                 _UNIT_ROW if copy_events else _UNIT_ONLY)
 
-    shown = tasks[:MAX_LEGEND_TASKS]
-    n_entries = len(shown) + (len(tasks) > len(shown)) + draw_copies
-    width = 12.0
-    height = max(2.4 + 0.75 * max(n_dev, 1), 1.6 + 0.21 * n_entries)
-    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+def _figure(Figure: Any, FigureCanvasAgg: Any, rows: _Rows) -> tuple[Any, Any]:
+    """A figure tall enough for the device rows and the legend, its x axis spanning every drawn event."""
+    n_entries = len(rows.shown) + (len(rows.tasks) > len(rows.shown)) + rows.draw_copies
+    height = max(2.4 + 0.75 * max(rows.n_dev, 1), 1.6 + 0.21 * n_entries)
+    fig = Figure(figsize=(12.0, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-
-    drawn = units + copy_events
+    drawn = rows.units + rows.copy_events
     if drawn:
         lo = min(0.0, min(e.start for e in drawn))
         hi = max(e.end for e in drawn)
@@ -96,63 +134,71 @@ def plot_timeline(trace: Trace, path: str | os.PathLike[str], *, title: str | No
         lo, hi = 0.0, 1.0
     span = hi - lo if hi > lo else 1.0
     ax.set_xlim(lo - 0.01 * span, hi + 0.01 * span)
-    ax.set_ylim(n_dev - 0.5, -0.5)          # device 0 on top
-    unit_row = _UNIT_ROW if draw_copies else _UNIT_ONLY
+    ax.set_ylim(rows.n_dev - 0.5, -0.5)          # device 0 on top
+    return fig, ax
 
-    def bars(events: list[Event], row: tuple[float, float], copy_lane: bool) -> None:
-        groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
-        for e in events:
-            groups.setdefault((e.device, e.task), []).append((e.start, max(e.end - e.start, 0.0)))
-        per_row = max((sum(1 for e in events if e.device == d) for d in range(n_dev)), default=0)
-        # White separators show unit boundaries when there are few; with hundreds they would wash the colour out.
-        edge = 0.6 if per_row <= 200 else 0.0
-        for (d, task), ranges in groups.items():
-            ax.broken_barh(ranges, (d + row[0], row[1]), facecolors=[colour[task]],
-                           edgecolor="white" if not copy_lane else colour[task], linewidth=edge,
-                           alpha=0.55 if copy_lane else 1.0, hatch="////" if copy_lane else None)
 
-    bars(units, unit_row, copy_lane=False)
-    if draw_copies:
-        bars(copy_events, _COPY_ROW, copy_lane=True)
+def _bars(ax: Any, rows: _Rows, events: list[Event], row: tuple[float, float], copy_lane: bool) -> None:
+    """One lane of bars per device: ``row`` is (offset from the device's row centre, height)."""
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for e in events:
+        groups.setdefault((e.device, e.task), []).append((e.start, max(e.end - e.start, 0.0)))
+    per_row = max((sum(1 for e in events if e.device == d) for d in range(rows.n_dev)), default=0)
+    # White separators show unit boundaries when there are few; with hundreds they would wash the colour out.
+    edge = 0.6 if per_row <= 200 else 0.0
+    for (d, task), ranges in groups.items():
+        colour = rows.colour[task]
+        ax.broken_barh(ranges, (d + row[0], row[1]), facecolors=[colour],
+                       edgecolor="white" if not copy_lane else colour, linewidth=edge,
+                       alpha=0.55 if copy_lane else 1.0, hatch="////" if copy_lane else None)
 
-    centres = [d + unit_row[0] + unit_row[1] / 2 for d in range(n_dev)]
-    ax.set_yticks(centres, devices)
-    if draw_copies:
+
+def _axes_labels(ax: Any, rows: _Rows) -> None:
+    """Device names (and "copy" under each with a copy lane), the time axis and its grid."""
+    n_dev = rows.n_dev
+    ax.set_yticks([d + rows.unit_row[0] + rows.unit_row[1] / 2 for d in range(n_dev)], rows.devices)
+    if rows.draw_copies:
         ax.set_yticks([d + _COPY_ROW[0] + _COPY_ROW[1] / 2 for d in range(n_dev)], ["copy"] * n_dev, minor=True)
         ax.tick_params(axis="y", which="minor", labelsize=7, labelcolor="0.4", length=0)
     ax.set_xlabel("seconds since the runtime started")
     ax.grid(axis="x", color="0.88", linewidth=0.6)
     ax.set_axisbelow(True)
-    if not drawn:
+    if not rows.units and not rows.copy_events:
         ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center", color="0.5")
 
-    busy = trace.busy()
+
+def _titles(fig: Any, ax: Any, trace: Trace, devices: list[str], title: str | None) -> None:
+    """The title, and a subtitle with the makespan and each device's compute-busy share."""
     makespan = trace.makespan()
     shares = ", ".join(f"{name} {100 * b / makespan:.0f}%" if makespan > 0 else f"{name} 0%"
-                       for name, b in zip(devices, busy))
+                       for name, b in zip(devices, trace.busy()))
     fig.suptitle(title if title is not None else "hydra_tune timeline", fontsize=12)
     ax.set_title(f"makespan {_seconds(makespan)}  |  busy: {shares}", fontsize=9, loc="left", wrap=True)
 
-    handles = [Patch(facecolor=colour[t], label=(t if len(t) <= 28 else t[:27] + "\u2026")) for t in shown]
-    if len(tasks) > len(shown):
-        handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{len(tasks) - len(shown)} more"))
-    if draw_copies:
+
+def _legend(ax: Any, Patch: Any, rows: _Rows) -> None:
+    """Tasks beside the plot (long names cut, "+N more" past ``MAX_LEGEND_TASKS``), and the copies' hatch."""
+    handles = [Patch(facecolor=rows.colour[t], label=(t if len(t) <= 28 else t[:27] + "\u2026"))
+               for t in rows.shown]
+    if len(rows.tasks) > len(rows.shown):
+        handles.append(Patch(facecolor="none", edgecolor="none", label=f"+{len(rows.tasks) - len(rows.shown)} more"))
+    if rows.draw_copies:
         handles.append(Patch(facecolor="0.75", edgecolor="0.4", hatch="////", label="copies (H2D/D2H)"))
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8,
                   title="tasks", title_fontsize=8, frameon=False)
 
+
+def _unit_labels(fig: Any, ax: Any, rows: _Rows) -> None:
+    """Kind+shard inside each unit bar wide enough for it."""
     # Labels go where they fit: measure the axes once the layout is settled.
     fig.draw_without_rendering()
-    ax_px = ax.get_window_extent().width
     x0, x1 = ax.get_xlim()
-    px_per_s = ax_px / (x1 - x0)
+    px_per_s = ax.get_window_extent().width / (x1 - x0)
     fontsize = 7
     char_px = 0.62 * fontsize * fig.dpi / 72
-    for e in units:
+    for e in rows.units:
         label = f"{e.kind}{e.shard}"
         if (e.end - e.start) * px_per_s >= len(label) * char_px + 4:
-            ax.text((e.start + e.end) / 2, e.device + unit_row[0] + unit_row[1] / 2, label, ha="center",
-                    va="center", fontsize=fontsize, color=_ink(colour[e.task]), clip_on=True)
-
-    fig.savefig(os.fspath(path))
+            ax.text((e.start + e.end) / 2, e.device + rows.unit_row[0] + rows.unit_row[1] / 2, label, ha="center",
+                    va="center", fontsize=fontsize, color=_ink(rows.colour[e.task]), clip_on=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from ..errors import rule_error
-from ..policy.schedule import POLICIES, Ready, fifo, lrtf, round_robin
+from ..policy.schedule import POLICIES, Policy, Ready, fifo, lrtf, round_robin
 
 Rec = tuple[int, int, "int | None", float, int]
 """(task id, seq, last device, remaining seconds, turns): one pool entry's fields; the task id is its admission."""
@@ -22,8 +23,9 @@ Rec = tuple[int, int, "int | None", float, int]
 class ListPool:
     """Reference pool: calls the policy function on the full ready list, as the runtime does."""
 
-    def __init__(self, policy, names: Sequence[str]) -> None:  # type: ignore[no-untyped-def]
-        self.policy, self.names, self.items = policy, names, []  # items: (Ready, task id)
+    def __init__(self, policy: Policy, names: Sequence[str]) -> None:
+        self.policy, self.names = policy, names
+        self.items: list[Any] = []  # here (Ready, task id); each heap pool keeps its own key tuples
 
     def __len__(self) -> int:
         return len(self.items)
@@ -86,6 +88,7 @@ class KeyPool(ListPool):
 
 
 def make_pool(name: str, names: Sequence[str], fast: bool) -> ListPool:
+    """The pool for policy ``name`` over tasks ``names`` (by task id): a heap pool when ``fast`` and one exists."""
     fn = POLICIES[name]
     if fast and fn is lrtf:
         return LrtfPool(fn, names)

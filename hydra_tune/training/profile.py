@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..device.devices import CpuDevice, TaskRNG
+from ..device.devices import CpuDevice
+from ..device.rng import TaskRNG
 from ..policy.partition import StageCost
 from ..stages import ModelStages
 from .shard import ShardExec, offload_hooks

@@ -22,8 +22,9 @@ import torch.nn as nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..device.devices import Device, TaskRNG
+from ..device.devices import Device
 from ..device.dispatch import paused_accounting
+from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
 from .store import HostStore

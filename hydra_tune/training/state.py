@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ..device.devices import Device, TaskRNG
+from ..device.devices import Device
 from ..device.dispatch import UnitMode
+from ..device.rng import TaskRNG
 from ..errors import HydraError, NonFiniteLoss, PlanError, rule_error
 from ..policy.partition import Plan, partition
 from ..stages import ModelStages, extract_stages
