@@ -22,8 +22,10 @@ from .task import ModelTask
 _lock = threading.Lock()
 _default: Runtime | None = None
 _config = RuntimeConfig()
-_threads: dict[int, TaskHandle] = {}   # thread ident -> the task that thread's latest ``train`` submitted
-_bound = threading.local()             # .submit: where this thread's ``train`` sends tasks (an Optuna trial's study)
+# Per thread: .submit, where its ``train`` sends tasks (set by ``bind``: an Optuna trial's study, a Tune trial's
+# node runtime); .handle, the task its latest ``train`` submitted (``current_handle``). Thread-local, so a trial
+# thread's record goes with the thread and no other thread can reach (or cancel) it.
+_bound = threading.local()
 
 
 def configure(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
@@ -50,23 +52,28 @@ def default_runtime() -> Runtime:
 
 
 @contextmanager
-def bind(submit: Callable[[ModelTask], Any]) -> Iterator[None]:
+def bind(submit: Callable[[ModelTask], TaskHandle]) -> Iterator[None]:
     """Inside the block, this thread's ``train(task)`` (without ``runtime=``) submits through ``submit``.
 
-        with bind(lambda task: study.submit(trial, task)):   # how an Optuna objective reaches its study's runtime
+        with bind(lambda task: study.submit(trial, task)):   # how a trial's code reaches its study's runtime
             value = objective(trial)
+
+    Rules: ``submit`` returns the task's ``TaskHandle``. The block is a scope: inside it ``current_handle`` knows
+    only tasks that ``train`` submitted inside it (a pooled thread's next trial never sees the last one's), and
+    on exit the thread's previous ``submit`` and handle are back. Blocks nest.
     """
-    previous = getattr(_bound, "submit", None)
-    _bound.submit = submit
+    previous = (getattr(_bound, "submit", None), getattr(_bound, "handle", None))
+    _bound.submit, _bound.handle = submit, None
     try:
         yield
     finally:
-        _bound.submit = previous
+        _bound.submit, _bound.handle = previous
 
 
 def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str, Any]]:
     """Run ``task`` on ``runtime`` and yield its per-epoch metrics. Without ``runtime``: the runtime of the
-    Optuna study whose objective this thread runs, else the process's default runtime.
+    ``bind`` block this thread is in (an Optuna trial's study, a Tune trial's node runtime), else the process's
+    default runtime.
 
         for m in hydra_tune.train(task): print(m["epoch"], m["train_loss"])
 
@@ -79,8 +86,7 @@ def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str,
         handle = bound(task)
     else:
         handle = default_runtime().submit(task)
-    with _lock:
-        _threads[threading.get_ident()] = handle
+    _bound.handle = handle
     try:
         yield from handle.metrics()
     finally:
@@ -94,8 +100,7 @@ def current_handle() -> TaskHandle:
         for m in hydra_tune.train(task): ...
         model = hydra_tune.current_handle().model()     # the trained model once the loop is through
     """
-    with _lock:
-        handle = _threads.get(threading.get_ident())
+    handle = getattr(_bound, "handle", None)
     if handle is None:
         raise rule_error("`hydra_tune.train(task)` was started in this thread before", "call "
                          "hydra_tune.save_checkpoint/current_handle inside the `for metrics in hydra_tune.train(task)` "
@@ -123,23 +128,6 @@ def save_checkpoint(path: str, timeout: float | None = None) -> str | None:
         if handle.status == "done":
             return None
         raise
-
-
-def cancel_thread(ident: int) -> bool:
-    """Cancel the running task that thread ``ident`` is training through ``train`` (used by the Tune runtime
-    actor when Tune stops a trial); True when there was one."""
-    with _lock:
-        handle = _threads.get(ident)
-    if handle is None or handle.done():
-        return False
-    handle.cancel()
-    return True
-
-
-def forget_thread(ident: int) -> None:
-    """Drop the record of thread ``ident``'s latest task (and with it the trained model it holds)."""
-    with _lock:
-        _threads.pop(ident, None)
 
 
 @atexit.register

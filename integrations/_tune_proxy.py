@@ -1,16 +1,22 @@
 """Torch-free half of the Ray Tune integration: the per-node runtime actor and the thin trial proxy.
 
     fn_bytes = cloudpickle.dumps(train_fn)                 # the user's function, unpickled only in the runtime
-    trainable = make_proxy(fn_bytes, {"devices": "auto", "device_memory": None}, cpus=0.05)
+    trainable = make_proxy(fn_bytes, RuntimeConfig(devices="auto").as_dict(), cpus=0.05, name="train_fn")
     tune.Tuner(trainable, ...)                             # each trial streams train_fn's reports from its node
 
 This module imports ray only, never torch or hydra_tune at module level, and ``ray_tune.HydraExecutor.wrap``
 registers it with ``cloudpickle.register_pickle_by_value``: Tune's trial actors unpickle the proxy without
 importing the parent package (which imports torch). The runtime actor imports hydra_tune (and torch) itself.
+The runtime settings travel as ``RuntimeConfig.as_dict()`` (plain values, validated where the executor was made)
+and become a ``RuntimeConfig`` again in the actor.
 
-How ``tune.report``/``tune.get_context`` keep working inside ``train_fn``: Ray 2.60's function API reads the
+How ``tune.report``/``tune.get_context`` keep working inside ``train_fn``: Ray's function API reads the
 process-wide ``ray.train._internal.session._session``. In the runtime actor that variable is replaced by a
-per-thread router, so each trial thread sees its own forwarding session (a private variable: ray is pinned).
+per-thread router, so each trial thread sees its own forwarding session.
+
+How ``hydra_tune.train`` inside ``train_fn`` reaches the node's runtime: each trial thread runs ``train_fn`` inside
+``hydra_tune.api.bind``, whose submit records every handle on the trial's session, so cancelling the trial
+cancels its tasks.
 """
 from __future__ import annotations
 
@@ -58,6 +64,30 @@ class _ForwardSession:
         self.cancelled: str | None = None
         self.token = f"{time.time_ns()}-{id(self)}"   # this incarnation of the trial (restarts reuse trial_id)
         self.thread: threading.Thread | None = None
+        self.handles: list[Any] = []                # the hydra_tune tasks this trial's train_fn submitted
+        self.lock = threading.Lock()
+
+    def track(self, handle: Any) -> Any:
+        """Record a task this trial submitted; one submitted after the trial was cancelled is cancelled now."""
+        with self.lock:
+            self.handles = [h for h in self.handles if not h.done()] + [handle]
+            late = self.cancelled is not None
+        if late:
+            handle.cancel()
+        return handle
+
+    def cancel_tasks(self) -> None:
+        """Cancel this trial's running tasks now (their state is freed)."""
+        with self.lock:
+            handles = list(self.handles)
+        for h in handles:
+            if not h.done():
+                h.cancel()
+
+    def forget_tasks(self) -> None:
+        """Drop the handles (and the trained models they hold) once the trial's thread has ended."""
+        with self.lock:
+            self.handles = []
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         if self.cancelled:
@@ -77,6 +107,10 @@ class _ThreadRoutedSession:
     def __init__(self) -> None:
         object.__setattr__(self, "_local", threading.local())
 
+    def use(self, session: _ForwardSession | None) -> None:
+        """The calling thread's session from now on (None: none)."""
+        self._local.session = session
+
     def _current(self) -> _ForwardSession | None:
         return getattr(self._local, "session", None)
 
@@ -93,18 +127,20 @@ class _ThreadRoutedSession:
         setattr(self._current(), name, value)
 
 
-class NodeRuntime:
-    """One per node: owns the node's devices through the process's hydra_tune default runtime and runs every
-    trial's ``train_fn`` in a thread of its own."""
+class RuntimeActor:
+    """The Ray actor of one node: owns the node's devices through the process's hydra_tune default runtime, made
+    from ``config`` (a ``RuntimeConfig.as_dict()``), and runs every trial's ``train_fn`` in a thread of its own."""
 
-    def __init__(self, devices: Any, device_memory: Any, origin: str) -> None:
+    def __init__(self, config: dict[str, Any], origin: str) -> None:
+        # Third-party private: Ray's function API (tune.report, tune.get_context) reads this process-wide variable
+        # and offers no per-thread hook; replacing it is why ray is pinned (pyproject.toml).
         from ray.train._internal import session as _session
 
         self.router = _ThreadRoutedSession()
         _session._session = self.router
         import hydra_tune
 
-        hydra_tune.configure(devices=devices, device_memory=device_memory)
+        hydra_tune.configure(config=hydra_tune.RuntimeConfig(**config))
         self.runtime = hydra_tune.default_runtime()   # devices are set up now, before the first trial
         self.trials: dict[str, _ForwardSession] = {}
         self.log: list[tuple[float, str, str]] = []
@@ -138,10 +174,11 @@ class NodeRuntime:
         s = _ForwardSession(trial_id, info, checkpoint)
 
         def run() -> None:
-            self.router._local.session = s
+            self.router.use(s)
             try:
                 fn = cloudpickle.loads(fn_bytes)
-                fn(config)
+                with api.bind(lambda task: s.track(self.runtime.submit(task))):
+                    fn(config)
                 s.events.put(("done", None, None))
             except BaseException as exc:  # noqa: BLE001  (reported to the proxy, which re-raises it)
                 if s.cancelled:
@@ -149,8 +186,8 @@ class NodeRuntime:
                 else:
                     s.events.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", None))
             finally:
-                self.router._local.session = None
-                api.forget_thread(threading.get_ident())
+                self.router.use(None)
+                s.forget_tasks()
                 self.log.append((time.time(), trial_id, "thread-exit"))
 
         with self.lock:
@@ -167,15 +204,15 @@ class NodeRuntime:
         return s.events.get()
 
     def cancel(self, trial_id: str, reason: str, token: str | None = None) -> bool:
-        """Stop the trial's thread at its next report and cancel its hydra_tune task now (memory freed);
+        """Stop the trial's thread at its next report and cancel its hydra_tune tasks now (memory freed);
         with ``token``, only that incarnation (a late cancel from a paused proxy spares the restarted trial)."""
-        from hydra_tune import api
-
         s = self.trials.get(trial_id)
-        if s is None or (token is not None and s.token != token) or s.cancelled is not None or s.thread is None or not s.thread.is_alive():
+        if s is None or (token is not None and s.token != token) or s.cancelled is not None or s.thread is None \
+                or not s.thread.is_alive():
             return False
-        s.cancelled = reason
-        api.cancel_thread(s.thread.ident)
+        with s.lock:   # under the lock: a task submitted from now on is cancelled by track
+            s.cancelled = reason
+        s.cancel_tasks()
         self.log.append((time.time(), trial_id, f"cancel:{reason}"))
         return True
 
@@ -187,7 +224,7 @@ class NodeRuntime:
         return n
 
 
-_RemoteRuntime = ray.remote(num_cpus=0, max_concurrency=1000)(NodeRuntime)
+_RemoteRuntime = ray.remote(num_cpus=0, max_concurrency=1000)(RuntimeActor)
 
 
 def node_gpus(node_id: str) -> float:
@@ -197,23 +234,23 @@ def node_gpus(node_id: str) -> float:
     return 0.0
 
 
-def get_or_create_runtime(node_id: str, devices: Any, device_memory: Any, origin: str,
-                          detached: bool = False) -> Any:
-    """The node's runtime actor (named, so every trial and the callback find the same one)."""
+def get_or_create_runtime(node_id: str, config: dict[str, Any], origin: str, detached: bool = False) -> Any:
+    """The node's runtime actor (named, so every trial and the callback find the same one); ``config`` is a
+    ``RuntimeConfig.as_dict()``. An actor already running keeps the settings it was made with."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return _RemoteRuntime.options(
         name=actor_name(node_id), namespace=NAMESPACE, get_if_exists=True,
         lifetime="detached" if detached else None, num_gpus=node_gpus(node_id),   # owns the node's GPUs
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),  # outside trial PGs
-    ).remote(devices, device_memory, origin)
+    ).remote(config, origin)
 
 
-def _run_proxy(config: dict[str, Any], fn_bytes: bytes, rt_config: dict[str, Any]) -> None:
+def _run_proxy(config: dict[str, Any], fn_bytes: bytes, runtime_config: dict[str, Any],
+               report_modules: bool) -> None:
     """The Tune trial: forwards ``train_fn``'s reports (run in this node's runtime actor) to Tune."""
     node = ray.get_runtime_context().get_node_id()
-    rt = get_or_create_runtime(node, rt_config["devices"], rt_config["device_memory"], "lazy-from-proxy",
-                               detached=True)
+    rt = get_or_create_runtime(node, runtime_config, "lazy-from-proxy", detached=True)
     ctx = tune.get_context()
     info = {"trial_name": ctx.get_trial_name(), "trial_dir": ctx.get_trial_dir(),
             "experiment_name": ctx.get_experiment_name(), "trial_resources": ctx.get_trial_resources()}
@@ -224,7 +261,7 @@ def _run_proxy(config: dict[str, Any], fn_bytes: bytes, rt_config: dict[str, Any
         while True:
             kind, payload, ckpt = ray.get(rt.next_event.remote(tid, acked))
             if kind == "report":
-                if rt_config.get("report_proxy_modules"):
+                if report_modules:
                     payload["proxy_torch_loaded"] = "torch" in sys.modules
                     payload["proxy_hydra_tune_loaded"] = "hydra_tune" in sys.modules
                     payload["proxy_node"] = node
@@ -244,12 +281,15 @@ def _run_proxy(config: dict[str, Any], fn_bytes: bytes, rt_config: dict[str, Any
                 pass
 
 
-def make_proxy(fn_bytes: bytes, rt_config: dict[str, Any], cpus: float, name: str) -> Callable[[dict], None]:
-    """A Tune function trainable that runs the pickled ``train_fn`` in its node's runtime actor."""
+def make_proxy(fn_bytes: bytes, runtime_config: dict[str, Any], cpus: float, name: str,
+               report_modules: bool = False) -> Callable[[dict], None]:
+    """A Tune function trainable that runs the pickled ``train_fn`` in its node's runtime actor (made from
+    ``runtime_config``, a ``RuntimeConfig.as_dict()``, if the trial is the node's first). ``report_modules``:
+    each report also says whether the proxy's process loaded torch or hydra_tune, and its node."""
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     def proxy(config: dict[str, Any]) -> None:
-        return _run_proxy(config, fn_bytes, rt_config)
+        return _run_proxy(config, fn_bytes, runtime_config, report_modules)
 
     proxy.__name__ = proxy.__qualname__ = name
     return tune.with_resources(proxy, {"cpu": cpus})

@@ -1,6 +1,7 @@
 """Optuna integration: ``hydra_tune.optuna_study`` runs a study's concurrent trials on one shared runtime.
 
-    study = hydra_tune.optuna_study(direction="minimize", pruner=optuna.pruners.MedianPruner(), devices="auto")
+    study = hydra_tune.optuna_study(direction="minimize", pruner=optuna.pruners.MedianPruner(), devices="auto",
+                                    host_memory="32GiB")      # or config=hydra_tune.RuntimeConfig(...)
     study.optimize(objective, n_trials=16)     # objective: `for m in hydra_tune.train(task): trial.report(...)`
     print(study.best_params, study.runtime_stats()["devices"])
 
@@ -9,16 +10,18 @@ Shape:
     what it means there) and returns a ``HydraStudy``, an ``optuna.Study`` whose sampler is a ``HydraSampler``:
     it delegates all sampling to the user's sampler (TPE by default) and, in ``after_trial`` (which Optuna calls
     for every ending trial: complete, pruned, failed, ``study.tell``), cancels and frees the trial's tasks.
-  * Runtime: in-memory storage -> one in-process ``hydra_tune.Runtime`` owned by the study. A persistent storage
-    (RDB URL, journal file) means other processes may work on the study too -> the node's runtime server
-    (``hydra_tune.node``: one per user and device configuration, shared by every process on the node, started by
-    the first one; a process that dies has its tasks cancelled by the server at once). ``share=`` overrides.
+  * Runtime: made from a ``RuntimeConfig`` (``config=``, or its keywords ``devices``, ``device_memory``,
+    ``host_memory``, ``policy``), validated before the study is created. In-memory storage -> one in-process
+    ``hydra_tune.Runtime`` owned by the study. A persistent storage (RDB URL, journal file) means other processes
+    may work on the study too -> the node's runtime server (``hydra_tune.node``: one per user and runtime
+    configuration, shared by every process on the node, started by the first one; a process that dies has its
+    tasks cancelled by the server at once). ``share=`` overrides.
   * Grouping: ``optimize`` runs ``n_jobs`` trials at once in threads (Optuna's own mechanism); every trial's
     ``hydra_tune.train(task)`` submits to the study's runtime, whose scheduler interleaves all their shards on
     all devices. Without ``n_jobs`` the study runs ``study.concurrency`` trials at once: ``trials_per_device``
     (default 2) per device — one computing, one doing its host-side optimizer step and prefetch — which keeps
-    every device busy (benchmarks/p3_scaling.py: 4 tasks on 2 devices reach 1.86x) without sampling more trials
-    blind than needed. Ask/tell batches: ``handles = [study.submit(t, task_for(t)) for t in trials]``.
+    every device busy without sampling more trials blind than needed. Ask/tell batches:
+    ``handles = [study.submit(t, task_for(t)) for t in trials]``.
   * String RDB URLs get Optuna's heartbeat (``heartbeat_interval``, default 10 s): a killed process's running
     trials are marked failed by ``fail_stale_trials`` (Optuna runs it before each trial).
 """
@@ -35,10 +38,11 @@ from typing import Any
 
 import optuna
 from optuna.samplers import BaseSampler
-from optuna.storages import InMemoryStorage
+from optuna.storages import BaseStorage, InMemoryStorage
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from hydra_tune import api
+from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
@@ -50,7 +54,8 @@ CANCEL_WAIT = 60.0   # seconds a trial's end waits for its cancelled tasks to st
 
 
 class _TrialTasks:
-    """Which live tasks each running trial submitted; ``release`` cancels them when the trial ends."""
+    """Which live tasks each running trial of one study submitted, by trial number (unique within a study);
+    ``release`` cancels them when the trial ends."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -59,19 +64,19 @@ class _TrialTasks:
         self.names: dict[int, list[str]] = {}   # trial number -> names of the tasks it submitted
         self.cancelled = 0                       # tasks this study cancelled because their trial ended first
 
-    def add(self, trial_id: int, number: int, handle: Any) -> None:
+    def add(self, number: int, handle: Any) -> None:
         with self._lock:
-            late = trial_id in self._ended
+            late = number in self._ended
             if not late:
-                self._live.setdefault(trial_id, []).append(handle)
+                self._live.setdefault(number, []).append(handle)
             self.names.setdefault(number, []).append(handle.name)
         if late:   # the trial ended while its task was being planned
             self._cancel([handle])
 
-    def release(self, trial_id: int) -> None:
+    def release(self, number: int) -> None:
         with self._lock:
-            self._ended.add(trial_id)
-            handles = self._live.pop(trial_id, [])
+            self._ended.add(number)
+            handles = self._live.pop(number, [])
         self._cancel(handles)
 
     def release_all(self) -> None:
@@ -103,7 +108,7 @@ class HydraSampler(BaseSampler):
         sampler.base                        # the user's sampler, untouched
         # after_trial(...) -> base.after_trial(...), then the trial's hydra_tune tasks are cancelled
 
-    ``optuna_study`` makes it; you need not build one yourself.
+    ``optuna_study`` makes it, one per study (it knows trials by number); you need not build one yourself.
     """
 
     def __init__(self, base: BaseSampler, tasks: _TrialTasks | None = None) -> None:
@@ -132,7 +137,7 @@ class HydraSampler(BaseSampler):
         try:
             self.base.after_trial(study, trial, state, values)
         finally:   # every way a trial ends comes through here (optimize, tell, KeyboardInterrupt)
-            self.tasks.release(trial._trial_id)
+            self.tasks.release(trial.number)
 
     def reseed_rng(self) -> None:
         self.base.reseed_rng()
@@ -153,11 +158,13 @@ class HydraStudy(optuna.Study):
     releases it. A trial's tasks are cancelled the moment the trial ends, whatever way its objective exits.
     """
 
-    def __init__(self, base: optuna.Study, runtime: Any, owns_runtime: bool, trials_per_device: int = 2) -> None:
+    def __init__(self, base: optuna.Study, storage: BaseStorage, runtime: Any, owns_runtime: bool,
+                 trials_per_device: int = 2) -> None:
+        """``base``: the study ``optuna.create_study`` made on ``storage`` (the storage object it was given)."""
         sampler = base.sampler
         if not isinstance(sampler, HydraSampler):
             sampler = HydraSampler(sampler)
-        super().__init__(base.study_name, base._storage, sampler, base.pruner)
+        super().__init__(base.study_name, storage, sampler, base.pruner)
         self.sampler: HydraSampler
         self.runtime = runtime
         self.trials_per_device = trials_per_device
@@ -187,7 +194,7 @@ class HydraStudy(optuna.Study):
                              "study returned (or the one `optimize` hands your objective)", kind=TypeError,
                              trial=type(trial).__name__, study=self.study_name)
         handle = self.runtime.submit(task)
-        self.sampler.tasks.add(trial._trial_id, trial.number, handle)
+        self.sampler.tasks.add(trial.number, handle)
         return handle
 
     def optimize(self, func: Callable[[Trial], Any], n_trials: int | None = None, timeout: float | None = None,
@@ -205,7 +212,7 @@ class HydraStudy(optuna.Study):
                 try:
                     return func(trial)
                 finally:   # free its tasks now, before Optuna's bookkeeping (after_trial releases them too)
-                    self.sampler.tasks.release(trial._trial_id)
+                    self.sampler.tasks.release(trial.number)
 
         jobs = self.concurrency if n_jobs is None else n_jobs
         super().optimize(objective, n_trials=n_trials, timeout=timeout, n_jobs=jobs, catch=catch,
@@ -253,12 +260,17 @@ def _creating(storage: Any) -> Iterator[None]:
 
 
 def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
-    """A URL string becomes an RDBStorage with Optuna's heartbeat, so dead processes' trials can be failed."""
-    if not isinstance(storage, str) or heartbeat_interval is None:
+    """The storage object the study is made on (so the study knows it without asking Optuna's privates): None
+    becomes an InMemoryStorage, a URL string an RDBStorage (with Optuna's heartbeat unless ``heartbeat_interval``
+    is None, so dead processes' trials can be failed); a storage object is kept."""
+    if storage is None:
+        return InMemoryStorage()
+    if not isinstance(storage, str):
         return storage
-    if isinstance(heartbeat_interval, bool) or not isinstance(heartbeat_interval, int) or heartbeat_interval < 1:
-        raise rule_error("`heartbeat_interval >= 1` (seconds, an int) or None", "pass e.g. 10, or None to leave "
-                         "the storage URL to Optuna without a heartbeat", heartbeat_interval=heartbeat_interval)
+    if heartbeat_interval is not None and (isinstance(heartbeat_interval, bool) or
+                                           not isinstance(heartbeat_interval, int) or heartbeat_interval < 1):
+        raise rule_error("`heartbeat_interval >= 1` (seconds, an int) or None", "pass e.g. 10, or None to open "
+                         "the storage URL without a heartbeat", heartbeat_interval=heartbeat_interval)
     # SQLite: wait for a writer of another process instead of failing with "database is locked" at once.
     engine = {"connect_args": {"timeout": 60}} if storage.startswith("sqlite") else None
     with warnings.catch_warnings():
@@ -267,6 +279,7 @@ def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
 
 
 def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
+                 host_memory: int | str | None = None, policy: str = "lrtf", config: RuntimeConfig | None = None,
                  runtime: Any = None, share: str = "auto", heartbeat_interval: int | None = 10,
                  trials_per_device: int = 2, **create_study_kwargs: Any) -> HydraStudy:
     """``optuna.create_study(**create_study_kwargs)`` whose trials share one hydra_tune runtime.
@@ -275,40 +288,44 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
                                         storage="sqlite:///hpo.db", devices="auto", device_memory="20GiB")
         study.optimize(objective, n_trials=16)
 
-    ``devices``/``device_memory``: as for ``hydra_tune.Runtime``. ``runtime``: use this runtime (a ``Runtime``
-    or a ``hydra_tune.node.connect(...)`` client) instead; the study does not close it. ``share``: "process" (an
+    The runtime's settings: a ``hydra_tune.RuntimeConfig`` (``config=``) or its keywords ``devices``,
+    ``device_memory``, ``host_memory``, ``policy``, as for ``hydra_tune.Runtime``; validated before the study is
+    created. ``runtime``: use this runtime (a ``Runtime`` or a ``hydra_tune.node.connect(...)`` client) instead
+    (the settings are then unused); the study does not close it. ``share``: "process" (an
     in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
     the storage is persistent, else "process"). ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
     that does not sample the same point for trials running at the same time.
     """
+    settings = RuntimeConfig.of(config, devices=devices, device_memory=device_memory, host_memory=host_memory,
+                                policy=policy)
     if share not in SHARE:
         raise rule_error(f"`share` in {SHARE}", "'process' for a runtime in this process, 'node' to share the "
                          "node's runtime server with other processes, 'auto' to decide by the storage", share=share)
     if isinstance(trials_per_device, bool) or not isinstance(trials_per_device, int) or trials_per_device < 1:
         raise rule_error("`trials_per_device >= 1` (an int)", "pass 2 (one trial computing, one preparing) or "
                          "more", trials_per_device=trials_per_device)
+    if runtime is not None and not callable(getattr(runtime, "submit", None)):
+        raise rule_error("`runtime` is a hydra_tune.Runtime, a hydra_tune.node client, or None", "pass the runtime "
+                         "object, or None to let the study make one from its settings", kind=TypeError,
+                         runtime=type(runtime).__name__)
     kwargs = dict(create_study_kwargs)
-    tasks = _TrialTasks()
     sampler = kwargs.pop("sampler", None)
     if sampler is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(constant_liar=True)
+    sampler = HydraSampler(sampler)   # checks it before the study is created
     with _creating(kwargs.get("storage")):
-        kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
-        base = optuna.create_study(sampler=HydraSampler(sampler, tasks), **kwargs)
+        storage = kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
+        base = optuna.create_study(sampler=sampler, **kwargs)
     owns = runtime is None
     if owns:
         if share == "auto":
-            share = "process" if isinstance(base._storage, InMemoryStorage) else "node"
+            share = "process" if isinstance(storage, InMemoryStorage) else "node"
         if share == "node":
             from hydra_tune import node
 
-            runtime = node.connect(devices=devices, device_memory=device_memory)
+            runtime = node.connect(config=settings)
         else:
-            runtime = Runtime(devices=devices, device_memory=device_memory)
-    elif not callable(getattr(runtime, "submit", None)):
-        raise rule_error("`runtime` is a hydra_tune.Runtime, a hydra_tune.node client, or None", "pass the runtime "
-                         "object, or None to let the study make one from devices/device_memory", kind=TypeError,
-                         runtime=type(runtime).__name__)
-    return HydraStudy(base, runtime, owns, trials_per_device)
+            runtime = Runtime(config=settings)
+    return HydraStudy(base, storage, runtime, owns, trials_per_device)

@@ -1,19 +1,20 @@
 """Ray Tune integration: one shared hydra_tune runtime per node under an unchanged Tune search.
 
-    ex = hydra_tune.HydraExecutor(devices="auto", device_memory=None)
+    ex = hydra_tune.HydraExecutor(devices="auto", device_memory=None, host_memory="64GiB", policy="lrtf")
     tuner = tune.Tuner(ex.wrap(train_fn), param_space=space, run_config=tune.RunConfig(callbacks=[ex]))
     results = tuner.fit()            # train_fn: `for metrics in hydra_tune.train(task): tune.report(metrics)`
 
 Shape (Ray 2.x has no custom trial executors, so this lives on Tune's extension points):
   * ``HydraExecutor`` is a ``tune.Callback``. ``setup`` starts one runtime actor per alive node, pinned to it
     (hard node affinity, which also keeps it out of the trials' placement groups), named
-    ``hydra_rt_<node_id>``, ``num_cpus=0``, holding the node's GPUs; ``on_experiment_end`` stops them.
+    ``hydra_rt_<node_id>``, ``num_cpus=0``, holding the node's GPUs, its runtime made from the executor's
+    ``RuntimeConfig``; ``on_experiment_end`` stops them.
   * ``wrap(train_fn)`` returns a thin Tune trainable (a proxy that imports ray only, requests ``proxy_cpus``).
     The proxy asks its own node's runtime actor (routing by node id) to run ``train_fn(config)`` in a thread
     there, so models are built where they train, and forwards every ``tune.report`` (metrics + checkpoint)
     to Tune. ``tune.report``/``tune.get_context``/``tune.get_checkpoint`` work unchanged inside ``train_fn``.
   * When Tune stops a trial (ASHA/HyperBand, ``max_t``/stop, an error, PBT's pause, experiment end) the
-    callback and the proxy cancel its hydra_tune task at once (``TaskHandle.cancel``: its state is freed).
+    callback and the proxy cancel its hydra_tune tasks at once (``TaskHandle.cancel``: their state is freed).
   * ``wrap`` alone works too: the first trial on a node creates that node's runtime (detached);
     ``HydraExecutor.shutdown()`` (or ``ray.shutdown()``) removes it.
 """
@@ -26,6 +27,7 @@ from typing import Any
 import ray
 from ray import cloudpickle, tune
 
+from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
 
 from . import _tune_proxy as _proxy
@@ -36,25 +38,29 @@ __all__ = ["HydraExecutor"]
 class HydraExecutor(tune.Callback):
     """Tune callback + function wrapper that runs every trial on its node's shared hydra_tune runtime.
 
-        ex = HydraExecutor(devices=["cpu", "cpu"], device_memory="64MiB")
+        ex = HydraExecutor(devices=["cpu", "cpu"], device_memory="64MiB", host_memory="8GiB")
         tune.Tuner(ex.wrap(train_fn), run_config=tune.RunConfig(callbacks=[ex])).fit()
 
-    ``devices``/``device_memory`` mean what they mean for ``hydra_tune.Runtime`` and apply to every node's
-    runtime. Concurrency: Tune's ``max_concurrent_trials`` bounds the trials in flight (each proxy requests
-    only ``proxy_cpus`` CPU, so Tune's CPU accounting no longer does); every running trial keeps its model,
-    gradients and optimizer state in its node's host memory, so pick ``max_concurrent_trials`` so that
-    that many tasks fit the node's RAM (``hydra_tune.plan_model`` reports a task's host bytes).
-    Host-memory admission control inside the runtime is a separate issue (7).
+    Settings: a ``hydra_tune.RuntimeConfig`` (``config=``) or its keywords ``devices``, ``device_memory``,
+    ``host_memory``, ``policy``, meaning what they mean for ``hydra_tune.Runtime``; validated here, applied to
+    every node's runtime. ``proxy_cpus``: the CPU share each trial's proxy requests from Tune.
+    Concurrency: Tune's ``max_concurrent_trials`` bounds the trials in flight (each proxy requests only
+    ``proxy_cpus`` CPU, so Tune's CPU accounting no longer does). Every running trial keeps its model, gradients
+    and optimizer state in its node's host memory: each node's runtime starts a trial's task only when its host
+    footprint fits ``host_memory`` (None: the memory available); until then the task waits (state "queued") and
+    its trial with it (``hydra_tune.plan_model`` reports a task's host bytes).
     """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
-                 proxy_cpus: float = 0.05, *, report_proxy_modules: bool = False) -> None:
+                 proxy_cpus: float = 0.05, *, host_memory: int | str | None = None, policy: str = "lrtf",
+                 config: RuntimeConfig | None = None, report_proxy_modules: bool = False) -> None:
+        self.config = RuntimeConfig.of(config, devices=devices, device_memory=device_memory,
+                                       host_memory=host_memory, policy=policy)
         if not isinstance(proxy_cpus, (int, float)) or isinstance(proxy_cpus, bool) or not 0 <= proxy_cpus <= 1:
             raise rule_error("`0 <= proxy_cpus <= 1`", "the proxy only forwards reports: give it a small CPU "
                              "share such as 0.05", proxy_cpus=proxy_cpus)
-        self.devices, self.device_memory, self.proxy_cpus = devices, device_memory, float(proxy_cpus)
-        self._rt_config = {"devices": devices, "device_memory": device_memory,
-                           "report_proxy_modules": report_proxy_modules}
+        self.proxy_cpus = float(proxy_cpus)
+        self.report_proxy_modules = report_proxy_modules
         self.actors: dict[str, Any] = {}   # node id -> runtime actor handle (the creator's handle keeps it alive)
         self.final_stats: dict[str, dict[str, Any]] = {}   # per node id, taken as the runtimes stop
         self.final_traces: dict[str, Any] = {}              # per node id: hydra_tune Trace of the whole search
@@ -66,16 +72,16 @@ class HydraExecutor(tune.Callback):
             raise rule_error("`train_fn` is callable", "pass the Tune function `def train_fn(config): ...`",
                              kind=TypeError, train_fn=type(train_fn).__name__)
         fn_bytes = cloudpickle.dumps(train_fn)    # unpickled (with torch and the model code) only in the runtime
-        return _proxy.make_proxy(fn_bytes, self._rt_config, self.proxy_cpus,
-                                 getattr(train_fn, "__name__", "hydra_trial"))
+        return _proxy.make_proxy(fn_bytes, self.config.as_dict(), self.proxy_cpus,
+                                 getattr(train_fn, "__name__", "hydra_trial"), self.report_proxy_modules)
 
     # -- runtimes -----------------------------------------------------------------------------------------
     def start_runtimes(self) -> dict[str, dict[str, Any]]:
         """Start (or find) one runtime actor per alive node; returns where each runs."""
         for n in ray.nodes():
             if n["Alive"] and n["NodeID"] not in self.actors:
-                self.actors[n["NodeID"]] = _proxy.get_or_create_runtime(
-                    n["NodeID"], self.devices, self.device_memory, "callback-setup")
+                self.actors[n["NodeID"]] = _proxy.get_or_create_runtime(n["NodeID"], self.config.as_dict(),
+                                                                        "callback-setup")
         where = ray.get([a.where.remote() for a in self.actors.values()])
         return dict(zip(self.actors, where))
 

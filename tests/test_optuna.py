@@ -228,6 +228,47 @@ def test_bad_arguments_are_explained():
         study.submit(object(), _mlp_task(0.1))
 
 
+@pytest.mark.parametrize("bad", [{"host_memory": "lots"}, {"policy": "sjf"}, {"host_memory": -1},
+                                 {"devices": ["cpu"], "config": ht.RuntimeConfig(devices=["cpu"])}])
+def test_bad_runtime_settings_raise_at_the_study_with_the_runtimes_message(bad):
+    kw = dict({"devices": ["cpu"]}, **bad)
+    with pytest.raises(Exception) as expected:
+        ht.Runtime(**kw)
+    storage = optuna.storages.InMemoryStorage()
+    with pytest.raises(type(expected.value)) as got:
+        ht.optuna_study(direction="minimize", storage=storage, **kw)
+    assert str(got.value) == str(expected.value)
+    assert storage.get_all_studies() == []      # raised before the study was created
+
+
+def test_runtime_settings_and_config_reach_the_studys_runtime():
+    with _study(host_memory="1GiB", policy="fifo") as study:
+        stats = study.runtime_stats()
+        assert stats["policy"] == "fifo" and stats["host"]["budget"] == 1 << 30
+    config = ht.RuntimeConfig(devices=["cpu"], host_memory=123456789, policy="round_robin")
+    with ht.optuna_study(direction="minimize", config=config) as study:
+        assert study.runtime.config is config
+        stats = study.runtime_stats()
+        assert stats["policy"] == "round_robin" and stats["host"]["budget"] == 123456789
+        assert len(stats["devices"]) == 1
+
+
+def test_current_handle_in_a_trial_is_that_trials_latest_task():
+    seen = []
+
+    def objective(trial):
+        with pytest.raises(RuntimeError, match="was started in this thread before"):
+            ht.current_handle()   # one thread runs every trial (n_jobs=1): the last trial's task is not this one's
+        for m in ht.train(_mlp_task(0.1, epochs=1)):
+            pass
+        seen.append(ht.current_handle().name)
+        return m["eval_loss"]
+
+    with _study() as study:
+        study.optimize(objective, n_trials=3, n_jobs=1)
+        assert seen == [study.trial_tasks[n][0] for n in range(3)]
+
+
 def test_example_runs_and_reports(tmp_path, capsys):
     import os
     import sys

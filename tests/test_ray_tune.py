@@ -121,6 +121,29 @@ def test_wrap_alone_creates_runtimes_lazily(local_ray, tmp_path):
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("hydra_rt_")]
 
 
+@pytest.mark.parametrize("bad", [{"host_memory": "lots"}, {"policy": "sjf"}, {"device_memory": 0},
+                                 {"devices": ["cpu"], "config": ht.RuntimeConfig(devices=["cpu"])}])
+def test_bad_runtime_settings_raise_at_the_executor_with_the_runtimes_message(bad):
+    kw = dict({"devices": ["cpu"]}, **bad)
+    with pytest.raises(Exception) as expected:
+        ht.Runtime(**kw)
+    with pytest.raises(type(expected.value)) as got:
+        ht.HydraExecutor(**kw)
+    assert str(got.value) == str(expected.value)
+
+
+def test_runtime_settings_and_config_reach_every_nodes_runtime(local_ray):
+    for ex in (ht.HydraExecutor(devices=["cpu"], host_memory="1GiB", policy="fifo"),
+               ht.HydraExecutor(config=ht.RuntimeConfig(devices=["cpu", "cpu"], host_memory="1GiB", policy="fifo"))):
+        try:
+            ex.start_runtimes()
+            (stats,) = ex.runtime_stats().values()
+            assert stats["policy"] == "fifo" and stats["host"]["budget"] == 1 << 30
+            assert stats["device_names"] == [f"cpu:{i}" for i in range(len(ex.config.devices))]
+        finally:
+            ex.shutdown()
+
+
 def test_restore_after_failure_is_bit_identical(local_ray, tmp_path):
     config = {"lr": 1e-2, "epochs": 4, "fail_at": 2, "marker": str(tmp_path / "failed"), "out": str(tmp_path / "w.pt")}
     ex = ht.HydraExecutor(devices=["cpu"])
