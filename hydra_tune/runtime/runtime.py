@@ -27,8 +27,9 @@ from ..policy.schedule import POLICIES, Estimator, Ready
 from ..task import ModelTask
 from ..training.footprint import Footprint
 from ..training.replan import is_oom, replan
-from ..training.shard import ShardCache
-from ..training.state import Segment, TaskState, Unit
+from ..training.residency import ShardCache
+from ..training.segments import Segment, Unit
+from ..training.state import TaskState
 from .gate import GateHooks, HostGate
 from .handle import TaskHandle
 from .trace import COPY, Recorder, Trace
@@ -41,7 +42,7 @@ class _Admitted:
 
     def __init__(self, handle: TaskHandle, state: TaskState, order: int) -> None:
         self.handle, self.state, self.order = handle, state, order
-        self.chain = state.units(handle.emit)
+        self.chain = state.segments(handle.emit)
         self.segment: Segment | None = None  # taken from the chain, not yet run
         self.footprint: Footprint | None = None  # host bytes admission charged it
         self.last_device: int | None = None
