@@ -1,6 +1,6 @@
 """A task's training loop as a chain of segments: the plain PyTorch loop, cut into units that devices run.
 
-    loop = TrainingLoop(state)                            # what TaskState.segments(emit) returns the chain of
+    loop = TrainingLoop(state)                            # TaskState.segments(emit) makes one, returns its chain
     for segment in loop.segments(emit=print):             # Segment "F0 F1 L2 B1 B0"
         for unit in segment.units: unit.run(device)
 
@@ -10,9 +10,10 @@ the optimizer and the LR scheduler, and zero the gradients; at each step boundar
 checkpoints asked; after each epoch it evaluates and emits the epoch's metrics. A resumed task repeats its epoch's
 data order from the checkpointed epoch-start RNG state and steps over the batches already trained on.
 
-Rules: only the loop writes the state's progress (``epoch``, ``batch_in_epoch``, ``eval_in_epoch``, ``steps``,
-``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device memory starts over with
-``retry`` (the same batch and RNG draws; its gradients are added and the optimizer steps only after a segment).
+Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
+``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
+memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the failed attempt has
+reached the parameters (gradients are added, and the optimizer steps, only after a segment).
 """
 from __future__ import annotations
 
