@@ -281,7 +281,7 @@ def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
                                          offload=flags if mode == "offload" else (False,) * k)
         [dev] = resolve_devices([device], None)
         dev.start()
-        segment = next(iter(state.units(lambda m: None)))
+        segment = next(iter(state.segments(lambda m: None)))
         for unit in segment.units:
             sync(device)
             start = dev.current_bytes()

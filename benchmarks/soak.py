@@ -131,7 +131,7 @@ def make_task(i: int, rng: random.Random, built: list[weakref.ref]) -> tuple[ht.
 
 
 # -- watching the runtime's threads ---------------------------------------------------------------------------------
-_UNIT_FRAMES = {"forward", "_forward_keep", "last", "backward", "evaluate"}   # ShardExec's units
+_UNIT_FRAMES = {"forward", "_forward_keep", "forward_loss_backward", "backward", "evaluate"}   # ShardExec's units
 _COPY_FRAMES = {"copy_in", "refill"}                                          # ShardExec's copies in
 
 

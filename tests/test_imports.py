@@ -102,3 +102,47 @@ def test_only_device_modules_touch_torch_cuda():
     bad = [f"{p.relative_to(ROOT)}:{n}" for p in files if device not in p.parents
            for n, line in enumerate(p.read_text().splitlines(), 1) if cuda.search(line)]
     assert not bad, f"torch.cuda outside hydra_tune/device/: {bad}"
+
+
+def _runtime_imports(name: str) -> set[str]:
+    """``_imports`` less what only a type checker reads (``if TYPE_CHECKING:`` blocks)."""
+    tree = ast.parse(_module_file(name).read_text())
+    typed = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+             for stmt in block.body for n in ast.walk(stmt)}
+    return _imports(name) - {_name_of(n, name) for n in ast.walk(tree) if id(n) in typed} if typed else _imports(name)
+
+
+def _name_of(node: ast.AST, name: str) -> str:
+    if isinstance(node, ast.ImportFrom):
+        package = name if _module_file(name).name == "__init__.py" else name.rpartition(".")[0]
+        base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+        return ".".join(p for p in (base, node.module) if p)
+    return ""
+
+
+def test_the_package_import_graph_has_no_cycles():
+    """No hydra_tune module imports, directly or through others, a module that imports it back: the layers import
+    downwards only. Function-level imports count; type-checking-only imports do not."""
+    files = sorted((ROOT / "hydra_tune").rglob("*.py"))
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in files}
+    graph = {m: {i for i in _runtime_imports(m) if i in modules and i != m} for m in modules}
+    assert len(graph) > 40 and graph["hydra_tune.runtime.runtime"]
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for nxt in sorted(graph[m]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, " -> ".join(cycle)

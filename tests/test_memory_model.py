@@ -60,7 +60,7 @@ def unit_table(factory, mode: str) -> list[tuple[str, int, int]]:
                                      offload=flags if mode == "offload" else (False,) * k)
     device = CpuDevice("cpu:0", None)  # no ShardCache: every unit copies its own shard in, nothing beside it
     acct, rows = device.account, []
-    segment = next(iter(state.units(lambda m: None)))
+    segment = next(iter(state.segments(lambda m: None)))
     for unit in segment.units:
         start = acct.current
         acct.reset_peak()

@@ -87,7 +87,7 @@ def test_remaining_units_count_down_to_zero():
     state = TaskState.build(task, 60_000)
     k = len(state.execs)
     assert state.remaining() == {"F": 6 * (k - 1), "L": 6, "B": 6 * (k - 1), "E": 2 * 2 * k}
-    chain = state.units(lambda m: None)
+    chain = state.segments(lambda m: None)
     seen = {"F": 0, "L": 0, "B": 0, "E": 0}
     for seg in chain:
         for unit in seg.units:
@@ -148,7 +148,7 @@ def test_each_backward_mode_is_exact_on_gpt2(mode):
     from reference import max_param_diff, plain_train
 
     from hydra_tune.device.devices import CpuDevice
-    from hydra_tune.training.shard import ShardCache
+    from hydra_tune.training.residency import ShardCache
 
     task = ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batches(4), epochs=2,
                         grad_clip_norm=1.0, grad_accumulation=2, seed=5, name=mode)
@@ -160,7 +160,7 @@ def test_each_backward_mode_is_exact_on_gpt2(mode):
                                      offload=flags if mode == "offload" else (False,) * k)
     device = CpuDevice("cpu:0", None)
     device.resident = ShardCache()
-    for seg in state.units(lambda m: None):
+    for seg in state.segments(lambda m: None):
         for unit in seg.units:
             unit.run(device)
     assert not state.store.kept
@@ -212,7 +212,7 @@ def test_unknown_random_op_keeps_the_task_on_the_exact_mode():
 
 def test_a_failed_prefetch_only_costs_the_copy(monkeypatch):
     # A copy made ahead can fail (out of memory on a real device): the unit then copies its shard in itself.
-    from hydra_tune.training.shard import ShardCache
+    from hydra_tune.training.residency import ShardCache
 
     calls = []
 

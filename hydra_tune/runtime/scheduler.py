@@ -21,7 +21,8 @@ from typing import Any
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
 from ..policy.schedule import POLICIES, Estimator, Ready
 from ..training.footprint import Footprint
-from ..training.state import Segment, TaskState
+from ..training.segments import Segment
+from ..training.state import TaskState
 from .handle import TaskHandle
 
 
@@ -30,7 +31,7 @@ class Admitted:
 
     def __init__(self, handle: TaskHandle, state: TaskState, order: int, footprint: Footprint | None) -> None:
         self.handle, self.state, self.order, self.footprint = handle, state, order, footprint
-        self.chain = state.units(handle.emit)
+        self.chain = state.segments(handle.emit)
         self.segment: Segment | None = None  # taken from the chain, not yet run
         self.last_device: int | None = None
         self.units = 0

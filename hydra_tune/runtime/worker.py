@@ -23,8 +23,9 @@ from typing import Any
 from ..device.devices import Device
 from ..errors import TaskCancelled
 from ..training.replan import is_oom, replan
-from ..training.shard import ShardCache, ShardExec
-from ..training.state import Unit
+from ..training.residency import ShardCache
+from ..training.segments import Unit
+from ..training.shard import ShardExec
 from .scheduler import Admitted, Scheduler
 from .trace import COPY, Recorder
 

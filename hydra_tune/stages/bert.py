@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 

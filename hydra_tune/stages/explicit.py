@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import ModelStages, Stage
+from .base import ModelStages, Stage
 
 StageSpec = Callable[[nn.Module], Sequence[Any]]
 

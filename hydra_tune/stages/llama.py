@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 # Inputs the model's forward accepts but whose branch (generation cache, embeddings given directly, logits of a

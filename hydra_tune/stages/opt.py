@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, token_batches
 
 
 def _new_cache(decoder: nn.Module, training: bool) -> Any:

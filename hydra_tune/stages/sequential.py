@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import ModelStages, Stage
+from .base import ModelStages, Stage
 
 
 def _inputs(batch: Any) -> Any:

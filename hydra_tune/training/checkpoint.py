@@ -20,10 +20,14 @@ import os
 import socket
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .state import TaskState
 
 FORMAT = 1
 _TEMP = f".hydra-ckpt-{socket.gethostname()}-"   # + "<pid>-<random>": whose write it is
@@ -43,8 +47,8 @@ class Position:
     accel_rng: torch.Tensor | None
 
 
-def capture(state: Any, position: Position) -> dict[str, Any]:
-    """Everything needed to continue ``state`` (a program.TaskState) exactly from ``position``."""
+def capture(state: TaskState, position: Position) -> dict[str, Any]:
+    """Everything needed to continue ``state`` exactly from ``position``."""
     return {
         "format": FORMAT, "task": state.task.name,
         "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
@@ -54,7 +58,7 @@ def capture(state: Any, position: Position) -> dict[str, Any]:
     }
 
 
-def restore(state: Any, data: dict[str, Any], keep_hparams: bool = False) -> Position:
+def restore(state: TaskState, data: dict[str, Any], keep_hparams: bool = False) -> Position:
     """Load ``data`` (from ``capture``) into a freshly built ``state``; returns the position to resume from.
     ``keep_hparams``: the fresh optimizer's hyper-parameters and base learning rates win (PBT's explore step);
     each group's learning rate becomes the checkpointed one times new base / checkpointed base."""
@@ -78,7 +82,7 @@ def restore(state: Any, data: dict[str, Any], keep_hparams: bool = False) -> Pos
     return Position(**data["position"])
 
 
-def _keep_hparams(state: Any, fresh: list[dict[str, Any]], fresh_bases: list[float]) -> None:
+def _keep_hparams(state: TaskState, fresh: list[dict[str, Any]], fresh_bases: list[float]) -> None:
     groups = state.optimizer.param_groups
     if len(fresh) != len(groups):
         raise ValueError(f"the resumed optimizer has as many parameter groups as the checkpointed one, but got "
@@ -94,7 +98,7 @@ def _keep_hparams(state: Any, fresh: list[dict[str, Any]], fresh_bases: list[flo
             group["lr"] = lr * (new_base / old_base)
     if sched is not None and fresh_bases:
         sched.base_lrs = fresh_bases
-        if hasattr(sched, "_last_lr"):
+        if hasattr(sched, "_last_lr"):  # torch's LRScheduler keeps get_last_lr()'s value there (no setter)
             sched._last_lr = [g["lr"] for g in groups]
 
 
@@ -170,3 +174,52 @@ class CheckpointRequest:
         if error is not None:
             raise error
         return path  # type: ignore[return-value]
+
+
+class PendingCheckpoints:
+    """The checkpoints asked of one task and not yet written: served at its step boundaries; once the task trains
+    no more, the waiting ones and any asked later fail at once (no step boundary will come for them).
+
+        pending = PendingCheckpoints("trial-3")
+        request = pending.ask("ckpt/trial-3.pt")          # any thread; request.wait() returns the path
+        pending.serve(lambda: capture(state, position))   # the task's loop, at a step boundary
+        pending.end("finished")
+    """
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self._lock = threading.Lock()
+        self._requests: list[CheckpointRequest] = []
+        self._ended: str | None = None  # why the task trains no more
+
+    def ask(self, path: str) -> CheckpointRequest:
+        """A request for a checkpoint at ``path``, served at the task's next step boundary (or epoch end)."""
+        req = CheckpointRequest(path)
+        with self._lock:
+            ended = self._ended
+            if ended is None:
+                self._requests.append(req)
+        if ended is not None:  # asked after the last chance to serve it
+            req.finish(None, self._late(ended))
+        return req
+
+    def serve(self, data: Callable[[], dict[str, Any]]) -> None:
+        """Write ``data()`` to every waiting request's path; a failed write fails that request, not the task."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for req in requests:
+            try:
+                req.finish(save(data(), req.path), None)
+            except BaseException as exc:
+                req.finish(None, exc)
+
+    def end(self, why: str) -> None:
+        """Fail the waiting requests, and any asked from now on, saying ``why`` the task trains no more."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+            self._ended = self._ended or why
+        for req in requests:
+            req.finish(None, self._late(why))
+
+    def _late(self, why: str) -> RuntimeError:
+        return RuntimeError(f"task {self.task!r} {why} before a checkpoint could be taken")

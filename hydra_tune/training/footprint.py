@@ -19,7 +19,8 @@ What a training task holds in host memory at its peak (hydra_tune keeps every ta
   which shards there are and which offload (``footprint_of_state``: exact for that plan). Before the build
   (``estimate_footprint``) it is an upper bound over the plans the runtime may pick, since those choices
   depend on unit times the meta device cannot measure: up to twice the fewest shards the budget needs, and,
-  where the devices may offload (``keep``: today CPU devices), every stage but the last offloading.
+  where the devices may offload (``keep``: devices whose ``releases_graphs`` is set), every stage but the last
+  offloading.
 * overhead: a fixed allowance per task (``TASK_OVERHEAD``: Python objects, allocator slack, the step's
   temporaries) plus the largest parameter once more (an optimizer step's per-parameter temporaries).
 
@@ -27,10 +28,10 @@ Not counted: the task's data (the datasets and loaders it reads); device memory 
 host memory, bounded by their budgets); the build's profile, which runs one stage at a time in host memory
 (transient, at most the largest unit's peak, within the reservation of its gradients and optimizer state that
 are not allocated yet); pinned staging buffers kept by the CUDA host allocator; and memory the C allocator keeps
-after frees. The last can be large: glibc's per-thread arenas and dynamic mmap threshold kept a process training
-a 67 MB-state MLP at up to 2.1x its footprint, where with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed blocks of a
-MiB or more go back to the system) it stayed within the footprint plus the device budget (tests/test_admission.py).
-Measured admission (``host_memory=None``) sees such memory, since it samples the available memory.
+after frees. The last can be large (glibc's per-thread arenas and its dynamic mmap threshold keep freed blocks);
+with ``MALLOC_MMAP_THRESHOLD_=1048576`` freed blocks of a MiB or more go back to the system, and a process stays
+within its tasks' footprints plus the device budgets (tests/test_admission.py checks that). Measured admission
+(``host_memory=None``) sees such memory, since it samples the available memory.
 """
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map  # torch's own pytree walk: there is no public one
 
 from ..device.dispatch import UnitMode
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import extract_stages
 from ..task import ModelTask
+from .build import AUTOCAST_DTYPES, BUILD_LOCK, data_iterable
 from .profile import measure_costs
-from .state import _BUILD_LOCK, _DTYPES, _iterable
 
 if TYPE_CHECKING:
     from .state import TaskState
@@ -91,11 +92,12 @@ def estimate_footprint(task: ModelTask, budget: int | None, bandwidth: float | N
     try:
         scratch = torch.Generator().manual_seed(task.seed)
         with UnitMode(scratch):  # the data order of the task's stream is untouched (as TaskState.build does)
-            sample = next(iter(_iterable(task.train_data)), None)
+            sample = next(iter(data_iterable(task.train_data)), None)
         if sample is None:
             raise Unmeasurable("no batch")
         batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
-        costs = measure_costs(extract_stages(model, task.stages), batch, task.loss, task.seed, _DTYPES[task.precision])
+        costs = measure_costs(extract_stages(model, task.stages), batch, task.loss, task.seed,
+                              AUTOCAST_DTYPES[task.precision])
         fewest = len(partition(costs, budget, keep=False).shards)
         optimizer, measured = optimizer_state_bytes(task, model)
     except Unmeasurable:
@@ -134,7 +136,7 @@ def optimizer_state_bytes(task: ModelTask, meta_model: nn.Module) -> tuple[int, 
     """Bytes of the state ``task.optimizer`` makes for ``meta_model`` at its first step, and True; or the
     two-copies rule and False when the optimizer cannot be built or stepped on the meta device."""
     try:
-        with _BUILD_LOCK:
+        with BUILD_LOCK:
             opt = task.optimizer(meta_model)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(type(opt).__name__)
@@ -191,7 +193,7 @@ def _meta_model(task: ModelTask) -> nn.Module:
     try:
         if isinstance(task.model, nn.Module):
             return _meta_clone(task.model)
-        with _BUILD_LOCK, torch.device("meta"), UnitMode(torch.Generator().manual_seed(task.seed)):
+        with BUILD_LOCK, torch.device("meta"), UnitMode(torch.Generator().manual_seed(task.seed)):
             model = task.model()
         if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
             raise Unmeasurable(f"the factory returned {type(model).__name__} (no parameters)")

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map  # torch's own pytree walk: there is no public one
 
 from ..config import parse_bytes
 from ..policy.partition import Plan, partition
 from ..stages import extract_stages
+from .build import AUTOCAST_DTYPES
 from .profile import measure_costs
-from .state import _DTYPES
 
 
 def plan_model(model: Callable[[], nn.Module], sample_batch: Any, device_memory: int | str | None, *,
@@ -33,8 +33,9 @@ def plan_model(model: Callable[[], nn.Module], sample_batch: Any, device_memory:
     if not callable(model) or isinstance(model, nn.Module):
         raise TypeError(f"`model` is a zero-argument factory (it is built on the meta device), but got "
                         f"(model={type(model).__name__}). Fix: pass e.g. `lambda: MyModel(config)`.")
-    if precision not in _DTYPES:
-        raise ValueError(f"`precision` in {tuple(_DTYPES)}, but got (precision={precision!r}). Fix: pick one.")
+    if precision not in AUTOCAST_DTYPES:
+        raise ValueError(f"`precision` in {tuple(AUTOCAST_DTYPES)}, but got (precision={precision!r}). "
+                         "Fix: pick one.")
     with torch.device("meta"):
         built = model()
     if not isinstance(built, nn.Module):
@@ -44,5 +45,5 @@ def plan_model(model: Callable[[], nn.Module], sample_batch: Any, device_memory:
         raise ValueError(f"every parameter and buffer is built on the meta device, but got (not_meta={on_meta[:3]})."
                          " Fix: create tensors without an explicit device= in the model's constructor.")
     batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample_batch)
-    costs = measure_costs(extract_stages(built, stages), batch, loss, 0, _DTYPES[precision])
+    costs = measure_costs(extract_stages(built, stages), batch, loss, 0, AUTOCAST_DTYPES[precision])
     return partition(costs, parse_bytes(device_memory), keep=False)

@@ -13,13 +13,14 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import CpuDevice
 from ..device.rng import TaskRNG
 from ..policy.partition import StageCost
 from ..stages import ModelStages
-from .shard import ShardExec, offload_hooks
+from .residency import offload_hooks
+from .shard import ShardExec
 from .store import tree_bytes
 
 

@@ -22,7 +22,8 @@ from ..errors import HydraError, PlanError, format_bytes
 from ..policy.partition import partition
 
 if TYPE_CHECKING:
-    from .state import Segment, TaskState, Unit
+    from .segments import Segment, Unit
+    from .state import TaskState
 
 SHRINK = (0.75, 0.85, 0.95)  # a re-plan fits the task into the first of these shares of the failed plan's peak
                               # that a plan exists for

@@ -3,146 +3,36 @@
     ex = ShardExec(index=1, stages=cut.stages[2:4])
     ex.forward(device, store, rng)                       # F: store.carries[1] -> store.carries[2]
     ex.backward(device, store, rng)                      # B: recompute from store.carries[1], backward
+    last.forward_loss_backward(device, store, rng, loss_fn, scale=1)   # L: the last shard, returns the loss
 
-Device copies of the shard's parameters and buffers live in the device's ShardCache (made ahead by the copy
-thread, or left by the previous unit) and are used only while the host tensors are unchanged; the host model's
-own tensors are never touched by device code. Parameters shared by several stages get one copy per shard. A kept
-forward (``keep=True``) leaves its graph on the device so its backward needs no recompute.
+Device copies of the shard's parameters and buffers live in the device's ShardCache (residency.py: made ahead by
+the copy thread, or left by the previous unit) and are used only while the host tensors are unchanged; the host
+model's own tensors are never touched by device code. Parameters shared by several stages get one copy per
+shard. A kept forward (``keep=True``) leaves its graph on the device so its backward needs no recompute; an
+offloading one (``offload=True``) sends its saved activations to host memory until its backward.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
 from ..device.dispatch import paused_accounting
 from ..device.rng import TaskRNG
-from ..errors import rule_error
 from ..stages import Stage
+from .loss import LossFn, model_loss
+from .residency import Kept, ShardCache, offload_hooks
 from .store import HostStore
-
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def _is_float(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
-def check_loss(loss: object, where: str) -> torch.Tensor:
-    """The loss a unit backpropagates must be a real scalar tensor: say so clearly when it is not."""
-    if not isinstance(loss, torch.Tensor):
-        raise rule_error("the loss is a tensor", "return the loss tensor itself (not `.item()` or a number), or "
-                         "give the model labels so `outputs.loss` is set", kind=TypeError, source=where,
-                         type=type(loss).__name__)
-    if loss.numel() != 1 or not loss.is_floating_point():
-        raise rule_error("the loss is a floating-point scalar (numel == 1) tensor", "reduce it to one number, e.g. "
-                         "`.mean()`, and keep it floating point", source=where, shape=tuple(loss.shape),
-                         dtype=loss.dtype)
-    return loss
-
-
-def model_loss(loss_fn: LossFn | None, outputs: Any, batch: Any) -> torch.Tensor:
-    if loss_fn is not None:
-        return check_loss(loss_fn(outputs, batch), "the task's `loss`")
-    loss = getattr(outputs, "loss", None)
-    if loss is None and isinstance(outputs, dict):
-        loss = outputs.get("loss")
-    if loss is None:
-        raise rule_error("`loss` is given or the model's outputs carry `.loss`", "pass ModelTask(loss=lambda "
-                         "outputs, batch: ...) or include labels in the batch", outputs=type(outputs).__name__,
-                         loss=None)
-    return check_loss(loss, "the model's `outputs.loss`")
-
-
-class _OnHost:
-    """A saved activation moved to host memory by an offloading forward."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-def offload_hooks(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> tuple[Any, Any]:
-    """Saved-tensor hooks: parameters and buffers stay referenced (their bytes are released and refilled like a
-    kept forward's); every other saved tensor is copied to host memory now and back when the backward needs it."""
-    state = {c.untyped_storage().data_ptr() for c in copies.values()}
-
-    def pack(t: torch.Tensor) -> Any:
-        if t.untyped_storage().data_ptr() in state:
-            return t
-        with paused_accounting(mode):
-            return _OnHost(device.copier.to_host(t, wait=False))
-
-    def unpack(x: Any) -> torch.Tensor:
-        return device.copier.to_device(x.tensor) if isinstance(x, _OnHost) else x
-
-    return pack, unpack
-
-
-@dataclass
-class Kept:
-    """A forward kept on its device for the backward: outputs (with their graph), input leaves, state copies."""
-
-    out: Any
-    leaves: list[Any]
-    copies: dict[int, torch.Tensor]
-    filled: bool = False
-
-
-class ShardCache:
-    """One device's resident shard copies: left by the last unit or made ahead by the copy thread (the second
-    buffer of double buffering). A copy is used only while the host tensors it was made from are unchanged."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[int, tuple[ShardExec, tuple[tuple[int, int], ...], dict[int, torch.Tensor]]] = {}
-
-    def put(self, ex: "ShardExec", copies: dict[int, torch.Tensor]) -> None:
-        with self._lock:
-            self._entries[id(ex)] = (ex, ex.versions(), copies)
-
-    def take(self, ex: "ShardExec") -> dict[int, torch.Tensor] | None:
-        with self._lock:
-            entry = self._entries.get(id(ex))
-        if entry is None or entry[0] is not ex or entry[1] != ex.versions():
-            return None
-        return dict(entry[2])
-
-    def prefetch(self, ex: "ShardExec", device: Device) -> int:
-        if self.take(ex) is not None:
-            return 0
-        with device.copy_scope(), device.copier.deferred():
-            copies = ex.copy_in(device)
-            device.copier.finish_copies()
-        self.put(ex, copies)
-        return sum(t.numel() * t.element_size() for t in copies.values())
-
-    def drop(self, ex: "ShardExec") -> None:
-        with self._lock:
-            self._entries.pop(id(ex), None)
-
-    def retain(self, keep: Sequence["ShardExec"]) -> None:
-        """Free every resident copy except those of ``keep`` (the running unit's and the next one's)."""
-        ids = {id(ex) for ex in keep}
-        with self._lock:
-            for key in [k for k in self._entries if k not in ids]:
-                del self._entries[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 class ShardExec:
@@ -168,6 +58,7 @@ class ShardExec:
     # -- copies ---------------------------------------------------------------------------------------------
     def versions(self) -> tuple[tuple[int, int], ...]:
         """Identity and version of every host tensor: a device copy made at equal versions is still exact."""
+        # ``_version`` is torch's in-place counter of a tensor: there is no public accessor
         return tuple((t.data_ptr(), t._version) for t in self.tensors.values())
 
     def copy_in(self, device: Device) -> dict[int, torch.Tensor]:
@@ -279,7 +170,7 @@ class ShardExec:
                     device.copier.release(t)
         store.kept[self.index] = Kept(out, leaves, copies)
 
-    def refill(self, device: Device, kept: "Kept") -> int:
+    def refill(self, device: Device, kept: Kept) -> int:
         """Give a kept forward's released parameter copies their values back (the prefetch of a kept B); returns
         the bytes copied."""
         if kept.filled:
@@ -299,7 +190,8 @@ class ShardExec:
             out = self.run(carry, copies, device)
             return float(self.loss(device, loss_fn, out, store.batch).item())
 
-    def last(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None, scale: int) -> float:
+    def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
+                              scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
         with device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 
 def tree_bytes(tree: Any) -> int:
@@ -34,7 +34,7 @@ class HostStore:
         self.rng: dict[int, Any] = {}                # shard index -> RNG snapshot taken before its forward
         self.buffers: dict[int, dict[int, torch.Tensor]] = {}   # shard -> buffers as its forward saw them
         self.out_grads: dict[int, list[torch.Tensor | None]] = {}  # shard -> grads of its output leaves
-        self.kept: dict[int, Any] = {}               # shard -> shard.Kept: its forward's graph, on its device
+        self.kept: dict[int, Any] = {}               # shard -> residency.Kept: its forward's graph, on its device
         self.loss_scale: torch.Tensor | None = None  # fp16: the task's GradScaler scale for this minibatch
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host buffer -> its value before the batch
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}

@@ -1,0 +1,297 @@
+"""A task's training loop as a chain of segments: the plain PyTorch loop, cut into units that devices run.
+
+    loop = TrainingLoop(state)                            # TaskState.segments(emit) makes one, returns its chain
+    for segment in loop.segments(emit=print):             # Segment "F0 F1 L2 B1 B0"
+        for unit in segment.units: unit.run(device)
+
+The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
+stream), hand out its segment, add the minibatch's gradients, and every ``grad_accumulation`` batches clip, step
+the optimizer and the LR scheduler, and zero the gradients; at each step boundary and epoch end it serves the
+checkpoints asked; after each epoch it evaluates and emits the epoch's metrics. A resumed task repeats its epoch's
+data order from the checkpointed epoch-start RNG state and steps over the batches already trained on.
+
+Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
+``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
+memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the failed attempt has
+reached the parameters (gradients are added, and the optimizer steps, only after a segment).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
+
+from ..device.devices import Device
+from ..device.dispatch import UnitMode
+from ..errors import NonFiniteLoss, rule_error
+from ..policy.partition import Plan
+from ..task import check_batch
+from .checkpoint import Position
+from .segments import Segment, Unit, segment_key
+from .shard import ShardExec
+
+if TYPE_CHECKING:
+    from .state import TaskState
+
+_END = object()
+UnitSpec = tuple[str, ShardExec, Callable[[Device], Any], Callable[[Device], int]]  # kind, shard, run, prefetch
+
+
+@dataclass
+class _Attempt:
+    """Where the segment in flight began: the task's RNG state, the losses list and its length, and how to build
+    the segment's units again (over the task's current shards)."""
+
+    rng: Any
+    losses: list[float]
+    n_losses: int
+    rebuild: Callable[[], Segment]
+
+
+@dataclass
+class _EpochRun:
+    """One epoch's training so far: its minibatch losses, the batches a resume steps over, the samples trained
+    on (all epochs), minibatches since the last step and minibatches skipped for a non-finite loss."""
+
+    losses: list[float]
+    skip: int
+    samples: int
+    pending: int = 0
+    skipped: int = 0
+
+
+def _batch_size(batch: Any) -> int:
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+class TrainingLoop:
+    """Drives one TaskState through its epochs; ``segments`` is the chain, ``retry`` restarts its segment."""
+
+    def __init__(self, state: TaskState) -> None:
+        self.state = state
+        self.made = 0  # segments handed out (each one's index)
+        self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
+        self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
+
+    def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
+        """The task's training as segments of units; host work (step, data) runs while advancing."""
+        state, task = self.state, self.state.task
+        start = time.perf_counter()
+        samples = state.resume.samples if state.resume else 0
+        for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
+            run = yield from self._train_epoch(epoch, samples)
+            samples = run.samples
+            metrics = self._epoch_metrics(epoch, run)
+            if state.eval_iterable is not None:
+                metrics["eval_loss"] = yield from self._evaluate()
+            metrics["seconds"] = time.perf_counter() - start
+            emit(metrics)
+            if task.max_steps is not None and state.steps >= task.max_steps:
+                break
+            snap = state.rng.snapshot()
+            state.serve_checkpoints(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap))
+        state.abandon_checkpoints("finished")
+
+    def retry(self, plan: Plan) -> Segment:
+        """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
+        epoch's losses and the host buffers go back to where the segment began; the same batch runs again."""
+        attempt, state = self._attempt, self.state
+        if attempt is None:
+            raise RuntimeError(f"task {state.task.name!r} has no segment in flight to retry")
+        state.rng.restore(attempt.rng)
+        del attempt.losses[attempt.n_losses:]
+        self._skipping = False
+        state.store.reset_attempt()
+        state.reshard(plan)
+        return attempt.rebuild()
+
+    # -- one epoch's training -------------------------------------------------------------------------------
+    def _train_epoch(self, epoch: int, samples: int) -> Generator[Segment, None, _EpochRun]:
+        state, task, rng = self.state, self.state.task, self.state.rng
+        state.epoch = epoch
+        state.batch_in_epoch = state.eval_in_epoch = 0
+        run = _EpochRun(*self._resume_epoch(), samples)
+        epoch_rng = rng.cpu.get_state()
+        for batch in self._batches(state.train_iterable):
+            state.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
+            if state.batch_in_epoch <= run.skip:
+                if state.batch_in_epoch == run.skip:  # the next fetch and all after draw as they did originally
+                    self._resume_rng()
+                continue
+            yield self._train_segment(batch, run.losses)
+            if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
+                self._skipping = False
+                state.store.clear()
+                state.optimizer.zero_grad()
+                run.pending, run.skipped = 0, run.skipped + 1
+                continue
+            state.store.flush_grads()
+            state.store.clear()
+            run.samples += _batch_size(batch)
+            run.pending += 1
+            if run.pending == task.grad_accumulation:
+                self._step()
+                run.pending = 0
+                state.serve_checkpoints(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
+                                                 list(run.losses), epoch_rng, *rng.snapshot()))
+                if task.max_steps is not None and state.steps >= task.max_steps:
+                    break
+        state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
+        if run.pending:
+            self._step()
+        return run
+
+    def _resume_epoch(self) -> tuple[list[float], int]:
+        """The epoch's losses so far and the batches to step over: a resumed task's first epoch repeats its data
+        order from the epoch-start RNG state; at an epoch-start position it continues from the checkpoint now."""
+        resume = self.state.resume
+        if resume is None:
+            return [], 0
+        self.state.rng.cpu.set_state(resume.epoch_rng)
+        if resume.batch_in_epoch == 0:  # nothing to step over
+            self._resume_rng()
+        return list(resume.losses), resume.batch_in_epoch
+
+    def _resume_rng(self) -> None:
+        """Continue from the checkpoint's RNG state: the resume is done."""
+        resume, self.state.resume = self.state.resume, None
+        if resume is not None:
+            self.state.rng.restore((resume.rng, resume.accel_rng))
+
+    def _epoch_metrics(self, epoch: int, run: _EpochRun) -> dict[str, Any]:
+        state = self.state
+        metrics: dict[str, Any] = {
+            "epoch": epoch, "train_loss": sum(run.losses) / len(run.losses) if run.losses else math.nan,
+            "steps": state.steps, "samples": run.samples, "lr": state.optimizer.param_groups[0]["lr"]}
+        if state.task.nonfinite_loss == "skip_step":
+            metrics["skipped_batches"] = run.skipped
+        if state.scaler is not None:
+            metrics["loss_scale"] = state.scaler.get_scale()
+        return metrics
+
+    def _batches(self, iterable: Any) -> Iterator[Any]:
+        # Only data loading draws random numbers on the host (shuffling, workers' seeds): it alone runs in the
+        # task's RNG mode; the optimizer step and the rest of the host work run at full speed outside it.
+        rng = self.state.rng
+        with UnitMode(rng.cpu):
+            it = iter(iterable)
+        while True:
+            with UnitMode(rng.cpu):
+                batch = next(it, _END)
+            if batch is _END:
+                return
+            yield batch
+
+    # -- segments -------------------------------------------------------------------------------------------
+    def _segment(self, units: list[UnitSpec], train: bool) -> Segment:
+        self.made += 1
+        name = self.state.task.name
+        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, run, pre)
+                                              for kind, ex, run, pre in units),
+                       train, segment_key(train, self.state.store.batch))
+
+    def _begin(self, batch: Any, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
+        store = self.state.store
+        store.batch = batch
+        store.carries[0] = self.state.cut.prepare(batch)
+        self._attempt = _Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
+        return rebuild()
+
+    def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
+        state = self.state
+        check_batch(batch, state.task.name, "train_data", state.batch_in_epoch)
+        if state.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
+            state.store.loss_scale = state.scaler.scale(torch.ones((), dtype=torch.float32))
+        return self._begin(batch, losses, lambda: self._train_units(losses))
+
+    def _train_units(self, losses: list[float]) -> Segment:
+        state = self.state
+        store, rng, plan, task, execs = state.store, state.rng, state.plan, state.task, state.execs
+        last = execs[-1]
+
+        def run_last(d: Device) -> None:
+            # The loss is on the host already (metrics): checking it costs no device sync.
+            value = last.forward_loss_backward(d, store, rng, task.loss, task.grad_accumulation)
+            if math.isfinite(value) or self._nonfinite(value):
+                losses.append(value)
+
+        def pre(ex: ShardExec, kind: str) -> Callable[[Device], int]:
+            return lambda d: ex.prefetch(d, store, kind)
+
+        units: list[UnitSpec] = [
+            ("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
+                                                 offload=plan.offloads(ex.index)), pre(ex, "F"))
+            for ex in execs[:-1]]
+        units.append(("L", last, run_last, pre(last, "L")))
+        units += [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng), pre(ex, "B")) for ex in reversed(execs[:-1])]
+        return self._segment(units, True)
+
+    def _nonfinite(self, value: float) -> bool:
+        """The task's ``nonfinite_loss`` policy for a NaN/inf training loss: raise ("fail"), drop the minibatch
+        ("skip_step", False) or keep it (True)."""
+        state = self.state
+        policy = state.task.nonfinite_loss
+        if policy == "fail":
+            fix = ("lower the learning rate, clip gradients (grad_clip_norm=1.0), check that batch for inf/NaN "
+                   "inputs or labels that are all ignored (-100)")
+            if state.task.precision == "fp16":
+                fix += ", use precision='bf16' (fp16 overflows above 65504) or leave nonfinite_loss=None"
+            raise rule_error("the training loss is finite (nonfinite_loss='fail')", fix + ", or pass "
+                             "nonfinite_loss='skip_step' to drop such batches ('ignore' trains on them)",
+                             kind=NonFiniteLoss, task=state.task.name, epoch=state.epoch,
+                             batch_in_epoch=state.batch_in_epoch, steps_done=state.steps, loss=value)
+        self._skipping = policy == "skip_step"
+        return not self._skipping
+
+    # -- the optimizer step and evaluation ------------------------------------------------------------------
+    def _step(self) -> None:
+        state = self.state
+        state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+        scaler, optimizer = state.scaler, state.optimizer
+        if state.task.grad_clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
+            scaler.update()
+        else:
+            optimizer.step()
+        if state.scheduler is not None:
+            state.scheduler.step()
+        optimizer.zero_grad()
+        state.steps += 1
+
+    def _evaluate(self) -> Generator[Segment, None, float]:
+        state = self.state
+        state.model.eval()
+        losses: list[float] = []
+        n = 0
+        try:
+            for batch in self._batches(state.eval_iterable):
+                check_batch(batch, state.task.name, "eval_data", state.eval_in_epoch + 1)
+                state.eval_in_epoch += 1
+                yield self._begin(batch, losses, lambda: self._eval_units(losses))
+                state.store.clear()
+                n += 1
+        finally:
+            state.model.train()
+        state.eval_batches = n
+        return sum(losses) / max(len(losses), 1)
+
+    def _eval_units(self, losses: list[float]) -> Segment:
+        state = self.state
+        store, rng, last, loss_fn = state.store, state.rng, state.execs[-1], state.task.loss
+        units: list[UnitSpec] = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False),
+                                  lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in state.execs[:-1]]
+        units.append(("E", last, lambda d: losses.append(last.evaluate(d, store, rng, loss_fn)),
+                      lambda d: last.prefetch(d, store, "E")))
+        return self._segment(units, False)

@@ -1,0 +1,44 @@
+"""The loss a training unit backpropagates: the task's ``loss(outputs, batch)``, else the model's ``outputs.loss``.
+
+    loss = model_loss(task.loss, outputs, batch)         # a floating-point scalar tensor, or a clear error
+
+Rule: the loss is a floating-point tensor with one element (not ``.item()``, not a number), so that it can be
+scaled and backpropagated like the plain loop's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import rule_error
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def check_loss(loss: object, where: str) -> torch.Tensor:
+    """``loss`` when it is a floating-point scalar tensor; else the rule it breaks, naming ``where`` it came from."""
+    if not isinstance(loss, torch.Tensor):
+        raise rule_error("the loss is a tensor", "return the loss tensor itself (not `.item()` or a number), or "
+                         "give the model labels so `outputs.loss` is set", kind=TypeError, source=where,
+                         type=type(loss).__name__)
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise rule_error("the loss is a floating-point scalar (numel == 1) tensor", "reduce it to one number, e.g. "
+                         "`.mean()`, and keep it floating point", source=where, shape=tuple(loss.shape),
+                         dtype=loss.dtype)
+    return loss
+
+
+def model_loss(loss_fn: LossFn | None, outputs: Any, batch: Any) -> torch.Tensor:
+    """``loss_fn(outputs, batch)`` when the task gives one, else the outputs' ``loss`` (attribute or dict key)."""
+    if loss_fn is not None:
+        return check_loss(loss_fn(outputs, batch), "the task's `loss`")
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if loss is None:
+        raise rule_error("`loss` is given or the model's outputs carry `.loss`", "pass ModelTask(loss=lambda "
+                         "outputs, batch: ...) or include labels in the batch", outputs=type(outputs).__name__,
+                         loss=None)
+    return check_loss(loss, "the model's `outputs.loss`")

@@ -1,0 +1,111 @@
+"""What of a shard stays on a device between units, and what a forward sends to host memory instead.
+
+    device.resident = ShardCache()                       # one per device: shard copies left or made ahead
+    device.resident.prefetch(ex, device)                 # the copy thread copies ``ex``'s shard in early
+    store.kept[i] = Kept(out, leaves, copies)            # a kept forward's graph, waiting for its B unit
+    pack, unpack = offload_hooks(device, copies, mode)   # an offloading forward's saved activations go to host
+
+Rules: a resident copy is used only while the host tensors it was made from are unchanged (identity and version
+of each); a kept forward's parameter bytes are released after the forward and refilled for its backward; an
+offloading forward keeps parameters and buffers referenced (released and refilled like a kept one's) and copies
+every other saved tensor to host memory, back to the device when the backward unpacks it.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..device.devices import Device
+from ..device.dispatch import paused_accounting
+
+if TYPE_CHECKING:
+    from .shard import ShardExec
+
+
+@dataclass
+class Kept:
+    """A forward kept on its device for the backward: outputs (with their graph), input leaves, state copies."""
+
+    out: Any
+    leaves: list[Any]
+    copies: dict[int, torch.Tensor]
+    filled: bool = False
+
+
+class ShardCache:
+    """One device's resident shard copies: left by the last unit or made ahead by the copy thread (the second
+    buffer of double buffering). A copy is used only while the host tensors it was made from are unchanged."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[ShardExec, tuple[tuple[int, int], ...], dict[int, torch.Tensor]]] = {}
+
+    def put(self, ex: ShardExec, copies: dict[int, torch.Tensor]) -> None:
+        with self._lock:
+            self._entries[id(ex)] = (ex, ex.versions(), copies)
+
+    def take(self, ex: ShardExec) -> dict[int, torch.Tensor] | None:
+        """The resident copies of ``ex``'s shard while still exact, else None."""
+        with self._lock:
+            entry = self._entries.get(id(ex))
+        if entry is None or entry[0] is not ex or entry[1] != ex.versions():
+            return None
+        return dict(entry[2])
+
+    def prefetch(self, ex: ShardExec, device: Device) -> int:
+        """Copy ``ex``'s shard onto ``device`` unless it is resident already; returns the bytes copied."""
+        if self.take(ex) is not None:
+            return 0
+        with device.copy_scope(), device.copier.deferred():
+            copies = ex.copy_in(device)
+            device.copier.finish_copies()
+        self.put(ex, copies)
+        return sum(t.numel() * t.element_size() for t in copies.values())
+
+    def drop(self, ex: ShardExec) -> None:
+        with self._lock:
+            self._entries.pop(id(ex), None)
+
+    def retain(self, keep: Sequence[ShardExec]) -> None:
+        """Free every resident copy except those of ``keep`` (the running unit's and the next one's)."""
+        ids = {id(ex) for ex in keep}
+        with self._lock:
+            for key in [k for k in self._entries if k not in ids]:
+                del self._entries[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _OnHost:
+    """A saved activation moved to host memory by an offloading forward."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def offload_hooks(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> tuple[Any, Any]:
+    """Saved-tensor hooks: parameters and buffers stay referenced (their bytes are released and refilled like a
+    kept forward's); every other saved tensor is copied to host memory now and back when the backward needs it."""
+    state = {c.untyped_storage().data_ptr() for c in copies.values()}
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in state:
+            return t
+        with paused_accounting(mode):
+            return _OnHost(device.copier.to_host(t, wait=False))
+
+    def unpack(x: Any) -> torch.Tensor:
+        return device.copier.to_device(x.tensor) if isinstance(x, _OnHost) else x
+
+    return pack, unpack
