@@ -78,6 +78,7 @@ _seeded_ops: dict[Any, bool] = {}
 def _uses_generator(func: Any) -> bool:
     known = _generator_arg.get(func)
     if known is None:
+        # an OpOverload's schema (torch has no public accessor): does the op take a `generator` argument?
         known = _generator_arg[func] = any(a.name == "generator" for a in func._schema.arguments)
     return known
 

@@ -5,10 +5,10 @@ is rejected; a thread of the gate's own starts waiting tasks, first come first s
     handle, footprint, state = gate.submit(task)   # handle: the task waits for memory (None: admitted, start it)
     gate.release(name)                             # an admitted task ended: its footprint is free again
 
-The rules are admission.py's; the footprints footprint.py's. At submit, the task's parameters, gradients and
-optimizer state are measured on the meta device (no forward: cheap). If that fits what is free and nobody waits,
-that much is reserved, the task is built here as before (the build allocates only its parameters, and measures
-and plans it), and its own plan adds the activations: it is admitted if the total still fits. Otherwise (it
+The rules are policy/admission.py's; the footprints training/footprint.py's. At submit, the task's parameters,
+gradients and optimizer state are measured on the meta device (no forward: cheap). If that fits what is free and
+nobody waits, that much is reserved, the task is built in the caller (the build allocates only its parameters,
+and measures and plans it), and its own plan adds the activations: it is admitted if the total still fits. Otherwise (it
 does not fit, others wait, or its activations tipped it over) its activations are bounded on the meta device
 too, and it waits unbuilt, or is rejected when it could never fit. (A task whose model cannot be built on the
 meta device is built at submit to be measured, and waits built.)
