@@ -44,9 +44,14 @@ def _module_file(name: str) -> pathlib.Path:
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
-def _imports(name: str) -> set[str]:
-    """Absolute names of every module ``name``'s source imports, at any depth (inside functions too)."""
+def _imports(name: str, with_typing: bool = True) -> set[str]:
+    """Absolute names of every module ``name``'s source imports, at any depth (inside functions too); without
+    ``with_typing``, less the ``if TYPE_CHECKING:`` blocks (what only a type checker reads)."""
     tree = ast.parse(_module_file(name).read_text())
+    if not with_typing:
+        for block in ast.walk(tree):
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test):
+                block.body = []
     package = name if _module_file(name).name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -104,28 +109,12 @@ def test_only_device_modules_touch_torch_cuda():
     assert not bad, f"torch.cuda outside hydra_tune/device/: {bad}"
 
 
-def _runtime_imports(name: str) -> set[str]:
-    """``_imports`` less what only a type checker reads (``if TYPE_CHECKING:`` blocks)."""
-    tree = ast.parse(_module_file(name).read_text())
-    typed = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-             for stmt in block.body for n in ast.walk(stmt)}
-    return _imports(name) - {_name_of(n, name) for n in ast.walk(tree) if id(n) in typed} if typed else _imports(name)
-
-
-def _name_of(node: ast.AST, name: str) -> str:
-    if isinstance(node, ast.ImportFrom):
-        package = name if _module_file(name).name == "__init__.py" else name.rpartition(".")[0]
-        base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-        return ".".join(p for p in (base, node.module) if p)
-    return ""
-
-
 def test_the_package_import_graph_has_no_cycles():
     """No hydra_tune module imports, directly or through others, a module that imports it back: the layers import
     downwards only. Function-level imports count; type-checking-only imports do not."""
     files = sorted((ROOT / "hydra_tune").rglob("*.py"))
     modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in files}
-    graph = {m: {i for i in _runtime_imports(m) if i in modules and i != m} for m in modules}
+    graph = {m: {i for i in _imports(m, with_typing=False) if i in modules and i != m} for m in modules}
     assert len(graph) > 40 and graph["hydra_tune.runtime.runtime"]
     state: dict[str, int] = {}   # 1: on the current path, 2: done
     path: list[str] = []
