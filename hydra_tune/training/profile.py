@@ -4,21 +4,32 @@
     plan = partition(costs, budget)
 
 Each stage runs on a private CPU stand-in device whose accounting counts every storage the stage creates: once
-without autograd, once with autograd and backward. The host model is untouched (device copies of parameters and
-buffers, a scratch RNG stream). Errors in the model, the batch or the loss surface here, before training.
+without autograd, once with autograd and backward. Errors in the model, the batch or the loss surface here, before
+training.
+
+Rules: profiling has no effect the user can see. The stages run as deep copies of their modules (Python
+attributes, plain tensor attributes and hook objects copied; parameters and buffers shared with the model but
+never written: every forward runs over device copies of them, as training does), the Python state the copies
+share with the model (hook closures) is put back afterwards, random draws come from a scratch stream, and
+modes and ``.grad`` stay as they were. A model that cannot be deep-copied is profiled itself, its Python state
+put back, with a warning naming what could not be.
 """
 from __future__ import annotations
 
+import copy
 import time
+import warnings
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import CpuDevice
 from ..device.rng import TaskRNG
 from ..policy.partition import StageCost
-from ..stages import ModelStages
+from ..stages import ModelStages, Stage
+from .pystate import ModuleState
 from .residency import offload_hooks
 from .shard import ShardExec
 from .store import tree_bytes
@@ -88,9 +99,39 @@ def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int =
     dev = CpuDevice("profile", None)
     rng = TaskRNG(seed)
     carry = cut.prepare(batch)
+    stages = _scratch_stages(cut.stages)
+    before = ModuleState.take(m for s in stages for m in s.module.modules())
     costs = []
-    for k, stage in enumerate(cut.stages):
-        ex = ShardExec(k, [stage], autocast)
-        cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(cut.stages) - 1, rng)
-        costs.append(cost)
+    try:
+        for k, stage in enumerate(stages):
+            ex = ShardExec(k, [stage], autocast)
+            cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng)
+            costs.append(cost)
+    finally:
+        lost = before.inplace()
+        before.restore()
+    if lost and stages is cut.stages:
+        warnings.warn(f"hydra_tune's cost profile changed tensor attributes of the model in place: {lost} (they "
+                      "are not buffers, so it could not copy them). Register them as buffers or assign new tensors "
+                      "in forward.", RuntimeWarning, stacklevel=3)
     return costs
+
+
+def _scratch_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """Deep copies of ``stages`` (one copy: modules shared between stages stay shared) whose parameters and
+    buffers are the model's own tensors; the stages themselves, with a warning, when they cannot be copied."""
+    memo: dict[int, Any] = {}
+    for stage in stages:
+        for m in stage.module.modules():
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                memo[id(t)] = t
+            for v in m.__dict__.values():  # a weight computed by a hook (weight_norm) is not a graph leaf
+                if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and not v.is_leaf:
+                    memo[id(v)] = v.detach().clone()
+    try:
+        return tuple(Stage(s.name, m) for s, m in zip(stages, copy.deepcopy([s.module for s in stages], memo)))
+    except Exception as exc:  # noqa: BLE001  (any object deepcopy refuses)
+        warnings.warn(f"hydra_tune profiles the model's own modules: they cannot be deep-copied ({type(exc).__name__}: "
+                      f"{exc}); their Python attributes are put back afterwards, nested objects are not.",
+                      RuntimeWarning, stacklevel=3)
+        return stages

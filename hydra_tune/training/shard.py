@@ -10,11 +10,18 @@ the copy thread, or left by the previous unit) and are used only while the host 
 model's own tensors are never touched by device code. Parameters shared by several stages get one copy per
 shard. A kept forward (``keep=True``) leaves its graph on the device so its backward needs no recompute; an
 offloading one (``offload=True``) sends its saved activations to host memory until its backward.
+
+Rules for what a forward changes besides its output, so that each change happens once per forward as in the plain
+loop: buffers changed in place (BatchNorm's statistics) or assigned a new tensor (``self.ema = 0.9 * self.ema +
+...``) are written back to the host model after every forward unit (F, L, E), the values they had before kept
+for a recomputing B unit and for a retry (``HostStore.reset_attempt``); an assigned buffer keeps its shape and
+dtype. Python state (pystate.py: attributes, hook closures) is taken before every unit: a recomputing B unit
+replays its forward from the state the F unit saw and puts back the state after it, and a retry undoes it.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,8 +32,10 @@ from torch.utils._pytree import tree_flatten, tree_map  # torch's own pytree wal
 from ..device.devices import Device
 from ..device.dispatch import paused_accounting
 from ..device.rng import TaskRNG
+from ..errors import rule_error
 from ..stages import Stage
 from .loss import LossFn, model_loss
+from .pystate import ModuleState
 from .residency import Kept, ShardCache, offload_hooks
 from .store import HostStore
 
@@ -54,6 +63,7 @@ class ShardExec:
         self.tensors = tensors
         self.params = [t for t in tensors.values() if isinstance(t, nn.Parameter)]
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
+        self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
 
     # -- copies ---------------------------------------------------------------------------------------------
     def versions(self) -> tuple[tuple[int, int], ...]:
@@ -78,7 +88,7 @@ class ShardExec:
                 for key, value in buffers.items():
                     copies[key] = device.copier.to_device(value)
             elif resident is not None:
-                resident.put(self, copies)
+                resident.put(self, dict(copies))  # ``run`` rebinds buffers a forward assigns in ``copies``
         if grad:
             copies = {key: c.detach().requires_grad_(True)
                       if isinstance(self.tensors[key], nn.Parameter) and self.tensors[key].requires_grad else c
@@ -92,11 +102,28 @@ class ShardExec:
         return torch.autocast(device.torch_device.type, dtype=self.autocast)
 
     def run(self, carry: Any, copies: dict[int, torch.Tensor], device: Device) -> Any:
+        """The shard's forward over ``copies``; a buffer the forward assigns a new tensor (functional_call hands
+        it back in ``state``) replaces its copy in ``copies``, for the next stage and the write-back."""
         with self.precision(device):
             for stage, binding in zip(self.stages, self._bindings):
                 state = {name: copies[key] for name, key in binding}
+                given = dict(state)
                 carry = functional_call(stage.module, state, (carry,), tie_weights=False, strict=False)
+                for name, key in binding:
+                    if state[name] is not given[name]:
+                        copies[key] = self._assigned(stage.name, name, self.tensors[key], state[name])
         return carry
+
+    @staticmethod
+    def _assigned(stage: str, name: str, host: torch.Tensor, new: Any) -> torch.Tensor:
+        """A buffer's new tensor, checked: written back in place, it must have the buffer's shape and dtype."""
+        if isinstance(new, torch.Tensor) and new.shape == host.shape and new.dtype == host.dtype:
+            return new
+        got = f"{type(new).__name__}" if not isinstance(new, torch.Tensor) else f"{new.dtype} {tuple(new.shape)}"
+        raise rule_error("a buffer that forward assigns a new tensor keeps its shape and dtype (hydra_tune writes "
+                         "it back into the model's own buffer)", "assign a tensor of the buffer's shape and dtype "
+                         "(cast with .to(buffer.dtype)), or keep such state in a plain attribute (not a buffer)",
+                         buffer=f"{stage}: {name}", was=f"{host.dtype} {tuple(host.shape)}", assigned=got)
 
     def loss(self, device: Device, loss_fn: LossFn | None, out: Any, batch: Any) -> torch.Tensor:
         with self.precision(device):
@@ -104,9 +131,10 @@ class ShardExec:
 
     def _write_back_buffers(self, copies: dict[int, torch.Tensor], device: Device, store: HostStore,
                             mode: Any, recompute: bool = False) -> None:
-        """Buffers the forward changed in place (BatchNorm statistics) go back to the host model; their values
-        before the minibatch stay in ``store.undo`` (a retried segment starts from them), and with ``recompute``
-        the values this forward saw stay for its B unit's recompute."""
+        """Buffers the forward changed (in place, like BatchNorm's statistics, or assigned a new tensor) go back
+        into the host model's own buffers; their values before the minibatch stay in ``store.undo`` (a retried
+        segment starts from them), and with ``recompute`` the values this forward saw stay for its B unit's
+        recompute."""
         if not self.buffers:
             return
         with paused_accounting(mode):
@@ -123,27 +151,63 @@ class ShardExec:
             for k in changed:
                 self.buffers[k].copy_(back[k])
 
+    @contextlib.contextmanager
+    def _python_state(self, store: HostStore, replay: bool = False) -> Iterator[None]:
+        """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo; with
+        ``replay`` (an F unit whose B recomputes) the state it started from is kept for that recompute."""
+        before = ModuleState.take(self.modules)
+        try:
+            yield
+        finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
+            changed = before.changed()
+            if changed:
+                store.note_state(before)
+        if replay and changed:
+            lost = before.inplace()
+            if lost:
+                raise rule_error(
+                    "a shard whose backward recomputes its forward has a forward that changes no tensor attribute "
+                    "in place (the recompute needs its old value, which is gone)", "register such a tensor as a "
+                    "buffer (self.register_buffer(name, t): buffers are kept and written back exactly), or assign "
+                    "a new tensor (self.t = self.t + x) instead of changing it in place", attributes=lost,
+                    shard=list(self.names))
+            store.states[self.index] = before
+
+    @contextlib.contextmanager
+    def _replaying(self, before: ModuleState | None) -> Iterator[None]:
+        """A recompute runs from the Python state its F unit started from; the state after it is put back."""
+        if before is None:
+            yield
+            return
+        now = ModuleState.take(self.modules)
+        before.restore()
+        try:
+            yield
+        finally:
+            now.restore()
+
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
                 offload: bool = False) -> None:
         """F: the output carry becomes the next shard's input in host memory. Plain: no autograd (B recomputes).
         ``keep``: the graph stays on the device, parameter bytes released until B refills them. ``offload``: as
-        ``keep``, but the saved activations are moved to host memory as they are made (B brings them back)."""
+        ``keep``, but the saved activations are moved to host memory as they are made (B brings them back).
+        ``train=False``: an eval forward (E)."""
         if train:
             store.rng[self.index] = rng.snapshot()
-        if keep or offload:
-            self._forward_keep(device, store, rng, offload)
-            return
-        with device.unit_scope(rng) as mode, torch.no_grad():
-            copies = self.load(device, grad=False)
-            carry = self.to_device(device, store.carries[self.index])
-            out = self.run(carry, copies, device)
-            if train:
-                self._write_back_buffers(copies, device, store, mode, recompute=True)
-            with paused_accounting(mode):
-                store.carries[self.index + 1] = tree_map(
-                    lambda t: device.copier.to_host(t) if isinstance(t, torch.Tensor) else t, out)
-            del copies, carry, out
+        with self._python_state(store, replay=train and not (keep or offload)):
+            if keep or offload:
+                self._forward_keep(device, store, rng, offload)
+                return
+            with device.unit_scope(rng) as mode, torch.no_grad():
+                copies = self.load(device, grad=False)
+                carry = self.to_device(device, store.carries[self.index])
+                out = self.run(carry, copies, device)
+                self._write_back_buffers(copies, device, store, mode, recompute=train)
+                with paused_accounting(mode):
+                    store.carries[self.index + 1] = tree_map(
+                        lambda t: device.copier.to_host(t) if isinstance(t, torch.Tensor) else t, out)
+                del copies, carry, out
 
     def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG, offload: bool) -> None:
         with device.unit_scope(rng) as mode:
@@ -184,16 +248,17 @@ class ShardExec:
 
     def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None) -> float:
         """The last shard in eval: forward and loss, no autograd; returns the loss value."""
-        with device.unit_scope(rng), torch.no_grad():
+        with self._python_state(store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index])
             out = self.run(carry, copies, device)
+            self._write_back_buffers(copies, device, store, mode)
             return float(self.loss(device, loss_fn, out, store.batch).item())
 
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
-        with device.unit_scope(rng) as mode:
+        with self._python_state(store), device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             out = self.run(carry, copies, device)
@@ -209,21 +274,23 @@ class ShardExec:
 
     def backward(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
         """B: backward through the kept graph, or recompute the forward from the saved input with the saved RNG
-        state, then backward."""
+        state, buffers and Python state (as its F unit ran it), then backward."""
         kept = store.kept.pop(self.index, None)
         snap = store.rng.pop(self.index)
-        if kept is not None:
-            with device.unit_scope(rng) as mode:
-                self.refill(device, kept)
-                self._backward_from(device, store, kept.out, kept.copies, kept.leaves, mode)
-            return
-        replay = rng.fork()
-        replay.restore(snap)
-        with device.unit_scope(replay) as mode:
-            copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
-            carry, leaves = self.grad_inputs(device, store.carries[self.index])
-            out = self.run(carry, copies, device)
-            self._backward_from(device, store, out, copies, leaves, mode)
+        with self._python_state(store):  # backward hooks may keep state too
+            if kept is not None:
+                with device.unit_scope(rng) as mode:
+                    self.refill(device, kept)
+                    self._backward_from(device, store, kept.out, kept.copies, kept.leaves, mode)
+                return
+            replay = rng.fork()
+            replay.restore(snap)
+            with device.unit_scope(replay) as mode:
+                copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
+                carry, leaves = self.grad_inputs(device, store.carries[self.index])
+                with self._replaying(store.states.pop(self.index, None)):
+                    out = self.run(carry, copies, device)
+                self._backward_from(device, store, out, copies, leaves, mode)
 
     def _backward_from(self, device: Device, store: HostStore, out: Any, copies: dict[int, torch.Tensor],
                        leaves: list[Any], mode: Any) -> None:

@@ -5,7 +5,8 @@
     store.add_grad(param, g); store.flush_grads()   # param.grad gets what autograd would have given it
 
 Parameters, their ``.grad`` and the optimizer state live in the task's own model and optimizer (host memory);
-this store only holds what one minibatch needs while its units run.
+this store only holds what one minibatch needs while its units run, and what its forwards changed besides
+(buffers, Python state) as it was before them, so that a retried minibatch starts from there.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
+
+from ..errors import rule_error
 
 
 def tree_bytes(tree: Any) -> int:
@@ -37,6 +40,9 @@ class HostStore:
         self.kept: dict[int, Any] = {}               # shard -> residency.Kept: its forward's graph, on its device
         self.loss_scale: torch.Tensor | None = None  # fp16: the task's GradScaler scale for this minibatch
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host buffer -> its value before the batch
+        self.states: dict[int, Any] = {}             # shard -> pystate.ModuleState its F unit started from
+        self._state_undo: list[Any] = []             # ModuleStates before the units that changed Python state
+        self._lost: list[str] = []                   # tensor attributes changed in place (a retry cannot undo)
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -56,9 +62,24 @@ class HostStore:
                 param.grad.add_(grad)
         self._pending.clear()
 
+    def note_state(self, before: Any) -> None:
+        """``before`` (a pystate.ModuleState) was taken ahead of a unit that changed Python state: a retry puts it
+        back."""
+        self._state_undo.append(before)
+        self._lost += before.inplace()
+
     def reset_attempt(self) -> None:
         """Forget what a failed attempt at the minibatch left (kept graphs, carries past the first, gradients in
-        flight) and put changed host buffers back; the batch, its prepared input and loss scale stay."""
+        flight) and put changed host buffers and Python state back; the batch, its prepared input and loss scale
+        stay. Raises when a forward changed a tensor attribute in place: the retry would change it twice."""
+        if self._lost:
+            raise rule_error(
+                "a minibatch retried after a device out-of-memory starts from the state it began with, so its "
+                "forwards change no tensor attribute in place (its old value is gone)", "register such a tensor "
+                "as a buffer (self.register_buffer(name, t): buffers are restored exactly), or assign a new "
+                "tensor (self.t = self.t + x) instead of changing it in place", attributes=sorted(set(self._lost)))
+        for before in reversed(self._state_undo):  # the earliest snapshot of a module is put back last
+            before.restore()
         for host, old in self.undo.values():
             host.copy_(old)
         first = self.carries.get(0)
@@ -70,6 +91,9 @@ class HostStore:
     def clear(self) -> None:
         self.batch = None
         self.undo.clear()
+        self.states.clear()
+        self._state_undo.clear()
+        self._lost.clear()
         self.carries.clear()
         self.rng.clear()
         self.buffers.clear()
