@@ -6,6 +6,7 @@ footprint estimate) changes nothing of the user's objects."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import Any
 
@@ -112,7 +113,7 @@ def plain(task: ht.ModelTask) -> nn.Module:
 def python_state(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, m in model.named_modules():
-        if isinstance(m, Annealed):
+        if isinstance(m, Annealed):  # and _Locked
             out[name] = (m.calls, list(m.seen))
         if hasattr(m, "hook_calls"):
             out[name] = m.hook_calls()
@@ -128,10 +129,20 @@ def assert_same_state(expected: nn.Module, got: nn.Module) -> None:
     assert python_state(expected) == python_state(got)
 
 
-def run_forced(task: ht.ModelTask, budget: int, mode: str) -> TaskState:
-    """Build ``task`` for ``budget`` and run all its segments on one CPU device with every shard but the last in
-    ``mode`` (recompute, keep or offload)."""
-    state = TaskState.build(task, budget)
+def smallest_plan(task: ht.ModelTask) -> TaskState:
+    """``task`` built for the tightest budget that plans it (the most shards)."""
+    for budget in range(20_000, 200_000, 4_000):
+        try:
+            return TaskState.build(task, budget)
+        except ht.PlanError:
+            continue
+    raise AssertionError("no budget up to 200 KB plans this model")
+
+
+def run_forced(task: ht.ModelTask, mode: str) -> TaskState:
+    """Build ``task`` for the tightest budget and run all its segments on one CPU device with every shard but the
+    last in ``mode`` (recompute, keep or offload)."""
+    state = smallest_plan(task)
     k = len(state.execs)
     assert k >= 3, state.plan
     flags = tuple(i < k - 1 for i in range(k))
@@ -143,6 +154,7 @@ def run_forced(task: ht.ModelTask, budget: int, mode: str) -> TaskState:
         for unit in seg.units:
             unit.run(device)
     device.resident.clear()
+    assert device.account.current == 0, "the model holds device tensors after training (attributes)"
     return state
 
 
@@ -160,7 +172,7 @@ def test_unsharded_with_eval_matches_plain():
 @pytest.mark.parametrize("mode", ["recompute", "keep", "offload"])
 def test_sharded_each_backward_mode_with_eval_matches_plain(mode):
     task = _task(eval_data=_data(2, 9))
-    state = run_forced(task, SHARDED, mode)
+    state = run_forced(task, mode)
     last = state.execs[-1].names
     assert not {"1:EmaCount", "3:Annealed", "4:BatchNorm1d", "6:Linear"} & set(last), last  # all in F/B shards
     assert_same_state(plain(task), state.model)
@@ -216,3 +228,165 @@ def test_submit_and_footprint_leave_the_users_model_as_it_was():
     assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("6."))
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training and all(m.training for m in model.modules())
+
+
+# -- state kept outside parameters and buffers: which is exact, which is refused -------------------------------
+class _CountingHook:
+    """A forward pre-hook object with a counter scaling the input."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        self.n += 1
+        return (args[0] * (1.0 + 0.01 * self.n),)
+
+
+class _Schedule:
+    step = 0
+
+
+class TensorAttr(nn.Module):
+    """A tensor attribute that is not a buffer, an EMA of the input: assigned anew (``rebind``) or changed in
+    place (``inplace``); and a plain schedule object stepped by forward."""
+
+    def __init__(self, n: int, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.how = how
+        self.t = torch.zeros(n)
+        self.schedule = _Schedule()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.schedule.step += 1
+            if self.how == "rebind":
+                self.t = 0.9 * self.t + 0.1 * x.detach().mean(0)
+            else:
+                self.t.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.lin(x + self.t) / (1.0 + 0.1 * self.schedule.step)
+
+
+def _hook_object() -> nn.Module:
+    lin = nn.Linear(32, 32)
+    lin.register_forward_pre_hook(_CountingHook())
+    return lin
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return (w + w.T) / 2
+
+
+def _custom_parametrization() -> nn.Module:
+    lin = nn.Linear(32, 32)
+    torch.nn.utils.parametrize.register_parametrization(lin, "weight", _Symmetric())
+    return lin
+
+
+def _old_weight_norm() -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated by torch, still used
+        return nn.utils.weight_norm(nn.Linear(32, 32))
+
+
+MIDDLES = {
+    "parametrizations.weight_norm": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(32, 32)),
+    "parametrizations.spectral_norm": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(32, 32)),
+    "register_parametrization": _custom_parametrization,
+    "weight_norm hook": _old_weight_norm,
+    "spectral_norm hook": lambda: nn.utils.spectral_norm(nn.Linear(32, 32)),
+    "hook object": _hook_object,
+    "tensor attribute assigned": lambda: TensorAttr(32, "rebind"),
+}
+
+
+def _around(middle: Any) -> Any:
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), middle(), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(),
+                             nn.Linear(32, 4))
+
+    return factory
+
+
+@pytest.mark.parametrize("mode", ["unsharded", "recompute", "keep", "offload"])
+@pytest.mark.parametrize("middle", sorted(MIDDLES))
+def test_state_outside_parameters_and_buffers_matches_plain(middle, mode):
+    task = _task(_around(MIDDLES[middle]), eval_data=_data(1, 9))
+    if mode == "unsharded":
+        with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+            got = rt.submit(task).model()
+    else:
+        got = run_forced(task, mode).model
+    expected = plain(task)
+    assert_same_state(expected, got)
+    if isinstance(expected[2], TensorAttr):
+        assert torch.equal(expected[2].t, got[2].t) and got[2].schedule.step == 8
+    if middle == "hook object":
+        assert [h.n for h in got[2]._forward_pre_hooks.values()] == [8 + 2]  # 4 batches x 2 epochs, 2 evals
+
+
+def test_tensor_attribute_changed_in_place_trains_exactly_without_recompute_and_is_refused_with_it():
+    task = _task(_around(lambda: TensorAttr(32, "inplace")))
+    got = run_forced(task, "keep").model
+    expected = plain(task)
+    assert_same_state(expected, got)
+    assert torch.equal(expected[2].t, got[2].t)
+    with pytest.raises(ValueError, match=r"changes no tensor attribute in place.*attributes=\['TensorAttr\.t'\]"
+                                         r".*Fix: register such a tensor as a buffer"):
+        run_forced(_task(_around(lambda: TensorAttr(32, "inplace"))), "recompute")
+
+
+def test_tensor_attribute_changed_in_place_fails_a_retried_minibatch_visibly():
+    task = _task(_around(lambda: TensorAttr(32, "inplace")))
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h = rt.submit(task)
+        rt.devices[0].limit_memory(int(0.5 * rt.stats()["tasks"][task.name]["predicted_peak"]))
+        with pytest.raises(ValueError, match=r"retried after a device out-of-memory.*TensorAttr\.t"):
+            h.result()
+
+
+class _Widening(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+        self.how = how
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + 0.5 if self.how == "dtype" else self.count.expand(2) + 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("how,assigned", [("dtype", "torch.float32 ()"), ("shape", "torch.int64 (2,)")])
+def test_buffer_assigned_another_dtype_or_shape_is_refused_at_submit(how, assigned):
+    task = _task(lambda: nn.Sequential(_Widening(how)))
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        with pytest.raises(ValueError, match=re.escape(
+                f"(buffer='count', stage='0:_Widening', was='torch.int64 ()', assigned='{assigned}'). Fix: assign")):
+            rt.submit(task)
+
+
+class _Locked(Annealed):
+    """Holds an object deepcopy refuses (a lock): the profile runs the module itself and puts its state back."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        import threading
+
+        self.lock = threading.Lock()
+
+
+def test_a_model_that_cannot_be_copied_is_profiled_itself_with_a_warning_and_its_state_put_back():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _Locked(32), nn.Linear(32, 4))
+    task = _task(model)
+    with pytest.warns(RuntimeWarning, match=r"profiles the model's own modules: they cannot be deep-copied"):
+        TaskState.build(task, None)
+    assert (model[2].calls, model[2].seen) == (0, [])
+    task = _task(lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _Locked(32), nn.Linear(32, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+            got = rt.submit(task).model()
+    assert_same_state(plain(task), got)
+    assert got[2].calls == 8

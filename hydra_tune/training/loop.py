@@ -102,7 +102,9 @@ class TrainingLoop:
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
-        epoch's losses and the host buffers go back to where the segment began; the same batch runs again."""
+        epoch's losses, the host buffers and the modules' Python state go back to where the segment began
+        (``HostStore.reset_attempt``, which refuses when a forward changed a tensor attribute in place); the same
+        batch runs again."""
         attempt, state = self._attempt, self.state
         if attempt is None:
             raise RuntimeError(f"task {state.task.name!r} has no segment in flight to retry")

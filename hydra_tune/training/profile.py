@@ -131,7 +131,7 @@ def _scratch_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
     try:
         return tuple(Stage(s.name, m) for s, m in zip(stages, copy.deepcopy([s.module for s in stages], memo)))
     except Exception as exc:  # noqa: BLE001  (any object deepcopy refuses)
-        warnings.warn(f"hydra_tune profiles the model's own modules: they cannot be deep-copied ({type(exc).__name__}: "
-                      f"{exc}); their Python attributes are put back afterwards, nested objects are not.",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"hydra_tune profiles the model's own modules: they cannot be deep-copied "
+                      f"({type(exc).__name__}: {exc}); their Python attributes are put back afterwards (tensors "
+                      "changed in place and objects nested deeper are not).", RuntimeWarning, stacklevel=3)
         return stages

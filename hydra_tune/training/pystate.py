@@ -8,21 +8,24 @@ it so that a recomputing backward replays the forward as it first ran and a retr
 
 What counts as state: every attribute of a module that is not torch's own bookkeeping (``training``, the
 parameter/buffer/submodule dicts, the hook dicts), the attributes of callable hook objects and the closure cells
-of hook functions (a ``nonlocal`` counter), for forward and backward hooks alike.
+of hook functions (a ``nonlocal`` counter), for forward and backward hooks alike, and one level down the
+attributes of plain user objects held there (``self.schedule.step += 1``).
 
 Rules: an attribute rebound (``self.calls += 1``, ``self.temp = ...``, a new attribute) and the contents of a
 list, dict, set or deque attribute are put back exactly (containers in place: references to them stay valid);
-a tensor attribute that is not a buffer and was changed in place (``self.t.add_(1)``) cannot be put back (its
-old value is gone): ``inplace()`` names it and the caller refuses to go on. State the snapshot does not see
-(objects nested deeper than one attribute, module-level globals) is the user's to keep out of ``forward``.
+a tensor attribute that is not a buffer and was changed in place (``self.t.add_(1)``), or a container longer
+than 10,000 items changed in place (compared by length only: copying it every unit would cost), cannot be put
+back: ``inplace()`` names it and the caller refuses to go on. State the snapshot does not see (objects nested
+deeper, elements inside containers, module-level globals) is the user's to keep out of ``forward``.
 """
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 import itertools
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,6 +35,9 @@ _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every mod
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _CONTAINERS = (list, dict, set, collections.deque, bytearray)
 _MISSING = object()
+_BIG = 10_000  # a container longer than this is compared by its length only (copying it every unit costs)
+_NOT_STATE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+              types.BuiltinFunctionType, functools.partial)
 
 
 class _Cell:
@@ -56,16 +62,28 @@ class _Cell:
         del self.cell.cell_contents
 
 
+def _plain_object(value: Any) -> bool:
+    """A user object whose attributes are state too (a schedule object a forward steps), not torch's or code."""
+    return (hasattr(value, "__dict__") and not isinstance(value, _NOT_STATE)
+            and not type(value).__module__.startswith("torch"))
+
+
 def _holders(modules: Iterable[nn.Module]) -> list[tuple[str, Any, frozenset[str]]]:
-    """(name, mapping, keys to skip) for every place of state: module ``__dict__``s, hook objects, hook cells."""
+    """(name, mapping, keys to skip) for every place of state: module ``__dict__``s, hook objects, hook cells,
+    and the attributes of plain objects held there (one level down)."""
     out: list[tuple[str, Any, frozenset[str]]] = []
     seen: set[int] = set()
 
-    def add(name: str, mapping: Any, skip: frozenset[str] = frozenset()) -> None:
+    def add(name: str, mapping: Any, skip: frozenset[str] = frozenset(), nested: bool = True) -> None:
         key = id(mapping.cell) if isinstance(mapping, _Cell) else id(mapping)
-        if key not in seen:
-            seen.add(key)
-            out.append((name, mapping, skip))
+        if key in seen:
+            return
+        seen.add(key)
+        out.append((name, mapping, skip))
+        if nested:
+            for k, v in list(mapping.items()):
+                if k not in skip and _plain_object(v):
+                    add(f"{name}.{k}", vars(v), nested=False)
 
     for m in modules:
         mname = type(m).__name__
@@ -87,13 +105,13 @@ def _contents(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value._version  # torch's in-place counter: there is no public accessor
     if isinstance(value, _CONTAINERS):
-        return copy.copy(value)
+        return copy.copy(value) if len(value) <= _BIG else len(value)
     return None
 
 
 def _same_contents(old: Any, value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value._version == old
+    if isinstance(value, torch.Tensor) or isinstance(old, int):  # a version, or a big container's length
+        return (value._version if isinstance(value, torch.Tensor) else len(value)) == old
     if isinstance(value, (list, collections.deque)):
         return len(old) == len(value) and all(a is b for a, b in zip(old, value))
     if isinstance(value, dict):
@@ -138,7 +156,7 @@ class ModuleState:
                 if now is not value:
                     yield name, mapping, k, "rebound", (value, contents)
                 elif not _same_contents(contents, value):
-                    how = "inplace" if isinstance(value, torch.Tensor) else "contents"
+                    how = "inplace" if isinstance(contents, int) else "contents"  # old contents: gone / kept
                     yield name, mapping, k, how, (value, contents)
             for k, _ in list(mapping.items()):
                 if k not in keys and k not in skip:
@@ -149,8 +167,21 @@ class ModuleState:
         return next(iter(self._changes()), None) is not None
 
     def inplace(self) -> list[str]:
-        """``Module.attr`` of each tensor attribute (not a buffer) changed in place since the snapshot."""
+        """``Holder.attr`` of each attribute changed in place beyond repair since the snapshot: a tensor that is
+        not a buffer, or a container longer than ``_BIG``."""
         return [f"{name}.{k}" for name, _, k, how, _ in self._changes() if how == "inplace"]
+
+    def settle(self, to_host: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace each tensor bound to an attribute since the snapshot (a forward's EMA, a hook's computed weight)
+        by ``to_host(tensor)``: between units the model holds host tensors only, as a model trained on the CPU
+        does, and nothing stays on a device outside its plan. A tensor held anywhere in the snapshot already
+        (one attribute assigned another) stays as it is; parameters too."""
+        known = {id(v) for *_, keys in self._entries for v, _ in keys.values()}
+        for _, mapping, k, how, _ in list(self._changes()):
+            if how in ("rebound", "added"):
+                now = mapping.get(k, _MISSING)
+                if isinstance(now, torch.Tensor) and not isinstance(now, nn.Parameter) and id(now) not in known:
+                    mapping[k] = to_host(now)
 
     def restore(self) -> None:
         """Put back every rebound attribute and container contents; drop attributes added since (a tensor changed
@@ -161,7 +192,7 @@ class ModuleState:
             elif how == "rebound":
                 value, contents = recorded
                 mapping[k] = value
-                if not _same_contents(contents, value):
+                if not isinstance(contents, int) and not _same_contents(contents, value):
                     _put_contents(value, contents)
             elif how == "contents":
                 _put_contents(recorded[0], recorded[1])

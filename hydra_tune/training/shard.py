@@ -123,7 +123,7 @@ class ShardExec:
         raise rule_error("a buffer that forward assigns a new tensor keeps its shape and dtype (hydra_tune writes "
                          "it back into the model's own buffer)", "assign a tensor of the buffer's shape and dtype "
                          "(cast with .to(buffer.dtype)), or keep such state in a plain attribute (not a buffer)",
-                         buffer=f"{stage}: {name}", was=f"{host.dtype} {tuple(host.shape)}", assigned=got)
+                         buffer=name, stage=stage, was=f"{host.dtype} {tuple(host.shape)}", assigned=got)
 
     def loss(self, device: Device, loss_fn: LossFn | None, out: Any, batch: Any) -> torch.Tensor:
         with self.precision(device):
@@ -152,22 +152,24 @@ class ShardExec:
                 self.buffers[k].copy_(back[k])
 
     @contextlib.contextmanager
-    def _python_state(self, store: HostStore, replay: bool = False) -> Iterator[None]:
-        """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo; with
-        ``replay`` (an F unit whose B recomputes) the state it started from is kept for that recompute."""
+    def _python_state(self, device: Device, store: HostStore, replay: bool = False) -> Iterator[None]:
+        """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo, and
+        tensors it bound to attributes move to host memory; with ``replay`` (an F unit whose B recomputes) the
+        state it started from is kept for that recompute."""
         before = ModuleState.take(self.modules)
         try:
             yield
         finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
             changed = before.changed()
             if changed:
+                before.settle(device.copier.to_host)
                 store.note_state(before)
         if replay and changed:
             lost = before.inplace()
             if lost:
                 raise rule_error(
-                    "a shard whose backward recomputes its forward has a forward that changes no tensor attribute "
-                    "in place (the recompute needs its old value, which is gone)", "register such a tensor as a "
+                    "a forward that its shard's backward recomputes changes no tensor attribute in place (the "
+                    "recompute needs the value it had, which is gone)", "register such a tensor as a "
                     "buffer (self.register_buffer(name, t): buffers are kept and written back exactly), or assign "
                     "a new tensor (self.t = self.t + x) instead of changing it in place", attributes=lost,
                     shard=list(self.names))
@@ -195,7 +197,7 @@ class ShardExec:
         ``train=False``: an eval forward (E)."""
         if train:
             store.rng[self.index] = rng.snapshot()
-        with self._python_state(store, replay=train and not (keep or offload)):
+        with self._python_state(device, store, replay=train and not (keep or offload)):
             if keep or offload:
                 self._forward_keep(device, store, rng, offload)
                 return
@@ -248,7 +250,7 @@ class ShardExec:
 
     def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None) -> float:
         """The last shard in eval: forward and loss, no autograd; returns the loss value."""
-        with self._python_state(store), device.unit_scope(rng) as mode, torch.no_grad():
+        with self._python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index])
             out = self.run(carry, copies, device)
@@ -258,7 +260,7 @@ class ShardExec:
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
-        with self._python_state(store), device.unit_scope(rng) as mode:
+        with self._python_state(device, store), device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             out = self.run(carry, copies, device)
@@ -277,7 +279,7 @@ class ShardExec:
         state, buffers and Python state (as its F unit ran it), then backward."""
         kept = store.kept.pop(self.index, None)
         snap = store.rng.pop(self.index)
-        with self._python_state(store):  # backward hooks may keep state too
+        with self._python_state(device, store):  # backward hooks may keep state too
             if kept is not None:
                 with device.unit_scope(rng) as mode:
                     self.refill(device, kept)
