@@ -390,3 +390,21 @@ def test_a_model_that_cannot_be_copied_is_profiled_itself_with_a_warning_and_its
             got = rt.submit(task).model()
     assert_same_state(plain(task), got)
     assert got[2].calls == 8
+
+
+class _GradCounted(Annealed):
+    """Counts only forwards that run with autograd: the F unit of a recomputed shard runs without it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.calls += 1
+        return self.lin(x) / (1.0 + 0.1 * self.calls)
+
+
+def test_state_updated_only_with_autograd_is_exact_without_recompute_and_refused_with_it():
+    task = _task(_around(lambda: _GradCounted(32)))
+    for mode in ("keep", "offload"):
+        assert_same_state(plain(task), run_forced(task, mode).model)
+    with pytest.raises(ValueError, match=r"changes the same Python state when recomputed.*"
+                                         r"forward_changed=\[\], recompute_changed=\['_GradCounted\.calls'\]"):
+        run_forced(task, "recompute")

@@ -166,6 +166,10 @@ class ModuleState:
         """Whether anything differs from the snapshot now."""
         return next(iter(self._changes()), None) is not None
 
+    def changed_names(self) -> list[str]:
+        """``Holder.attr`` of every attribute that differs now from the snapshot, sorted."""
+        return sorted(f"{name}.{k}" for name, _, k, _, _ in self._changes())
+
     def inplace(self) -> list[str]:
         """``Holder.attr`` of each attribute changed in place beyond repair since the snapshot: a tensor that is
         not a buffer, or a container longer than ``_BIG``."""

@@ -173,20 +173,27 @@ class ShardExec:
                     "buffer (self.register_buffer(name, t): buffers are kept and written back exactly), or assign "
                     "a new tensor (self.t = self.t + x) instead of changing it in place", attributes=lost,
                     shard=list(self.names))
-            store.states[self.index] = before
+            store.states[self.index] = (before, before.changed_names())
 
     @contextlib.contextmanager
-    def _replaying(self, before: ModuleState | None) -> Iterator[None]:
-        """A recompute runs from the Python state its F unit started from; the state after it is put back."""
-        if before is None:
-            yield
-            return
+    def _replaying(self, kept: tuple[ModuleState, list[str]] | None) -> Iterator[None]:
+        """A recompute runs from the Python state its F unit started from (``kept``: that state and what F changed)
+        and must change the same attributes; the state after F is put back."""
         now = ModuleState.take(self.modules)
-        before.restore()
+        before, by_forward = kept if kept is not None else (now, [])
+        if kept is not None:
+            before.restore()
         try:
             yield
+            by_recompute = before.changed_names()
         finally:
             now.restore()
+        if by_recompute != by_forward:  # e.g. state updated only under torch.is_grad_enabled(): F runs without
+            raise rule_error(
+                "a forward that its shard's backward recomputes changes the same Python state when recomputed (the "
+                "F unit runs it without autograd, the recompute with it)", "update such state the same way with "
+                "and without autograd (no branch on torch.is_grad_enabled() or x.requires_grad around it)",
+                forward_changed=by_forward, recompute_changed=by_recompute, shard=list(self.names))
 
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
