@@ -16,7 +16,10 @@ loop: buffers changed in place (BatchNorm's statistics) or assigned a new tensor
 ...``) are written back to the host model after every forward unit (F, L, E), the values they had before kept
 for a recomputing B unit and for a retry (``HostStore.reset_attempt``); an assigned buffer keeps its shape and
 dtype. Python state (pystate.py: attributes, hook closures) is taken before every unit: a recomputing B unit
-replays its forward from the state the F unit saw and puts back the state after it, and a retry undoes it.
+replays its forward from the state the F unit saw, must change the same attributes, and puts back the state after
+F; a retry undoes it; tensors a unit binds to attributes move to host memory. Refused (an error naming the
+attributes): a recomputed forward that changes a tensor attribute in place, or whose state updates depend on
+autograd being on.
 """
 from __future__ import annotations
 
