@@ -34,12 +34,14 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None = None) -> ModelStages:
     """Cut ``model`` into stages: the ones ``stages(model)`` or ``model.hydra_stages()`` declares (explicit.py),
-    else by its known structure; a model of unknown structure becomes one stage (it still runs if it fits)."""
+    else by its known structure; a model of unknown structure becomes one stage (it still runs if it fits). An
+    nn.Sequential is cut by position only when it runs as one: a subclass with its own ``forward``, or hooks on the
+    Sequential itself, compute more than its children in order, so it is one stage unless declared."""
     if stages is not None or callable(getattr(model, "hydra_stages", None)):
         from .explicit import explicit_stages
 
         return explicit_stages(model, stages)
-    if isinstance(model, nn.Sequential) and len(model) > 0:
+    if isinstance(model, nn.Sequential) and len(model) > 0 and _runs_as_sequential(model):
         from .sequential import sequential_stages
 
         return sequential_stages(model)
@@ -51,3 +53,9 @@ def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None =
         module = importlib.import_module(f"{__name__}.{family[0]}")
         return getattr(module, family[1])(model)
     return ModelStages((Stage(cls.__name__, WholeModel(model)),), identity, "whole")
+
+
+def _runs_as_sequential(model: nn.Sequential) -> bool:
+    # Hooks on the model itself would run in model(x) but in no stage; torch lists them only in these tables.
+    hooks = (model._forward_pre_hooks, model._forward_hooks)
+    return type(model).forward is nn.Sequential.forward and not any(hooks)
