@@ -119,11 +119,33 @@ def _hooked() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("make", [_scaled, _hooked])
-def test_sequential_computing_more_than_its_children_is_one_stage(make):
-    assert extract_stages(make()).family == "whole"
+def _replaced() -> nn.Module:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    model.forward = lambda x: nn.Sequential.forward(model, x.flip(-1))
+    return model
+
+
+@pytest.mark.parametrize("make, why", [(_scaled, "it subclasses nn.Sequential with its own forward"),
+                                       (_hooked, "it has forward hooks on itself"),
+                                       (_replaced, "its forward is replaced on the instance")])
+def test_sequential_computing_more_than_its_children_is_one_stage(make, why):
+    with pytest.warns(UserWarning, match=f"hydra_tune runs .* as one stage: {why}, which its parts alone"):
+        assert extract_stages(make()).family == "whole"
     task = _task(make, f"more-{make.__name__}")
-    assert max_param_diff(plain_train(task)[0], _train(task)[0]) == 0.0
+    with pytest.warns(UserWarning, match="Declare its stages"):
+        model, _ = _train(task)
+    assert max_param_diff(plain_train(task)[0], model) == 0.0
+
+
+def test_a_transformers_model_with_a_hook_on_itself_is_one_stage():
+    from conftest import make_gpt2
+
+    model = make_gpt2()
+    assert extract_stages(model).family == "gpt2"
+    model.register_forward_pre_hook(lambda m, args, kwargs: (args, {**kwargs, "input_ids": kwargs["input_ids"] % 7}),
+                                    with_kwargs=True)
+    with pytest.warns(UserWarning, match="runs GPT2LMHeadModel as one stage: it has forward hooks on itself"):
+        assert extract_stages(model).family == "whole"
 
 
 # -- declared stages checked against forward ------------------------------------------------------------------
