@@ -10,6 +10,7 @@ model's outputs. Stage modules only reference the model's own submodules, so par
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,20 +35,40 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None = None) -> ModelStages:
     """Cut ``model`` into stages: the ones ``stages(model)`` or ``model.hydra_stages()`` declares (explicit.py),
-    else by its known structure; a model of unknown structure becomes one stage (it still runs if it fits)."""
+    else by its known structure; a model of unknown structure becomes one stage (it still runs if it fits).
+    Rule: a known structure is cut only when ``model(...)`` runs it as such: an nn.Sequential subclass with its
+    own ``forward``, or a model with forward hooks (or a replaced ``forward``) on itself, computes more than its
+    parts, so it is one stage unless its stages are declared (with a warning saying why)."""
     if stages is not None or callable(getattr(model, "hydra_stages", None)):
         from .explicit import explicit_stages
 
         return explicit_stages(model, stages)
-    if isinstance(model, nn.Sequential) and len(model) > 0:
+    cls = type(model)
+    family = FAMILIES.get(cls.__name__) if cls.__module__.startswith("transformers.") else None
+    sequential = isinstance(model, nn.Sequential) and len(model) > 0
+    more = _runs_more_than_its_parts(model, sequential) if sequential or family is not None else ""
+    if more:
+        warnings.warn(f"hydra_tune runs {cls.__name__} as one stage: {more}, which its parts alone would not run. "
+                      "Declare its stages (ModelTask(stages=...)) to cut it.", stacklevel=3)
+    elif sequential:
         from .sequential import sequential_stages
 
         return sequential_stages(model)
-    cls = type(model)
-    family = FAMILIES.get(cls.__name__) if cls.__module__.startswith("transformers.") else None
-    if family is not None:
+    elif family is not None:
         import importlib
 
         module = importlib.import_module(f"{__name__}.{family[0]}")
         return getattr(module, family[1])(model)
     return ModelStages((Stage(cls.__name__, WholeModel(model)),), identity, "whole")
+
+
+def _runs_more_than_its_parts(model: nn.Module, sequential: bool) -> str:
+    """Why ``model(...)`` computes more than its stages would ("" when it does not)."""
+    if sequential and type(model).forward is not nn.Sequential.forward:
+        return "it subclasses nn.Sequential with its own forward"
+    if "forward" in vars(model):
+        return "its forward is replaced on the instance"
+    # torch lists a module's own hooks only in these tables
+    if model._forward_pre_hooks or model._forward_hooks:
+        return "it has forward hooks on itself"
+    return ""

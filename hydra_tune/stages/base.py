@@ -1,12 +1,13 @@
 """What every stage extractor builds: ``Stage`` (a named module), ``ModelStages`` (the stages in order, how a batch
-becomes the first stage's carry, and the family that cut them), the batch convention and a token model's batches.
+becomes the first stage's carry, and the family that cut them), the batch convention and a token model's batches;
+``join_inplace`` for cuts of user-listed modules.
 
     cut = ModelStages((Stage("embed", embed), Stage("head", head)), prepare=token_batches("a GPT-2", keys),
                       family="gpt2")
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,28 @@ def token_batches(what: str, keys: tuple[str, ...], unsupported: tuple[str, ...]
                         f"(batch={type(batch).__name__}). Fix: yield e.g. {{'input_ids': ids, 'labels': ids}}.")
 
     return prepare
+
+
+class _Chain(nn.Sequential):
+    """Stages joined into one by ``join_inplace``: the same modules, run in the same order."""
+
+
+def join_inplace(stages: Sequence[Stage]) -> tuple[Stage, ...]:
+    """``stages`` with each module that works in place on its input (``inplace=True``: ReLU, Dropout, ...) joined
+    to the stage before it: a stage's input is a leaf that collects its gradient, and torch forbids changing such
+    a leaf in place. The same modules run in the same order, so the stages still compute the model's forward.
+
+        [s.name for s in join_inplace(cut)]  ->  ['0:Linear+1:ReLU', '2:Linear']   # ReLU(inplace=True)
+    """
+    out: list[Stage] = []
+    for stage in stages:
+        if out and getattr(stage.module, "inplace", False) is True:
+            prev = out[-1]
+            modules = list(prev.module) if isinstance(prev.module, _Chain) else [prev.module]
+            out[-1] = Stage(f"{prev.name}+{stage.name}", _Chain(*modules, stage.module))
+        else:
+            out.append(stage)
+    return tuple(out)
 
 
 def identity(batch: Any) -> Any:

@@ -22,6 +22,7 @@ from ..device.rng import TaskRNG
 from ..errors import PlanError, rule_error
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
+from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer
 from .build import AUTOCAST_DTYPES, build_part, data_iterable, data_length
 from .checkpoint import CheckpointRequest, PendingCheckpoints, Position, capture, load, restore
@@ -85,6 +86,9 @@ class TaskState:
             raise rule_error("`train_data` yields at least one batch", "check the dataset's length and the "
                              "DataLoader's batch_size and drop_last", task=task.name, batches=0)
         check_batch(sample, task.name, "train_data", 1)
+        # declared stages must compute the model's own forward (on copies, a scratch stream: nothing changes)
+        check_stages(model, cut, sample, UnitMode, task.seed, AUTOCAST_DTYPES[task.precision], task.name,
+                     evaluate=task.eval_data is not None)
         costs = measure_costs(cut, sample, task.loss, task.seed, AUTOCAST_DTYPES[task.precision])
         try:
             plan = partition(costs, budget, bandwidth=bandwidth, keep=keep)
