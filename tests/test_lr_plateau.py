@@ -120,3 +120,25 @@ def test_metric_not_reported_refused_at_construction() -> None:
         _task("eval_loss", eval_data=False)
     with pytest.raises(ValueError, match="`lr_scheduler_metric` is given only with an `lr_scheduler`"):
         _task("train_loss", lr_scheduler=None)
+
+
+def test_plateau_state_survives_a_checkpoint(tmp_path) -> None:
+    """Checkpointed after epochs in which the scheduler counted bad epochs and lowered the rate, the resumed task
+    ends as the uninterrupted one (the scheduler's state travels in the checkpoint)."""
+    def task(**kw) -> ht.ModelTask:   # accumulation beyond the epoch: one step per epoch, at its end
+        return _task("eval_loss", grad_accumulation=8, **kw)
+
+    with ht.Runtime(devices=["cpu"]) as rt:
+        whole = rt.submit(task())
+        expected, expected_lrs = whole.model(), [m["lr"] for m in whole.metrics()]
+        first = rt.submit(task())
+        for m in first.metrics():
+            if m["epoch"] == 3:
+                path = first.checkpoint(tmp_path / "c.pt", timeout=60)
+                break
+        first.cancel()
+        resumed = rt.submit(task(resume_from=path))
+        model, lrs = resumed.model(), [m["lr"] for m in resumed.metrics()]
+    assert len(set(expected_lrs[:3])) > 1   # the rate had dropped before the checkpoint
+    assert lrs == expected_lrs[-len(lrs):]
+    assert max_param_diff(model, expected) == 0.0
