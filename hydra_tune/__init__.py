@@ -23,6 +23,9 @@ from .task import ModelTask
 from .training.plan_model import plan_model
 
 __version__ = "0.1.0"
+# Found by hydra_tune.integrations._tune_proxy.check_package in this file's text, without importing it: a script or
+# folder named hydra_tune that shadows this package lacks it.
+__hydra_tune_package__ = True
 __all__ = ["ModelTask", "Runtime", "RuntimeConfig", "TaskHandle", "train", "save_checkpoint", "current_handle",
            "configure", "default_runtime", "HydraError", "PlanError", "NonFiniteLoss", "TaskCancelled", "RuntimeClosed",
            "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]

@@ -118,6 +118,27 @@ def _check_hooks(loss: object, stages: object, lr_scheduler: object) -> None:
             _check_call(arg, fn, n, f"`{arg}` is None or callable with {n} argument{'s' * (n > 1)}", fix)
 
 
+# The per-epoch metrics a metric-driven scheduler (ReduceLROnPlateau) may follow: the losses the task reports.
+_SCHEDULER_METRICS = ("train_loss", "eval_loss")
+
+
+def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: object) -> None:
+    """``lr_scheduler_metric`` names a loss this task reports after every epoch, for a scheduler to follow."""
+    if metric is None:
+        return
+    reported = [m for m in _SCHEDULER_METRICS if m != "eval_loss" or eval_data is not None]
+    if not isinstance(metric, str) or metric not in reported:
+        fix = f"name one of {reported}"
+        if metric == "eval_loss":
+            fix = "pass eval_data (eval_loss is reported only when the task evaluates), or name 'train_loss'"
+        raise rule_error("`lr_scheduler_metric` is None or a loss the task reports after every epoch", fix,
+                         lr_scheduler_metric=metric, reported=reported)
+    if lr_scheduler is None:
+        raise rule_error("`lr_scheduler_metric` is given only with an `lr_scheduler`", "pass e.g. `lr_scheduler="
+                         "lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)`, or drop "
+                         "lr_scheduler_metric", lr_scheduler_metric=metric, lr_scheduler=None)
+
+
 def _check_loop(epochs: object, max_steps: object, grad_accumulation: object, grad_clip_norm: object,
                 seed: object, name: object) -> None:
     """The training loop's settings: counts, the clip norm, the seed and the name."""
@@ -166,7 +187,11 @@ class ModelTask:
       * ``grad_accumulation=k``: each batch's loss is divided by k; the optimizer steps every k batches and at
         the end of an epoch that leaves gradients pending.
       * ``grad_clip_norm``: ``clip_grad_norm_`` over all parameters before every step.
-      * ``lr_scheduler(optimizer)``: stepped once after every optimizer step.
+      * ``lr_scheduler(optimizer)``: stepped once after every optimizer step, or, with
+        ``lr_scheduler_metric="eval_loss"`` (or "train_loss"), once per epoch after its evaluation as
+        ``scheduler.step(metrics["eval_loss"])`` (``ReduceLROnPlateau``; checked when the task is built: a scheduler
+        whose ``step`` needs a metric requires the name, one that takes none refuses it). The reported ``lr`` is
+        the learning rate after the epoch's last scheduler step.
       * ``max_steps``: training stops after that many optimizer steps (over all epochs).
       * ``seed``: the task's own RNG stream; ``torch.manual_seed(seed)`` before the plain loop gives the same
         model init (for a factory), dropout masks and data order.
@@ -201,6 +226,7 @@ class ModelTask:
         epochs: int = 1,
         max_steps: int | None = None,
         lr_scheduler: Callable[[Any], Any] | None = None,
+        lr_scheduler_metric: str | None = None,
         grad_clip_norm: float | None = None,
         grad_accumulation: int = 1,
         seed: int = 0,
@@ -216,6 +242,7 @@ class ModelTask:
         if eval_data is not None:
             _check_data("eval_data", eval_data)
         _check_hooks(loss, stages, lr_scheduler)
+        _check_scheduler_metric(lr_scheduler, lr_scheduler_metric, eval_data)
         _check_loop(epochs, max_steps, grad_accumulation, grad_clip_norm, seed, name)
         _check_options(precision, resume_from, resume_hparams, nonfinite_loss)
         self.model = model
@@ -226,6 +253,7 @@ class ModelTask:
         self.epochs = epochs
         self.max_steps = max_steps
         self.lr_scheduler = lr_scheduler
+        self.lr_scheduler_metric = lr_scheduler_metric
         self.grad_clip_norm = None if grad_clip_norm is None else float(grad_clip_norm)
         self.grad_accumulation = grad_accumulation
         self.seed = seed
@@ -279,6 +307,43 @@ def check_optimizer(task: ModelTask, model: Any, optimizer: Any) -> None:
         raise rule_error("the optimizer updates at least one trainable parameter of the model", "pass the "
                          "parameters to train, e.g. `model.parameters()`", task=task.name,
                          optimizer_params=len(given), trainable=sum(p.requires_grad for p in own.values()))
+
+
+def check_scheduler(task: ModelTask, scheduler: Any) -> None:
+    """A scheduler whose ``step`` needs a metric (``ReduceLROnPlateau.step(metrics)``) is stepped once per epoch
+    with ``task.lr_scheduler_metric``, which must then be named; one whose ``step`` takes none is stepped after
+    every optimizer step, and a metric passed to it would be taken for an epoch number, so it must not be."""
+    if not callable(getattr(scheduler, "step", None)):
+        raise rule_error("`lr_scheduler(optimizer)` returns a scheduler with a `step` method", "return the "
+                         "scheduler itself, e.g. `lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)`",
+                         kind=TypeError, task=task.name, returned=type(scheduler).__name__)
+    needs = _step_needs_argument(scheduler)
+    if needs and task.lr_scheduler_metric is None:
+        raise rule_error("a scheduler whose `step` takes a metric (ReduceLROnPlateau) is given "
+                         "`lr_scheduler_metric`", "name the reported loss it follows, e.g. "
+                         "ModelTask(..., lr_scheduler_metric='eval_loss') (with eval_data) or 'train_loss': it is "
+                         "then stepped once per epoch, after the evaluation, with that value", task=task.name,
+                         scheduler=type(scheduler).__name__, lr_scheduler_metric=None)
+    if not needs and task.lr_scheduler_metric is not None:
+        raise rule_error("`lr_scheduler_metric` is given only for a scheduler whose `step` takes a metric "
+                         "(ReduceLROnPlateau)", "drop lr_scheduler_metric: this scheduler is stepped after every "
+                         "optimizer step", task=task.name, scheduler=type(scheduler).__name__,
+                         lr_scheduler_metric=task.lr_scheduler_metric)
+
+
+def _step_needs_argument(scheduler: Any) -> bool:
+    """``scheduler.step`` has a required positional parameter (the metric), as ReduceLROnPlateau's has."""
+    import inspect
+
+    import torch
+
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = inspect.signature(scheduler.step).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 def _is_module(obj: object) -> bool:

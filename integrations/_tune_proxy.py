@@ -26,12 +26,47 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable
 
 import ray
 from ray import cloudpickle, tune
 
 NAMESPACE = "hydra_tune"
+_MARKER = "__hydra_tune_package__ = True"   # a line of hydra_tune/__init__.py
+
+
+def check_package() -> None:
+    """Raise ImportError naming the file when ``import hydra_tune`` in this process would not load the installed
+    package, before anything imports it: a script or folder named hydra_tune earlier on ``sys.path`` shadows it
+    (Ray puts the driver script's folder ahead of site-packages on its workers' paths), or it is not installed
+    on this node. Without the check such a trial dies with an ActorDiedError or an AttributeError naming nothing.
+    In the user's own process nothing of hydra_tune runs when a script shadows it, so nothing can check there."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("hydra_tune")
+    except (ImportError, ValueError):   # ValueError: a module in sys.modules without a spec
+        spec = None
+    origin = getattr(spec, "origin", None)
+    if spec is None or origin is None:
+        raise ImportError(f"hydra_tune is importable where trials run must hold, but got (hydra_tune=None, node="
+                          f"{ray.get_runtime_context().get_node_id()}, executable={sys.executable!r}). Fix: install "
+                          "hydra_tune[ray] into the Python environment of every Ray node (or a runtime_env).")
+    package = spec.submodule_search_locations is not None and os.path.basename(origin) == "__init__.py"
+    if not package or not _has_marker(origin):
+        raise ImportError(f"`import hydra_tune` loads the installed hydra_tune package must hold, but got "
+                          f"(hydra_tune={origin!r}). Fix: rename {origin if not package else os.path.dirname(origin)}"
+                          " (a script or folder named hydra_tune shadows the package; Ray starts its workers with "
+                          "the driver script's folder first on sys.path) and remove its __pycache__ entry.")
+
+
+def _has_marker(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return any(line.strip() == _MARKER for line in f)
+    except OSError:
+        return False
 
 
 def actor_name(node_id: str) -> str:
@@ -136,6 +171,7 @@ class RuntimeActor:
         # and offers no per-thread hook; replacing it is why ray is pinned (pyproject.toml).
         from ray.train._internal import session as _session
 
+        check_package()   # before the import: a shadowing hydra_tune.py would run as the package
         self.router = _ThreadRoutedSession()
         _session._session = self.router
         import hydra_tune
@@ -184,7 +220,8 @@ class RuntimeActor:
                 if s.cancelled:
                     s.events.put(("stopped", s.cancelled, None))
                 else:
-                    s.events.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", None))
+                    s.events.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                                  _pickled(exc)))
             finally:
                 self.router.use(None)
                 s.forget_tasks()
@@ -246,12 +283,37 @@ def get_or_create_runtime(node_id: str, config: dict[str, Any], origin: str, det
     ).remote(config, origin)
 
 
+def resources_warning(resources: dict[str, float], proxy_cpus: float, cluster: dict[str, float]) -> str | None:
+    """The warning for a wrapped trainable whose trials reserve more than ``wrap`` asked (``proxy_cpus`` CPU, no
+    GPU), or None. ``resources``: one trial's (``PlacementGroupFactory.required_resources``); ``cluster``:
+    ``ray.cluster_resources()``. Such a request changes nothing in the training (it runs in the node's runtime
+    actor, on its devices) but bounds how many trials Tune starts at once: with 2 CPUs per trial on a 2-CPU
+    machine, one at a time; GPUs are held by the runtime actors, so trials asking for them wait."""
+    cpu, gpu = float(resources.get("CPU", 0.0)), float(resources.get("GPU", 0.0))
+    if cpu <= proxy_cpus + 1e-9 and gpu == 0:
+        return None
+    total_cpu = float(cluster.get("CPU", 0.0))
+    at_once = [f"{int(total_cpu // cpu)} at a time for the cluster's {total_cpu:g} CPUs"] if cpu > 0 else []
+    if gpu:
+        at_once.append(f"none while the runtime actors hold the cluster's {float(cluster.get('GPU', 0.0)):g} GPUs")
+    return (f"each trial of HydraExecutor.wrap(train_fn) reserves {cpu:g} CPU and {gpu:g} GPU (tune.with_resources "
+            f"or resources_per_trial around the wrapped trainable), but wrap requests proxy_cpus={proxy_cpus:g} CPU: "
+            f"a trial only forwards reports, its training runs in its node's hydra_tune runtime on the executor's "
+            f"devices. Tune therefore starts trials {' and '.join(at_once)}. Fix: pass ex.wrap(train_fn) to "
+            f"tune.Tuner as it is and bound concurrency with TuneConfig(max_concurrent_trials=...); set the compute "
+            f"with HydraExecutor(devices=..., device_memory=...).")
+
+
 def _run_proxy(config: dict[str, Any], fn_bytes: bytes, runtime_config: dict[str, Any],
-               report_modules: bool) -> None:
+               report_modules: bool, proxy_cpus: float) -> None:
     """The Tune trial: forwards ``train_fn``'s reports (run in this node's runtime actor) to Tune."""
+    check_package()   # the trial's error names a shadowing hydra_tune.py (the runtime actor would die of it)
     node = ray.get_runtime_context().get_node_id()
     rt = get_or_create_runtime(node, runtime_config, "lazy-from-proxy", detached=True)
     ctx = tune.get_context()
+    note = resources_warning(ctx.get_trial_resources().required_resources, proxy_cpus, ray.cluster_resources())
+    if note and ray.get(rt.where.remote())["origin"] != "callback-setup":   # else HydraExecutor warned already
+        warnings.warn(note, stacklevel=1)
     info = {"trial_name": ctx.get_trial_name(), "trial_dir": ctx.get_trial_dir(),
             "experiment_name": ctx.get_experiment_name(), "trial_resources": ctx.get_trial_resources()}
     tid = ctx.get_trial_id()
@@ -272,13 +334,42 @@ def _run_proxy(config: dict[str, Any], fn_bytes: bytes, runtime_config: dict[str
                 return
             else:
                 finished = True
-                raise RuntimeError(f"trial {tid} failed in its node's hydra_tune runtime: {payload}")
+                raise trial_error(tid, payload, ckpt)
     finally:
         if not finished:   # Tune stopped or paused us (PBT fires no callback hook), or the actor died
             try:
                 rt.cancel.remote(tid, f"proxy-exit:{type(sys.exc_info()[1]).__name__}", token)
             except Exception:  # noqa: BLE001  (the actor may be gone already)
                 pass
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    """``exc`` pickled for the trial's proxy (its traceback stays here, as text), or None when it cannot be."""
+    try:
+        return cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001  (an argument that does not pickle: the proxy names the type instead)
+        return None
+
+
+def trial_error(trial_id: str, text: str, pickled: bytes | None) -> Exception:
+    """What the trial raises for ``train_fn``'s exception in the runtime actor: that exception itself, rebuilt here
+    (its type, so ``except NonFiniteLoss`` and Tune's ``result.error`` see the task's own error), with the actor's
+    traceback as a note; a RuntimeError naming the type and message when it cannot be rebuilt (its arguments do not
+    pickle, its class is not importable here, or it is a BaseException such as KeyboardInterrupt)."""
+    where = f"trial {trial_id} failed in its node's hydra_tune runtime"
+    why = "it does not pickle"
+    if pickled is not None:
+        try:
+            exc = cloudpickle.loads(pickled)
+        except Exception as err:  # noqa: BLE001  (any failure to rebuild falls back to the text)
+            why = f"{type(err).__name__}: {err}"
+        else:
+            if isinstance(exc, Exception):
+                if hasattr(exc, "add_note"):   # Python >= 3.11
+                    exc.add_note(f"{where}; its traceback there:\n{text}")
+                return exc
+            why = f"{type(exc).__name__} is not an Exception"
+    return RuntimeError(f"{where} ({why}, so raised as RuntimeError): {text}")
 
 
 def make_proxy(fn_bytes: bytes, runtime_config: dict[str, Any], cpus: float, name: str,
@@ -289,7 +380,7 @@ def make_proxy(fn_bytes: bytes, runtime_config: dict[str, Any], cpus: float, nam
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     def proxy(config: dict[str, Any]) -> None:
-        return _run_proxy(config, fn_bytes, runtime_config, report_modules)
+        return _run_proxy(config, fn_bytes, runtime_config, report_modules, cpus)
 
     proxy.__name__ = proxy.__qualname__ = name
     return tune.with_resources(proxy, {"cpu": cpus})

@@ -21,6 +21,7 @@ Shape (Ray 2.x has no custom trial executors, so this lives on Tune's extension 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,10 +46,13 @@ class HydraExecutor(tune.Callback):
     ``host_memory``, ``policy``, meaning what they mean for ``hydra_tune.Runtime``; validated here, applied to
     every node's runtime. ``proxy_cpus``: the CPU share each trial's proxy requests from Tune.
     Concurrency: Tune's ``max_concurrent_trials`` bounds the trials in flight (each proxy requests only
-    ``proxy_cpus`` CPU, so Tune's CPU accounting no longer does). Every running trial keeps its model, gradients
-    and optimizer state in its node's host memory: each node's runtime starts a trial's task only when its host
-    footprint fits ``host_memory`` (None: the memory available); until then the task waits (state "queued") and
-    its trial with it (``hydra_tune.plan_model`` reports a task's host bytes).
+    ``proxy_cpus`` CPU, so Tune's CPU accounting no longer does; ``tune.with_resources`` around the wrapped
+    trainable only makes each trial reserve more and fewer run at once: a warning says so). Every running trial
+    keeps its model, gradients and optimizer state in its node's host memory: each node's runtime starts a trial's
+    task only when its host footprint fits ``host_memory`` (None: the memory available); until then the task
+    waits (state "queued") and its trial with it (``hydra_tune.plan_model`` reports a task's host bytes).
+    Errors: a trial whose ``train_fn`` raises fails with that exception's own type (rebuilt from the runtime
+    actor, its traceback there in a note), or a RuntimeError naming it when it cannot be rebuilt.
     """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
@@ -64,6 +68,7 @@ class HydraExecutor(tune.Callback):
         self.actors: dict[str, Any] = {}   # node id -> runtime actor handle (the creator's handle keeps it alive)
         self.final_stats: dict[str, dict[str, Any]] = {}   # per node id, taken as the runtimes stop
         self.final_traces: dict[str, Any] = {}              # per node id: hydra_tune Trace of the whole search
+        self._resources_checked = False
 
     # -- the trainable ------------------------------------------------------------------------------------
     def wrap(self, train_fn: Callable[[dict[str, Any]], Any]) -> Any:
@@ -142,6 +147,18 @@ class HydraExecutor(tune.Callback):
         t = time.perf_counter()
         self.where = self.start_runtimes()
         self.setup_seconds = time.perf_counter() - t
+        self._resources_checked = False   # per experiment
+
+    def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
+        """Once, at the first step with trials (pending ones too: a trial that can never start fires no other
+        hook): warn when the trials reserve resources that bound how many run at once (_tune_proxy)."""
+        if self._resources_checked or not trials:
+            return
+        self._resources_checked = True
+        note = _proxy.resources_warning(trials[0].placement_group_factory.required_resources, self.proxy_cpus,
+                                        ray.cluster_resources())
+        if note:
+            warnings.warn(note, stacklevel=2)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._cancel(trial, "complete")

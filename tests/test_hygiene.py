@@ -120,7 +120,8 @@ _KNOWN = {
     "hydra_tune/node/wire.py": (2, "an error in a frame of the node connection (above/below); the server's own error"),
     "hydra_tune/node/connections.py": (1, "frames of a client's connection after the HMAC handshake"),
     "hydra_tune/node/handlers.py": (1, "a task in a frame of a client's connection after the HMAC handshake"),
-    "integrations/_tune_proxy.py": (1, "the trainable's bytes in a Ray actor call (Ray's own transport)"),
+    "integrations/_tune_proxy.py": (2, "the trainable's bytes, a failed trial's exception: Ray actor calls (Ray's "
+                                       "own transport)"),
 }
 
 

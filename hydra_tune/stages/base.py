@@ -1,9 +1,10 @@
 """What every stage extractor builds: ``Stage`` (a named module), ``ModelStages`` (the stages in order, how a batch
-becomes the first stage's carry, and the family that cut them), the batch convention and a token model's batches;
-``join_inplace`` for cuts of user-listed modules.
+becomes the first stage's carry, the family that cut them and the batch keys whose values they read), the batch
+convention, a token model's batches and its attention masks; ``join_inplace`` for cuts of user-listed modules.
 
     cut = ModelStages((Stage("embed", embed), Stage("head", head)), prepare=token_batches("a GPT-2", keys),
-                      family="gpt2")
+                      family="gpt2", value_keys=("attention_mask",))
+    cut.meta_batch(batch)          # for shapes-only planning: tensors on the meta device, the attention mask kept
 """
 from __future__ import annotations
 
@@ -22,9 +23,27 @@ class Stage:
 
 @dataclass(frozen=True)
 class ModelStages:
+    """``value_keys``: keys of a dict batch whose values (not only shapes) decide what the stages build, such as
+    the attention mask (transformers builds no mask at all for an unpadded batch under SDPA)."""
+
     stages: tuple[Stage, ...]
     prepare: Callable[[Any], Any]
     family: str
+    value_keys: tuple[str, ...] = ()
+
+    def meta_batch(self, batch: Any) -> Any:
+        """``batch`` for a shapes-only run (hydra_tune.plan_model, the host footprint): every tensor moved to the
+        meta device, except the ``value_keys`` of a dict batch, which stay as they are (small index tensors the
+        stages read with ``build_mask``)."""
+        import torch
+        from torch.utils._pytree import tree_map  # torch's own pytree walk: there is no public one
+
+        def meta(tree: Any) -> Any:
+            return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tree)
+
+        if not isinstance(batch, dict):
+            return meta(batch)
+        return {k: v if k in self.value_keys else meta(v) for k, v in batch.items()}
 
 
 def call_with_batch(model: nn.Module, batch: Any) -> Any:
@@ -94,6 +113,38 @@ def join_inplace(stages: Sequence[Stage]) -> tuple[Stage, ...]:
         else:
             out.append(stage)
     return tuple(out)
+
+
+def build_mask(builder: Callable[..., Any], inputs_embeds: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    """``builder(inputs_embeds=..., attention_mask=..., **kwargs)`` (transformers' create_causal_mask and the
+    like), also when the embeddings are on the meta device (shapes-only planning).
+
+        mask = build_mask(create_causal_mask, inputs_embeds, batch.get("attention_mask"), config=cfg, cache=None)
+
+    The builders read the mask's values (under SDPA an unpadded batch gets no mask at all), which meta tensors do
+    not have. With meta embeddings the mask is built on the CPU from the batch's real attention mask
+    (``ModelStages.meta_batch`` keeps it) and an embedding stand-in with no storage, then given the meta device
+    with its layout (so the bytes counted are those of the real run; the CPU build takes the mask's bytes once,
+    briefly). A meta attention mask has no values: it is planned as padded, the larger case. ``position_ids``
+    only matter to the builders without an attention mask, so meta ones are left out here."""
+    import torch
+
+    meta = inputs_embeds.device.type == "meta"
+    if not meta or attention_mask is None:
+        return builder(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)
+    if attention_mask.device.type == "meta":
+        attention_mask = torch.zeros(attention_mask.shape, dtype=torch.long)
+    if isinstance(kwargs.get("position_ids"), torch.Tensor) and kwargs["position_ids"].device.type == "meta":
+        kwargs["position_ids"] = None
+    stand_in = torch.empty(tuple(inputs_embeds.shape[:-1]) + (0,), dtype=inputs_embeds.dtype)
+    mask = builder(inputs_embeds=stand_in, attention_mask=attention_mask, **kwargs)
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    layout = (mask.untyped_storage().nbytes() // mask.element_size(), mask.dtype, mask.shape, mask.stride(),
+              mask.storage_offset())
+    del mask  # freed before its meta twin exists, as in the real run only one mask is held
+    numel, dtype, shape, stride, offset = layout
+    return torch.empty(numel, dtype=dtype, device="meta").as_strided(shape, stride, offset)
 
 
 def identity(batch: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, build_mask, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
@@ -39,8 +39,7 @@ class _Embed(nn.Module):
         hidden = self.embeddings(input_ids=batch["input_ids"], position_ids=position_ids,
                                  token_type_ids=batch.get("token_type_ids"), inputs_embeds=None, cache_length=0)
         # Encoder-only BertModel: bidirectional mask (None, bool or additive float, by attention implementation)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
-                                         attention_mask=batch.get("attention_mask"))
+        mask = build_mask(create_bidirectional_mask, hidden, batch.get("attention_mask"), config=self.config)
         return {"hidden": hidden, "mask": mask, "position_ids": position_ids, "labels": batch.get("labels")}
 
 
@@ -126,4 +125,4 @@ def bert_stages(model: nn.Module) -> ModelStages:
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"layer.{i}", _Layer(layer)) for i, layer in enumerate(model.bert.encoder.layer)]
     stages.append(Stage("head", head))
-    return ModelStages(tuple(stages), _prepare, "bert")
+    return ModelStages(tuple(stages), _prepare, "bert", ("attention_mask",))

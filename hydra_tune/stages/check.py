@@ -15,8 +15,9 @@ Why: a declared list that leaves out what ``forward`` does between two modules (
   * the buffers and plain attributes (numbers, strings, tensors) of the model's modules end equal;
   * no parameter is changed in place (the runtime trains on device copies: such a change would be lost).
 All in training mode and, for a task that evaluates, again in eval mode (the model switched as the runtime
-switches it; stage modules that are not the model's follow it, explicit.py). Only declared stages (family "explicit") are checked: nn.Sequential is cut exactly as its forward runs it, and the
-transformers families are tested per family. How: on copies of the model (parameters and buffers copy-on-write:
+switches it; stage modules that are not the model's follow it, explicit.py). Only declared stages (family
+"explicit") are checked: nn.Sequential is cut exactly as its forward runs it, and the transformers families are
+tested per family. How: on copies of the model (parameters and buffers copy-on-write:
 no bytes until written), without autograd, on the CPU, under a scratch random stream from ``seed`` routed by
 ``route`` (the same draws for every run) with Python's and numpy's random states put back; the user's model, its
 train/eval mode, its gradients, the task's random stream and the global ones are left as they were. A model that

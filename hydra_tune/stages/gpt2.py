@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, build_mask, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
@@ -51,8 +51,8 @@ class _Embed(nn.Module):
         # Position ids made here are a plain arange, which the mask's packed-sequence check would only confirm
         # (by reading their values); passing the user's alone gives the same mask and lets shapes-only planning
         # (meta tensors, no values) run this stage.
-        mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                  cache=None, position_ids=batch.get("position_ids"))
+        mask = build_mask(create_causal_mask, inputs_embeds, attention_mask, config=self.config, cache=None,
+                          position_ids=batch.get("position_ids"))
         if token_type_ids is not None:
             hidden = hidden + self.wte(token_type_ids)
         hidden = self.drop(hidden)
@@ -95,4 +95,4 @@ def gpt2_stages(model: nn.Module) -> ModelStages:
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"h.{i}", _Block(block)) for i, block in enumerate(model.transformer.h)]
     stages.append(Stage("head", _Head(model)))
-    return ModelStages(tuple(stages), _prepare, "gpt2")
+    return ModelStages(tuple(stages), _prepare, "gpt2", ("attention_mask",))

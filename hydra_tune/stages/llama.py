@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, build_mask, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 # Inputs the model's forward accepts but whose branch (generation cache, embeddings given directly, logits of a
@@ -73,8 +73,8 @@ class _Embed(nn.Module):
             # past_seen_tokens is 0: the cache (if any) is empty
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {kind: builders[kind](config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                      cache=cache, position_ids=position_ids) for kind in self.kinds}
+        masks = {kind: build_mask(builders[kind], inputs_embeds, attention_mask, config=self.config, cache=cache,
+                                  position_ids=position_ids) for kind in self.kinds}
         cos, sin = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         return {"hidden": inputs_embeds, "masks": masks, "position_ids": position_ids, "cos": cos, "sin": sin,
                 "labels": batch.get("labels")}
@@ -133,4 +133,4 @@ def llama_stages(model: nn.Module) -> ModelStages:
     n = model.config.num_hidden_layers
     stages += [Stage(f"layers.{i}", _Layer(layer, kinds[i], model.config)) for i, layer in enumerate(base.layers[:n])]
     stages.append(Stage("head", _Head(model)))
-    return ModelStages(tuple(stages), _prepare, "llama")
+    return ModelStages(tuple(stages), _prepare, "llama", ("attention_mask",))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, token_batches
+from .base import ModelStages, Stage, build_mask, token_batches
 
 
 def _new_cache(decoder: nn.Module, training: bool) -> Any:
@@ -69,8 +69,7 @@ class _Embed(nn.Module):
             position_ids = torch.cumsum(position_attention_mask, dim=1)
             position_ids = (position_ids * position_attention_mask - 1).long()
         # The model passes its empty DynamicCache here when config.use_cache: the mask is the same without it.
-        mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                  cache=None)
+        mask = build_mask(create_causal_mask, inputs_embeds, attention_mask, config=self.config, cache=None)
         pos_embeds = self.embed_positions(position_attention_mask, 0, position_ids=position_ids)
         if self.project_in is not None:
             inputs_embeds = self.project_in(inputs_embeds)
@@ -127,4 +126,4 @@ def opt_stages(model: nn.Module) -> ModelStages:
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"layers.{i}", _Layer(layer, decoder)) for i, layer in enumerate(decoder.layers)]
     stages.append(Stage("head", _Head(model)))
-    return ModelStages(tuple(stages), _prepare, "opt")
+    return ModelStages(tuple(stages), _prepare, "opt", ("attention_mask",))

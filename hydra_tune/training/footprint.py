@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map  # torch's own pytree walk: there is no public one
 
 from ..device.dispatch import UnitMode
 from ..policy.partition import Plan, StageCost, partition
@@ -95,9 +94,8 @@ def estimate_footprint(task: ModelTask, budget: int | None, bandwidth: float | N
             sample = next(iter(data_iterable(task.train_data)), None)
         if sample is None:
             raise Unmeasurable("no batch")
-        batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
-        costs = measure_costs(extract_stages(model, task.stages), batch, task.loss, task.seed,
-                              AUTOCAST_DTYPES[task.precision])
+        cut = extract_stages(model, task.stages)
+        costs = measure_costs(cut, cut.meta_batch(sample), task.loss, task.seed, AUTOCAST_DTYPES[task.precision])
         fewest = len(partition(costs, budget, keep=False).shards)
         optimizer, measured = optimizer_state_bytes(task, model)
     except Unmeasurable:

@@ -7,8 +7,9 @@
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
 stream), hand out its segment, add the minibatch's gradients, and every ``grad_accumulation`` batches clip, step
 the optimizer and the LR scheduler, and zero the gradients; at each step boundary and epoch end it serves the
-checkpoints asked; after each epoch it evaluates and emits the epoch's metrics. A resumed task repeats its epoch's
-data order from the checkpointed epoch-start RNG state and steps over the batches already trained on.
+checkpoints asked; after each epoch it evaluates, steps a metric-driven scheduler (ReduceLROnPlateau) with the
+named metric, and emits the epoch's metrics. A resumed task repeats its epoch's data order from the checkpointed
+epoch-start RNG state and steps over the batches already trained on.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
@@ -92,6 +93,7 @@ class TrainingLoop:
             metrics = self._epoch_metrics(epoch, run)
             if state.eval_iterable is not None:
                 metrics["eval_loss"] = yield from self._evaluate()
+            self._epoch_schedule(metrics)
             metrics["seconds"] = time.perf_counter() - start
             emit(metrics)
             if task.max_steps is not None and state.steps >= task.max_steps:
@@ -267,10 +269,20 @@ class TrainingLoop:
             scaler.update()
         else:
             optimizer.step()
-        if state.scheduler is not None:
-            state.scheduler.step()
+        if state.scheduler is not None and state.task.lr_scheduler_metric is None:
+            state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
         optimizer.zero_grad()
         state.steps += 1
+
+    def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
+        """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
+        scheduler steps with the named metric; ``lr`` then reports the learning rate it left."""
+        state = self.state
+        name = state.task.lr_scheduler_metric
+        if state.scheduler is None or name is None:
+            return
+        state.scheduler.step(metrics[name])
+        metrics["lr"] = state.optimizer.param_groups[0]["lr"]
 
     def _evaluate(self) -> Generator[Segment, None, float]:
         state = self.state

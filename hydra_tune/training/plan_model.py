@@ -8,6 +8,12 @@ The factory runs under ``torch.device("meta")``, so parameters, activations and 
 memory behind them; the runtime's accounting counts their bytes exactly as it counts real CPU storages. Unit
 times cannot be measured this way, so the plan keeps and offloads nothing (those choices need measured forward
 times): it is the partition a ``Runtime`` would start from, for sizing budgets and devices.
+
+Real tokenizer batches work for every family hydra_tune cuts (GPT-2, BERT, LLaMA-family, OPT): their stages read
+the attention mask's values (whether anything is padded decides which mask transformers builds), so the mask
+stays a real tensor while the rest goes to the meta device (``ModelStages.meta_batch``, ``stages.base.build_mask``).
+A model run whole whose forward reads values (``.item()``, ``if tensor.all()``) is refused with a TypeError that
+says so.
 """
 from __future__ import annotations
 
@@ -16,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map  # torch's own pytree walk: there is no public one
 
 from ..config import parse_bytes
+from ..errors import rule_error
 from ..policy.partition import Plan, partition
 from ..stages import extract_stages
 from .build import AUTOCAST_DTYPES
@@ -44,6 +50,16 @@ def plan_model(model: Callable[[], nn.Module], sample_batch: Any, device_memory:
     if on_meta:
         raise ValueError(f"every parameter and buffer is built on the meta device, but got (not_meta={on_meta[:3]})."
                          " Fix: create tensors without an explicit device= in the model's constructor.")
-    batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample_batch)
-    costs = measure_costs(extract_stages(built, stages), batch, loss, 0, AUTOCAST_DTYPES[precision])
+    cut = extract_stages(built, stages)
+    try:
+        costs = measure_costs(cut, cut.meta_batch(sample_batch), loss, 0, AUTOCAST_DTYPES[precision])
+    except (RuntimeError, NotImplementedError) as exc:
+        if "meta" not in str(exc):
+            raise
+        raise rule_error("the model's forward and loss run on shapes alone (plan_model measures them on the meta "
+                         "device, where no tensor has values)", "plan a model whose stages hydra_tune cuts (GPT-2, "
+                         "BERT, LLaMA-family and OPT read their attention masks' values themselves), leave out "
+                         "the batch entry whose values the forward reads, or measure a real build with "
+                         "Runtime.footprint(task) or Runtime.submit", kind=TypeError, model=type(built).__name__,
+                         stages=cut.family, error=f"{type(exc).__name__}: {exc}") from exc
     return partition(costs, parse_bytes(device_memory), keep=False)

@@ -23,7 +23,7 @@ from ..errors import PlanError, rule_error
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
 from ..stages.check import check_stages
-from ..task import ModelTask, check_batch, check_model, check_optimizer
+from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
 from .build import AUTOCAST_DTYPES, build_part, data_iterable, data_length
 from .checkpoint import CheckpointRequest, PendingCheckpoints, Position, capture, load, restore
 from .loop import TrainingLoop
@@ -77,6 +77,7 @@ class TaskState:
             scheduler = None
             if task.lr_scheduler is not None:
                 scheduler = build_part(task.lr_scheduler, "lr_scheduler", optimizer)
+                check_scheduler(task, scheduler)
             train_iterable = data_iterable(task.train_data)
             eval_iterable = None if task.eval_data is None else data_iterable(task.eval_data)
         cut = extract_stages(model, task.stages)
