@@ -277,3 +277,29 @@ def test_waiting_on_the_task_from_inside_its_own_work_raises_instead_of_hanging(
             (what, err)
         assert "task='selfish', status='running'" in str(err) and "Fix: call it from the thread" in str(err)
     assert not (tmp_path / "ck.pt").exists()
+
+
+def test_snapshot_and_model_of_a_task_waiting_for_host_memory_raise_at_once():
+    gate = threading.Event()
+
+    def held_sgd(m):   # the first task's steps wait for the gate: the second waits for host memory meanwhile
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        if not any(p.is_meta for p in m.parameters()):   # the footprint estimate steps it on the meta device
+            opt.register_step_pre_hook(lambda o, args, kwargs: None if gate.wait(60) else None)
+        return opt
+
+    tasks = [_mlp_task(name="first", epochs=1), _mlp_task(name="second", epochs=1)]
+    tasks[0].optimizer = held_sgd
+    with ht.Runtime(devices=["cpu"]) as probe:
+        one = probe.footprint(tasks[1]).total
+    with ht.Runtime(devices=["cpu"], host_memory=one + one // 2) as rt:
+        first, second = [rt.submit(t) for t in tasks]
+        assert list(rt.host_memory()["waiting"]) == ["second"]
+        with pytest.raises(RuntimeError, match="the task is built: snapshot\\(\\) copies its model must hold, but "
+                                               "got \\(task='second', status='queued', waiting_for='host memory'"):
+            second.snapshot(timeout=60)
+        with pytest.raises(RuntimeError, match=NOT_ENDED + ", but got \\(task='second', status='queued'"):
+            second.model()
+        gate.set()
+        second.result(timeout=60)
+        assert second.snapshot().steps == second.result()["steps"]

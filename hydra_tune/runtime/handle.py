@@ -119,7 +119,9 @@ class TaskHandle:
         ``snap.epoch_end`` say which (in a metrics loop it may lie past the epoch just reported:
         ``snap.steps == metrics["steps"]`` when it does not). Rules: a done task gives its final model (a copy);
         a failed or cancelled one raises (RuntimeError, from its error); a task still waiting for host memory
-        raises (it has no model yet); ``timeout`` seconds without a boundary raise TimeoutError.
+        raises (it has no model yet); so does a call from the task's own work (its forward, loss or data, which
+        its boundary waits for); ``timeout`` seconds without a boundary raise TimeoutError. Each snapshot is a
+        full copy of the model in host memory, not charged to the runtime's host-memory admission.
         """
         if self._status == "done":
             return self._final_snapshot()
