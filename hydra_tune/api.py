@@ -97,8 +97,15 @@ def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str,
 def current_handle() -> TaskHandle:
     """The handle of the task this thread's latest ``train(...)`` submitted (running or ended).
 
-        for m in hydra_tune.train(task): ...
+        for m in hydra_tune.train(task):
+            snap = hydra_tune.current_handle().snapshot()   # the weights as of the task's next step boundary
+            report(m, accuracy=evaluate(snap.model.eval()), at_steps=snap.steps)
         model = hydra_tune.current_handle().model()     # the trained model once the loop is through
+
+    Rules: ``model()`` is the trained model of an ended task: inside the loop the task is still running and it
+    raises at once; take ``snapshot()`` there (a copy, as of a step boundary: ``snap.steps`` says which; it may
+    lie a step or more past the epoch just reported). The record is this thread's: another thread (a pool's
+    worker, an evaluation thread) gets its own or none, so hand it the ``TaskHandle`` itself.
     """
     handle = getattr(_bound, "handle", None)
     if handle is None:

@@ -104,3 +104,10 @@ def assert_stages_match_model(model: torch.nn.Module, batch: dict, names: list[s
     assert got.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
     return cut
+
+
+def trained(handle: Any) -> torch.nn.Module:
+    """The trained model of ``handle``'s task, waiting for its end (``TaskHandle.model()`` raises at once on a
+    task that has not ended)."""
+    handle.result()
+    return handle.model()

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import lm_batches, make_gpt2
 from reference import max_param_diff, plain_train
+from reference import trained as _trained
 
 import hydra_tune as ht
 from hydra_tune.errors import RuntimeClosed, TaskCancelled
@@ -89,7 +90,7 @@ def test_footprint_matches_what_the_task_holds(name, model, optimizer, loss, dat
     with ht.Runtime(devices=["cpu"], device_memory=device_memory, host_memory="1GiB") as rt:
         rt_box.append(rt)
         estimate = rt.footprint(task)
-        trained = rt.submit(task).model()
+        trained = _trained(rt.submit(task))
         stats = rt.stats()["tasks"][name]
     admitted = stats["host_footprint"]  # built at submit: the activations of its own plan
     assert len(stats["shards"]) > 1 and len(seen["host"]) > 3
@@ -196,7 +197,7 @@ def test_only_tasks_that_fit_run_the_rest_wait_in_order_and_all_match_alone():
         assert rt.stats()["tasks"]["t3"] == {"state": "queued", "waiting_for_host_memory": True,
                                              "host_footprint": rt.footprint(tasks[3]).parts()}
         gate.set()
-        models = [h.model() for h in handles]
+        models = [_trained(h) for h in handles]
         trace = rt.trace()
         host = rt.host_memory()
     assert host["admitted"] == {} and host["waiting"] == {} and host["admitted_bytes"] == 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 from hydra_tune.errors import PlanError
@@ -70,7 +70,7 @@ def test_declared_stages_train_exactly_like_the_plain_loop(how):
              else [_task(Declared, s) for s in (0, 1)])
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=80_000) as rt:
         handles = [rt.submit(t) for t in tasks]
-        models = [h.model() for h in handles]
+        models = [trained(h) for h in handles]
         stats = rt.stats()
     for t, m in zip(tasks, models):
         assert len(stats["tasks"][t.name]["shards"]) >= 2

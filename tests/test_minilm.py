@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 from hydra_tune.stages import extract_stages
@@ -78,7 +78,7 @@ def test_minilm_sharded_epoch_matches_plain_loop():
     task = ht.ModelTask(load_minilm, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), batches(3, 8),
                         epochs=1, seed=0, name="minilm")
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=budget) as rt:
-        model = rt.submit(task).model()
+        model = trained(rt.submit(task))
         stats = rt.stats()
     assert len(stats["tasks"]["minilm"]["shards"]) >= 3, stats["tasks"]["minilm"]["shards"]
     assert all(d["peak_bytes"] <= budget for d in stats["devices"])

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import process_alive
-from reference import max_param_diff
+from reference import max_param_diff, trained
 
 import hydra_tune as ht
 from hydra_tune import node
@@ -107,11 +107,11 @@ def _no_seconds(ms: list) -> list:
 def test_remote_tasks_match_in_process_runtime_bit_for_bit():
     with ht.Runtime(**CFG) as local:
         handles = [local.submit(t) for t in _tasks()]
-        expected = [(h.model(), list(h.metrics())) for h in handles]
+        expected = [(trained(h), list(h.metrics())) for h in handles]
     with _connect() as rt:
         assert rt.devices == 2
         handles = [rt.submit(t) for t in _tasks()]
-        got = [(h.model(), list(h.metrics())) for h in handles]
+        got = [(trained(h), list(h.metrics())) for h in handles]
         assert [h.status for h in handles] == ["done", "done"] and handles[0].result() == got[0][1][-1]
         assert {h.server_name for h in handles} <= set(rt.stats()["tasks"]) & set(rt.trace().tasks())
     for (m0, ms0), (m1, ms1) in zip(expected, got):
@@ -159,10 +159,10 @@ def test_checkpoint_taken_in_the_server_resumes_exactly(tmp_path):
         h = rt.submit(task())
         assert _wait(lambda: h.status == "running", 30)
         path = h.checkpoint(tmp_path / "ck.pt", timeout=30)
-        full = h.model()
+        full = trained(h)
         with pytest.raises(RuntimeError, match="needs a running task"):
             h.checkpoint(tmp_path / "late.pt")
-        assert path == str(tmp_path / "ck.pt") and max_param_diff(full, rt.submit(task(resume_from=path)).model()) == 0
+        assert path == str(tmp_path / "ck.pt") and max_param_diff(full, trained(rt.submit(task(resume_from=path)))) == 0
 
 
 def test_killed_client_process_has_its_task_cancelled():

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import lm_batches, make_gpt2
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 
@@ -22,7 +22,7 @@ def test_sharded_mixed_precision_matches_plain_autocast(precision):
     tasks = [_gpt2_task(i, precision) for i in range(2)]
     with ht.Runtime(devices=["cpu", "cpu"], device_memory="500KiB") as rt:
         handles = [rt.submit(t) for t in tasks]
-        results = [(h.model(), list(h.metrics())) for h in handles]
+        results = [(trained(h), list(h.metrics())) for h in handles]
         stats = rt.stats()
     for t, (model, metrics) in zip(tasks, results):
         assert len(stats["tasks"][t.name]["shards"]) >= 3

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import lm_batches, make_gpt2
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 from hydra_tune.errors import PlanError, TaskCancelled
@@ -121,7 +121,7 @@ def test_failing_task_is_isolated():
         with pytest.raises(RuntimeError, match="boom in user loss"):
             hb.result(timeout=60)
         for t, h in zip(good, hg):
-            assert max_param_diff(plain_train(t)[0], h.model()) == 0.0
+            assert max_param_diff(plain_train(t)[0], trained(h)) == 0.0
         assert rt.stats()["tasks"]["bad"]["state"] == "failed"
         gc.collect()
         assert all(d["current_bytes"] == 0 for d in rt.stats()["devices"]), "the failed unit's memory is held"

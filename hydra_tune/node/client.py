@@ -34,6 +34,7 @@ from ..config import RuntimeConfig
 from ..errors import HydraError, RuntimeClosed, rule_error
 from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
+from ..training.boundary import Snapshot
 from ..task import ModelTask
 from .files import locked, log_tail, server_env, server_files
 from .wire import RemoteError, TaskNotPicklable, unpack_error
@@ -70,6 +71,9 @@ class RemoteHandle(TaskHandle):
         handle = rt.submit(task)
         for m in handle.metrics(): print(m["epoch"], m["train_loss"])   # raises the task's error at the end
         model = handle.model()                                          # shipped from the server on request
+
+    ``snapshot()`` is served by the server's handle (its loop, at a step boundary) and shipped here; ``model()``
+    follows TaskHandle's rule (the task has ended, else it raises at once).
     """
 
     def __init__(self, call: Callable[..., Any], tid: int, name: str) -> None:
@@ -79,13 +83,18 @@ class RemoteHandle(TaskHandle):
         self._fetch = threading.Lock()
         self._fetched: list[Any] = []          # the model, once fetched
 
-    def model(self) -> Any:
-        """The trained model (CPU), fetched from the server once; the server then drops its copy."""
-        self.result()
+    def _trained(self) -> Any:
+        """The done task's model (CPU), fetched from the server once; the server then drops its copy."""
         with self._fetch:
             if not self._fetched:
                 self._fetched.append(pickle.loads(self._call("model", self._tid)))
         return self._fetched[0]
+
+    def snapshot(self, timeout: float | None = None) -> Snapshot:
+        """``TaskHandle.snapshot`` served by the server's handle and shipped here; a done task's from its model."""
+        if self.done():
+            return super().snapshot(timeout)
+        return pickle.loads(self._call("snapshot", self._tid, timeout))
 
     def checkpoint(self, path: str, timeout: float | None = None) -> str:
         """``TaskHandle.checkpoint`` run in the server (same node, same filesystem); returns the absolute path."""

@@ -1,4 +1,5 @@
-"""The node server's answers to its clients: hello, submit, cancel, forget, model, checkpoint, stats and trace.
+"""The node server's answers to its clients: hello, submit, cancel, forget, model, snapshot, checkpoint, stats
+and trace.
 
     handlers = Handlers(runtime, forwarders, describe=server.describe)
     handlers.receive(client, "cancel", 7, [3])     # from the client's reader: (op, request_id, *args)
@@ -39,7 +40,8 @@ class Handlers:
         self._runtime, self._forwarders, self._describe = runtime, forwarders, describe
         self._ops: dict[str, Callable[..., Any]] = {
             "hello": self._hello, "submit": self._submit, "cancel": self._cancel, "forget": self._forget,
-            "model": self._model, "checkpoint": self._checkpoint, "stats": self._stats, "trace": self._trace}
+            "model": self._model, "snapshot": self._snapshot, "checkpoint": self._checkpoint, "stats": self._stats,
+            "trace": self._trace}
 
     def receive(self, client: Client, op: str, rid: int, args: list[Any]) -> None:
         """Answer one request: now if it is quick, else in a thread of its own."""
@@ -115,6 +117,17 @@ class Handlers:
         blob = cloudpickle.dumps(handle.model())   # by value where the client's task was: the same classes there
         client.release(tid)                        # shipped: the client keeps the only copy
         return blob
+
+    def _snapshot(self, client: Client, tid: int, timeout: float | None) -> bytes:
+        handle = client.task(tid)
+        if handle is None:
+            raise RuntimeError(f"the node server no longer holds task {tid} (its model was fetched or it was "
+                               "forgotten): a snapshot needs a task it runs")
+        try:
+            snap = handle.snapshot(timeout)
+        except BaseException as exc:  # its message names the task as the client does
+            raise renamed(exc, handle.name, handle.name.split("/", 1)[-1]) from exc.__cause__
+        return cloudpickle.dumps(snap)   # the model by value, as for "model"
 
     def _checkpoint(self, client: Client, tid: int, path: str, timeout: float | None) -> str:
         handle = client.task(tid)

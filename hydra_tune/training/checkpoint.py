@@ -4,14 +4,15 @@
     task = ModelTask(..., resume_from="ckpt/trial-3.pt")  # a new runtime (or process) continues bit-identically
 
 A checkpoint holds the model, optimizer, LR scheduler and loss scaler states, the task's RNG streams, and where
-the loop stands (epoch, batches done in it, steps, samples, the epoch's losses so far, and the RNG state at the
-epoch's start). Resuming rebuilds the data iterator from that epoch-start state and steps over the batches
+the loop stands (epoch, batches done in it, steps, samples, the epoch's losses and skipped minibatches so far,
+and the RNG state at the epoch's start). Resuming rebuilds the data iterator from that epoch-start state and steps over the batches
 already trained on, so shuffling and any random data transforms repeat exactly; then the RNG continues from the
 checkpoint. Files are written to a private (0600) temporary file in the target directory and renamed into place,
 so a kill mid-write never leaves a torn checkpoint, and read with ``torch.load(weights_only=True)`` (tensors and
 plain data only: a file holding any other pickled object is refused, not run). A writer killed mid-write (SIGKILL,
 power loss) leaves its temporary file, ``.hydra-ckpt-<host>-<pid>-<random>``; the next save into that directory
-removes those of writers on this host that are no longer running.
+removes those of writers on this host that are no longer running. Asking for one and serving it at a step
+boundary is boundary.py's work.
 """
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ import contextlib
 import os
 import socket
 import tempfile
-import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +44,7 @@ class Position:
     epoch_rng: torch.Tensor     # the task's CPU generator state when the epoch's data iterator was made
     rng: torch.Tensor           # the CPU generator state now
     accel_rng: torch.Tensor | None
+    skipped: int = 0            # this epoch's minibatches dropped so far for a non-finite loss (skip_step)
 
 
 def capture(state: TaskState, position: Position) -> dict[str, Any]:
@@ -153,73 +153,3 @@ def _running(pid: int) -> bool:
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint; tensors and plain data only (no arbitrary objects are unpickled)."""
     return torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-
-
-class CheckpointRequest:
-    """A checkpoint asked of a running task; ``wait`` returns the written path or raises why it was not."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._done = threading.Event()
-        self._result: tuple[str | None, BaseException | None] = (None, None)
-
-    def finish(self, path: str | None, error: BaseException | None) -> None:
-        self._result = (path, error)
-        self._done.set()
-
-    def wait(self, timeout: float | None = None) -> str:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"no step boundary within {timeout} s for checkpoint {self.path!r}")
-        path, error = self._result
-        if error is not None:
-            raise error
-        return path  # type: ignore[return-value]
-
-
-class PendingCheckpoints:
-    """The checkpoints asked of one task and not yet written: served at its step boundaries; once the task trains
-    no more, the waiting ones and any asked later fail at once (no step boundary will come for them).
-
-        pending = PendingCheckpoints("trial-3")
-        request = pending.ask("ckpt/trial-3.pt")          # any thread; request.wait() returns the path
-        pending.serve(lambda: capture(state, position))   # the task's loop, at a step boundary
-        pending.end("finished")
-    """
-
-    def __init__(self, task: str) -> None:
-        self.task = task
-        self._lock = threading.Lock()
-        self._requests: list[CheckpointRequest] = []
-        self._ended: str | None = None  # why the task trains no more
-
-    def ask(self, path: str) -> CheckpointRequest:
-        """A request for a checkpoint at ``path``, served at the task's next step boundary (or epoch end)."""
-        req = CheckpointRequest(path)
-        with self._lock:
-            ended = self._ended
-            if ended is None:
-                self._requests.append(req)
-        if ended is not None:  # asked after the last chance to serve it
-            req.finish(None, self._late(ended))
-        return req
-
-    def serve(self, data: Callable[[], dict[str, Any]]) -> None:
-        """Write ``data()`` to every waiting request's path; a failed write fails that request, not the task."""
-        with self._lock:
-            requests, self._requests = self._requests, []
-        for req in requests:
-            try:
-                req.finish(save(data(), req.path), None)
-            except BaseException as exc:
-                req.finish(None, exc)
-
-    def end(self, why: str) -> None:
-        """Fail the waiting requests, and any asked from now on, saying ``why`` the task trains no more."""
-        with self._lock:
-            requests, self._requests = self._requests, []
-            self._ended = self._ended or why
-        for req in requests:
-            req.finish(None, self._late(why))
-
-    def _late(self, why: str) -> RuntimeError:
-        return RuntimeError(f"task {self.task!r} {why} before a checkpoint could be taken")

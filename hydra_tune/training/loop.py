@@ -6,10 +6,12 @@
 
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
 stream), hand out its segment, add the minibatch's gradients, and every ``grad_accumulation`` batches clip, step
-the optimizer and the LR scheduler, and zero the gradients; at each step boundary and epoch end it serves the
-checkpoints asked; after each epoch it evaluates, steps a metric-driven scheduler (ReduceLROnPlateau) with the
-named metric, and emits the epoch's metrics. A resumed task repeats its epoch's data order from the checkpointed
-epoch-start RNG state and steps over the batches already trained on.
+the optimizer and the LR scheduler, and zero the gradients; after each epoch it evaluates, steps a metric-driven
+scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step boundary and epoch
+end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the
+model is unchanged until then); when it trains no more, snapshots get the final model (boundary.py). A resumed
+task repeats its epoch's data order from the checkpointed epoch-start RNG state and steps over the batches
+already trained on.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
@@ -32,6 +34,7 @@ from ..device.dispatch import UnitMode
 from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
+from .boundary import task_work
 from .checkpoint import Position
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
@@ -99,8 +102,8 @@ class TrainingLoop:
             if task.max_steps is not None and state.steps >= task.max_steps:
                 break
             snap = state.rng.snapshot()
-            state.serve_checkpoints(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap))
-        state.abandon_checkpoints("finished")
+            state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap), epoch_end=True)
+        state.finish_requests()
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
@@ -122,13 +125,16 @@ class TrainingLoop:
         state, task, rng = self.state, self.state.task, self.state.rng
         state.epoch = epoch
         state.batch_in_epoch = state.eval_in_epoch = 0
-        run = _EpochRun(*self._resume_epoch(), samples)
+        losses, skip, skipped = self._resume_epoch()
+        run = _EpochRun(losses, skip, samples, skipped=skipped)
         epoch_rng = rng.cpu.get_state()
         for batch in self._batches(state.train_iterable):
             state.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
             if state.batch_in_epoch <= run.skip:
                 if state.batch_in_epoch == run.skip:  # the next fetch and all after draw as they did originally
                     self._resume_rng()
+                    if task.max_steps is not None and state.steps >= task.max_steps:
+                        break  # checkpointed at its last step: the task only ends its epoch, as it did then
                 continue
             yield self._train_segment(batch, run.losses)
             if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
@@ -144,8 +150,9 @@ class TrainingLoop:
             if run.pending == task.grad_accumulation:
                 self._step()
                 run.pending = 0
-                state.serve_checkpoints(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
-                                                 list(run.losses), epoch_rng, *rng.snapshot()))
+                state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
+                                              list(run.losses), epoch_rng, *rng.snapshot(), run.skipped),
+                                     epoch_end=False)
                 if task.max_steps is not None and state.steps >= task.max_steps:
                     break
         state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
@@ -153,16 +160,17 @@ class TrainingLoop:
             self._step()
         return run
 
-    def _resume_epoch(self) -> tuple[list[float], int]:
-        """The epoch's losses so far and the batches to step over: a resumed task's first epoch repeats its data
-        order from the epoch-start RNG state; at an epoch-start position it continues from the checkpoint now."""
+    def _resume_epoch(self) -> tuple[list[float], int, int]:
+        """The epoch's losses so far, the batches to step over and the minibatches skipped so far: a resumed task's
+        first epoch repeats its data order from the epoch-start RNG state; at an epoch-start position it
+        continues from the checkpoint now."""
         resume = self.state.resume
         if resume is None:
-            return [], 0
+            return [], 0, 0
         self.state.rng.cpu.set_state(resume.epoch_rng)
         if resume.batch_in_epoch == 0:  # nothing to step over
             self._resume_rng()
-        return list(resume.losses), resume.batch_in_epoch
+        return list(resume.losses), resume.batch_in_epoch, resume.skipped
 
     def _resume_rng(self) -> None:
         """Continue from the checkpoint's RNG state: the resume is done."""
@@ -184,11 +192,11 @@ class TrainingLoop:
     def _batches(self, iterable: Any) -> Iterator[Any]:
         # Only data loading draws random numbers on the host (shuffling, workers' seeds): it alone runs in the
         # task's RNG mode; the optimizer step and the rest of the host work run at full speed outside it.
-        rng = self.state.rng
-        with UnitMode(rng.cpu):
+        rng, name = self.state.rng, self.state.task.name
+        with UnitMode(rng.cpu), task_work(name):
             it = iter(iterable)
         while True:
-            with UnitMode(rng.cpu):
+            with UnitMode(rng.cpu), task_work(name):
                 batch = next(it, _END)
             if batch is _END:
                 return
@@ -198,7 +206,14 @@ class TrainingLoop:
     def _segment(self, units: list[UnitSpec], train: bool) -> Segment:
         self.made += 1
         name = self.state.task.name
-        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, run, pre)
+
+        def work(run: Callable[[Device], Any]) -> Callable[[Device], Any]:
+            def in_work(d: Device) -> Any:  # the model's forward and the loss: the task's own work
+                with task_work(name):
+                    return run(d)
+            return in_work
+
+        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, work(run), pre)
                                               for kind, ex, run, pre in units),
                        train, segment_key(train, self.state.store.batch))
 
@@ -211,6 +226,7 @@ class TrainingLoop:
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
         state = self.state
+        state.leave_boundary()  # before anything of this minibatch (the loss scaler's scale() included)
         check_batch(batch, state.task.name, "train_data", state.batch_in_epoch)
         if state.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
             state.store.loss_scale = state.scaler.scale(torch.ones((), dtype=torch.float32))
@@ -293,6 +309,7 @@ class TrainingLoop:
             for batch in self._batches(state.eval_iterable):
                 check_batch(batch, state.task.name, "eval_data", state.eval_in_epoch + 1)
                 state.eval_in_epoch += 1
+                state.leave_boundary()  # an evaluation forward may change what the model holds, too
                 yield self._begin(batch, losses, lambda: self._eval_units(losses))
                 state.store.clear()
                 n += 1

@@ -6,8 +6,8 @@
     state.remaining(), state.held_bytes                          # for the scheduler and host-memory admission
 
 Rules: build in the submitting thread (factory errors raise there); the loop's thread alone touches the tensors
-(``host_bytes()``), other threads read ``held_bytes`` and the progress numbers; checkpoints are asked from any
-thread and written by the loop at its next step boundary.
+(``host_bytes()``), other threads read ``held_bytes`` and the progress numbers; checkpoints and snapshots are
+asked from any thread and served by the loop at a step boundary (boundary.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from ..stages import ModelStages, extract_stages
 from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
 from .build import AUTOCAST_DTYPES, build_part, data_iterable, data_length
-from .checkpoint import CheckpointRequest, PendingCheckpoints, Position, capture, load, restore
+from .boundary import Boundary, BoundaryRequest, BoundaryRequests
+from .checkpoint import Position, load, restore
 from .loop import TrainingLoop
 from .profile import measure_costs
 from .segments import Segment
@@ -60,7 +61,7 @@ class TaskState:
         self.held_bytes = 0    # host_bytes() at its first two steps (then steady): what other threads may read
         self._measured_steps = 0
         self._loop: TrainingLoop | None = None
-        self._checkpoints = PendingCheckpoints(task.name)
+        self._requests = BoundaryRequests(task.name)
 
     @classmethod
     def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None,
@@ -126,18 +127,33 @@ class TaskState:
     def _execs(self, plan: Plan) -> list[ShardExec]:
         return [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast) for s in plan.shards]
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
-    def request_checkpoint(self, path: str) -> CheckpointRequest:
-        """Ask for a checkpoint at the task's next step boundary (or epoch end); wait on the returned request."""
-        return self._checkpoints.ask(path)
+    # -- checkpoints and snapshots (boundary.py) ------------------------------------------------------------
+    def request_checkpoint(self, path: str) -> BoundaryRequest:
+        """Ask for a checkpoint at the task's next step boundary (or epoch end); ``wait()`` returns the path."""
+        return self._requests.ask_checkpoint(path)
+
+    def request_snapshot(self) -> BoundaryRequest:
+        """Ask for a copy of the model at the task's next step boundary (or epoch end; the final model once the
+        loop is through); ``wait()`` returns a ``Snapshot``."""
+        return self._requests.ask_snapshot()
 
     def abandon_checkpoints(self, why: str) -> None:
-        """Fail the checkpoint requests still waiting, and any asked from now on (the task trains no more)."""
-        self._checkpoints.end(why)
+        """Fail the checkpoint and snapshot requests still waiting, and any asked from now on (the task trains no
+        more); snapshots of a loop that finished keep getting its final model."""
+        self._requests.end(why)
 
-    def serve_checkpoints(self, position: Position) -> None:
-        """Write the checkpoints asked so far, of the task as it stands at ``position`` (a step boundary)."""
-        self._checkpoints.serve(lambda: capture(self, position))
+    def reach_boundary(self, position: Position, epoch_end: bool) -> None:
+        """The loop stands at a step boundary (``position``; ``epoch_end``: after the epoch's evaluation): serve
+        the requests asked so far, and those asked before it hands out its next minibatch."""
+        self._requests.reach(self, Boundary(position, self.epoch, self.steps, epoch_end))
+
+    def leave_boundary(self) -> None:
+        """The loop hands out a minibatch (the model may change from now on): serve what was asked meanwhile."""
+        self._requests.leave(self)
+
+    def finish_requests(self) -> None:
+        """The loop trains no more: waiting checkpoints fail, snapshots (now and later) get the final model."""
+        self._requests.finish(self.model, Boundary(None, self.epoch, self.steps, True))
 
     # -- what it holds and what is left --------------------------------------------------------------------
     def remaining(self) -> dict[str, int]:
