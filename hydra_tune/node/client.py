@@ -34,8 +34,8 @@ from ..config import RuntimeConfig
 from ..errors import HydraError, RuntimeClosed, rule_error
 from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
-from ..training.boundary import Snapshot
 from ..task import ModelTask
+from ..training.boundary import Snapshot
 from .files import locked, log_tail, server_env, server_files
 from .wire import RemoteError, TaskNotPicklable, unpack_error
 

@@ -24,8 +24,8 @@ from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
 from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
-from .build import AUTOCAST_DTYPES, build_part, data_iterable, data_length
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
+from .build import AUTOCAST_DTYPES, build_part, data_iterable, data_length
 from .checkpoint import Position, load, restore
 from .loop import TrainingLoop
 from .profile import measure_costs
