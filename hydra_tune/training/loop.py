@@ -5,10 +5,11 @@
         for unit in segment.units: unit.run(device)
 
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
-stream), hand out its segment, add the minibatch's gradients, and every ``grad_accumulation`` batches clip, step
-the optimizer and the LR scheduler, and zero the gradients; at each step boundary and epoch end it serves the
-checkpoints asked; after each epoch it evaluates and emits the epoch's metrics. A resumed task repeats its epoch's
-data order from the checkpointed epoch-start RNG state and steps over the batches already trained on.
+stream; a data factory is called at the start of each pass over the data), hand out its segment, add the
+minibatch's gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and
+zero the gradients; at each step boundary and epoch end it serves the checkpoints asked; after each epoch it
+evaluates and emits the epoch's metrics. A resumed task repeats its epoch's data order from the checkpointed
+epoch-start RNG state and steps over the batches already trained on.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
@@ -32,6 +33,7 @@ from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
 from .checkpoint import Position
+from .data import epoch_data
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -120,7 +122,7 @@ class TrainingLoop:
         state.batch_in_epoch = state.eval_in_epoch = 0
         run = _EpochRun(*self._resume_epoch(), samples)
         epoch_rng = rng.cpu.get_state()
-        for batch in self._batches(state.train_iterable):
+        for batch in self._batches(state.train_iterable, "train_data"):
             state.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
             if state.batch_in_epoch <= run.skip:
                 if state.batch_in_epoch == run.skip:  # the next fetch and all after draw as they did originally
@@ -177,12 +179,14 @@ class TrainingLoop:
             metrics["loss_scale"] = state.scaler.get_scale()
         return metrics
 
-    def _batches(self, iterable: Any) -> Iterator[Any]:
-        # Only data loading draws random numbers on the host (shuffling, workers' seeds): it alone runs in the
-        # task's RNG mode; the optimizer step and the rest of the host work run at full speed outside it.
+    def _batches(self, data: Any, what: str) -> Iterator[Any]:
+        # Only data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it
+        # alone runs in the task's RNG mode; the optimizer step and the rest of the host work run at full speed
+        # outside it. DataLoader workers forked here leave that mode (device/dispatch.py): PyTorch seeds them.
         rng = self.state.rng
         with UnitMode(rng.cpu):
-            it = iter(iterable)
+            # a factory is called here: once per pass, as in the plain loop
+            it = iter(epoch_data(data, what, self.state.task.name))
         while True:
             with UnitMode(rng.cpu):
                 batch = next(it, _END)
@@ -276,7 +280,7 @@ class TrainingLoop:
         losses: list[float] = []
         n = 0
         try:
-            for batch in self._batches(state.eval_iterable):
+            for batch in self._batches(state.eval_iterable, "eval_data"):
                 check_batch(batch, state.task.name, "eval_data", state.eval_in_epoch + 1)
                 state.eval_in_epoch += 1
                 yield self._begin(batch, losses, lambda: self._eval_units(losses))
