@@ -63,6 +63,59 @@ def data_length(data: Any) -> int | None:
         return None
 
 
+def data_generators(data: Any) -> list[torch.Generator]:
+    """The torch.Generators ``data`` draws from besides the task's stream, each once: a DataLoader's
+    ``generator=``, and those its sampler and batch sampler hold (or an iterable's own attributes). Checkpoints
+    keep their states at each epoch's start, so a resumed epoch repeats its order."""
+    from torch.utils.data import DataLoader
+
+    holders = [data]
+    if isinstance(data, DataLoader):
+        holders += [data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None)]
+    found: dict[int, torch.Generator] = {}
+    for holder in holders:
+        for value in getattr(holder, "__dict__", {}).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def restore_generators(data: Any, states: list[torch.Tensor] | None, task: str) -> None:
+    """A resumed epoch: put the states its checkpoint recorded (``states``; None: none recorded) into ``data``'s
+    own generators."""
+    generators = _matching_generators(data, states, task)
+    for generator, state in zip(generators, states or ()):
+        generator.set_state(state)
+
+
+def _matching_generators(data: Any, states: list[torch.Tensor] | None, task: str) -> list[torch.Generator]:
+    generators = data_generators(data)
+    if (states is not None or generators) and len(states or ()) != len(generators):
+        raise rule_error("the resumed task's train data has as many generators of its own as the checkpointed "
+                         "task's (their states at the epoch's start are in the checkpoint)", "build the "
+                         "DataLoader (its generator= and sampler) as the checkpointed task did, with a checkpoint "
+                         "written by this hydra_tune version", task=task, checkpoint=None if states is None
+                         else len(states), data=len(generators))
+    return generators
+
+
+def check_resume(task: Any, epoch: int, states: list[torch.Tensor] | None) -> None:
+    """Refuse at submit what a resume at ``epoch`` cannot repeat: train data whose own generators do not match the
+    checkpoint's ``states``; a DataLoader with persistent workers, which made its iterator (and drew its base seed)
+    in the first epoch, and whose workers keep their random state, in no checkpoint."""
+    from torch.utils.data import DataLoader
+
+    if not is_factory(task.train_data):  # a factory's data is checked when the resumed epoch makes it
+        _matching_generators(task.train_data, states, task.name)
+    for what in ("train_data", "eval_data"):
+        data = getattr(task, what)
+        if epoch > 1 and isinstance(data, DataLoader) and data.persistent_workers and data.num_workers > 0:
+            raise rule_error("a task resumed after its first epoch has no DataLoader with persistent workers (they "
+                             "keep random state from earlier epochs that no checkpoint holds)", "train and resume "
+                             "with persistent_workers=False: the workers then start each epoch from the task's "
+                             "stream, which the checkpoint holds", task=task.name, data=what, epoch=epoch)
+
+
 def sample_batch(data: Any, seed: int, task: str, what: str = "train_data") -> Any:
     """The first batch of a fresh epoch of ``data`` (``NO_BATCH`` if it yields none), taken without advancing the
     user's iterables, samplers or generators; random draws come from a scratch stream seeded with ``seed``."""

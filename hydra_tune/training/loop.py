@@ -33,7 +33,7 @@ from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
 from .checkpoint import Position
-from .data import epoch_data
+from .data import data_generators, epoch_data, is_factory, restore_generators
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -82,6 +82,8 @@ class TrainingLoop:
         self.made = 0  # segments handed out (each one's index)
         self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
         self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
+        self._data_rng: list[torch.Tensor] = []  # the train data's own generators' states at the epoch's start
+        self._data_rng_due: tuple[list[torch.Tensor] | None] | None = None  # a resumed epoch's, to put back
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
@@ -98,8 +100,10 @@ class TrainingLoop:
             emit(metrics)
             if task.max_steps is not None and state.steps >= task.max_steps:
                 break
-            snap = state.rng.snapshot()
-            state.serve_checkpoints(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap))
+            if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step serves
+                snap = state.rng.snapshot()
+                data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
+                state.serve_checkpoints(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap, data_rng))
         state.abandon_checkpoints("finished")
 
     def retry(self, plan: Plan) -> Segment:
@@ -143,7 +147,7 @@ class TrainingLoop:
                 self._step()
                 run.pending = 0
                 state.serve_checkpoints(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
-                                                 list(run.losses), epoch_rng, *rng.snapshot()))
+                                                 list(run.losses), epoch_rng, *rng.snapshot(), self._data_rng))
                 if task.max_steps is not None and state.steps >= task.max_steps:
                     break
         state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
@@ -158,6 +162,7 @@ class TrainingLoop:
         if resume is None:
             return [], 0
         self.state.rng.cpu.set_state(resume.epoch_rng)
+        self._data_rng_due = (resume.data_rng,)  # put into the data's own generators when the epoch makes it
         if resume.batch_in_epoch == 0:  # nothing to step over
             self._resume_rng()
         return list(resume.losses), resume.batch_in_epoch
@@ -185,14 +190,24 @@ class TrainingLoop:
         # outside it. DataLoader workers forked here leave that mode (device/dispatch.py): PyTorch seeds them.
         rng = self.state.rng
         with UnitMode(rng.cpu):
-            # a factory is called here: once per pass, as in the plain loop
-            it = iter(epoch_data(data, what, self.state.task.name))
+            made = epoch_data(data, what, self.state.task.name)  # a factory is called here: once per pass
+            if what == "train_data":
+                self._start_data_rng(made)
+            it = iter(made)
         while True:
             with UnitMode(rng.cpu):
                 batch = next(it, _END)
             if batch is _END:
                 return
             yield batch
+
+    def _start_data_rng(self, made: Any) -> None:
+        """At an epoch's start: a resumed epoch's data generators get their checkpointed states back; their
+        states are kept for this epoch's checkpoints."""
+        due, self._data_rng_due = self._data_rng_due, None
+        if due is not None:
+            restore_generators(made, due[0], self.state.task.name)
+        self._data_rng = [g.get_state() for g in data_generators(made)]
 
     # -- segments -------------------------------------------------------------------------------------------
     def _segment(self, units: list[UnitSpec], train: bool) -> Segment:

@@ -25,7 +25,7 @@ from ..stages import ModelStages, extract_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer
 from .build import AUTOCAST_DTYPES, build_part
 from .checkpoint import CheckpointRequest, PendingCheckpoints, Position, capture, load, restore
-from .data import NO_BATCH, data_length, sample_batch
+from .data import NO_BATCH, check_resume, data_length, sample_batch
 from .loop import TrainingLoop
 from .profile import measure_costs
 from .segments import Segment
@@ -97,6 +97,7 @@ class TaskState:
         state.held_bytes = state.host_bytes()
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
+            check_resume(task, state.resume.epoch, state.resume.data_rng)
             state.steps = state.resume.steps
         return state
 
