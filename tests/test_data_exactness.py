@@ -91,6 +91,38 @@ def test_python_and_numpy_random_in_workers_match_plain(aug):
     assert diff == 0.0
 
 
+def test_a_process_forked_inside_the_task_routing_leaves_it():
+    """A child forked inside UnitMode/RandomRouter (a worker) draws from its own global generator, as PyTorch
+    seeds it; other modes stay."""
+    import os
+
+    from torch.overrides import TorchFunctionMode
+
+    from hydra_tune.device.dispatch import RandomRouter, UnitMode
+
+    class Other(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    read, write = os.pipe()
+    with Other(), RandomRouter(torch.Generator().manual_seed(0)), UnitMode(torch.Generator().manual_seed(0)):
+        pid = os.fork()
+        if pid == 0:  # the child: report its modes and a draw after seeding the global generator
+            try:
+                torch.manual_seed(11)
+                modes = [type(torch._C._get_function_stack_at(i)).__name__
+                         for i in range(torch._C._len_torch_function_stack())]
+                os.write(write, f"{modes}|{torch._C._len_torch_dispatch_stack()}|{torch.rand(()).item()!r}".encode())
+            finally:
+                os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        got = f.read()
+    torch.manual_seed(11)
+    assert got == f"['Other']|0|{torch.rand(()).item()!r}"
+
+
 # -- the sample batch touches nothing (case 2) ----------------------------------------------------------------
 def test_loader_with_its_own_generator_matches_plain():
     diff = _diff(lambda: _task(DataLoader(_Points(), batch_size=4, shuffle=True,
@@ -284,8 +316,8 @@ def test_global_python_or_numpy_random_in_this_process_is_refused(aug):
     (in workers PyTorch seeds them: exact, above)."""
     module = {"random": "random", "numpy": "numpy.random"}[aug]
     with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt, \
-            pytest.raises(ValueError, match=rf"`train_data` draws no random numbers from {module}'s global generator "
-                                            rf"in this process .* but got \(task='g', data='train_data', "
+            pytest.raises(ValueError, match=rf"`train_data` draws no random numbers from the global generator of "
+                                            rf"`{module}` in this process .* but got \(task='g', data='train_data', "
                                             rf"module='{module}'\)\. Fix: draw with torch"):
         rt.submit(_task(DataLoader(_Points(aug), batch_size=4), name="g"))
 

@@ -18,7 +18,9 @@ Rules:
   first batch, else the task is refused (slices of one shared iterator would lose the sample's batch).
 * Python's ``random`` and numpy's global generator are shared by every thread of the process: data that draws
   from them in this process (a dataset with ``num_workers=0``, a sampler, a collate_fn) cannot be given the
-  task's stream, so the sample batch refuses it. In DataLoader workers PyTorch seeds both from the task's stream.
+  task's stream, so the sample batch refuses it (checked while no other task's sample is taken: one that blocks
+  holds the others up for ``SAMPLE_WAIT_S`` at most). In DataLoader workers PyTorch seeds both from the task's
+  stream.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import contextlib
 import copy
 import random
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,9 +37,11 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 
 from ..device.dispatch import UnitMode
 from ..errors import rule_error
-from .build import BUILD_LOCK, build_part
+from .build import build_part
 
 NO_BATCH = object()
+SAMPLE_WAIT_S = 10.0  # how long a sample waits for another task's to end before it goes on unchecked
+_SAMPLE_LOCK = threading.Lock()
 
 
 def is_factory(data: Any) -> bool:
@@ -119,14 +124,15 @@ def check_resume(task: Any, epoch: int, states: list[torch.Tensor] | None) -> No
 def sample_batch(data: Any, seed: int, task: str, what: str = "train_data") -> Any:
     """The first batch of a fresh epoch of ``data`` (``NO_BATCH`` if it yields none), taken without advancing the
     user's iterables, samplers or generators; random draws come from a scratch stream seeded with ``seed``."""
-    with BUILD_LOCK, UnitMode(torch.Generator().manual_seed(seed)), _no_global_draws(task, what):
+    with _one_sample_at_a_time() as alone, UnitMode(torch.Generator().manual_seed(seed)), \
+            _no_global_draws(task, what, check=alone):
         if not is_factory(data):
             return _peek(data, seed)
         made = epoch_data(data, what, task)
         if not isinstance(made, Iterator):  # re-iterable (a DataLoader, a list): sampled as any data is
             return _peek(made, seed)
         first = next(made, NO_BATCH)
-    with BUILD_LOCK, UnitMode(torch.Generator().manual_seed(seed)):
+    with UnitMode(torch.Generator().manual_seed(seed)):
         again = next(iter(epoch_data(data, what, task)), NO_BATCH)
     if not _same(first, again):
         raise rule_error(f"the `{what}` factory returns a fresh iterable on every call (two calls give the same "
@@ -174,14 +180,26 @@ def _loader_clone(loader: Any, seed: int) -> Any:
 
 
 @contextlib.contextmanager
-def _no_global_draws(task: str, what: str) -> Iterator[None]:
-    before = _global_states()
+def _one_sample_at_a_time() -> Iterator[bool]:
+    """Whether this sample is the only one being taken (so the global generators' check sees its own draws only);
+    a sample that blocks holds the others up for ``SAMPLE_WAIT_S`` at most, then they go on unchecked."""
+    alone = _SAMPLE_LOCK.acquire(timeout=SAMPLE_WAIT_S)
+    try:
+        yield alone
+    finally:
+        if alone:
+            _SAMPLE_LOCK.release()
+
+
+@contextlib.contextmanager
+def _no_global_draws(task: str, what: str, check: bool) -> Iterator[None]:
+    before = _global_states() if check else {}
     yield
-    after = _global_states()
+    after = _global_states() if check else {}
     for name in before:
         if name in after and after[name] != before[name]:
-            raise rule_error(f"`{what}` draws no random numbers from {name}'s global generator in this process "
-                             "(it is shared by all threads: the task's own stream cannot be given to it)",
+            raise rule_error(f"`{what}` draws no random numbers from the global generator of `{name}` in this "
+                             "process (it is shared by all threads: the task's own stream cannot be given to it)",
                              "draw with torch (torch.rand, torch.randperm: the task's stream), load with "
                              "DataLoader(num_workers>=1) (PyTorch seeds `random` and numpy in each worker from the "
                              "task's stream), or keep a generator of the dataset's own (random.Random(seed), "
