@@ -185,6 +185,31 @@ def test_stateful_sampler_and_persistent_loader_with_generator_match_plain():
     assert diff == 0.0
 
 
+@pytest.mark.parametrize("kw", [dict(shuffle=True, generator=True), dict(shuffle=True, num_workers=1,
+                                                                       persistent_workers=True)],
+                         ids=["generator", "persistent-workers"])
+def test_tasks_sharing_one_loader_each_match_plain_alone(kw):
+    """Each task iterates its own clone of the loader, taken at submit: concurrent tasks do not share its
+    generator or its persistent workers, and the user's loader is not advanced."""
+    def loader():
+        return DataLoader(_Points(), batch_size=4, **dict(kw, generator=torch.Generator().manual_seed(0))
+                          if kw.get("generator") else kw)
+
+    shared = loader()
+    before = None if shared.generator is None else shared.generator.get_state()
+    tasks = [_task(shared, name=f"shared-{i}") for i in range(3)]
+    for i, t in enumerate(tasks):
+        t.seed = 3 + i
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
+        models = [h.model() for h in [rt.submit(t) for t in tasks]]
+    for i, model in enumerate(models):
+        alone = _task(loader())
+        alone.seed = 3 + i
+        assert max_param_diff(plain_train(alone)[0], model) == 0.0, i
+    assert shared._iterator is None
+    assert before is None or torch.equal(shared.generator.get_state(), before)
+
+
 def test_footprint_estimate_leaves_the_loader_untouched():
     g = torch.Generator().manual_seed(0)
     task = _task(DataLoader(_Points(), batch_size=4, shuffle=True, generator=g))

@@ -8,6 +8,9 @@ Rules:
 * An epoch iterates the data as the plain loop does: ``for batch in data`` every epoch, or, for a zero-argument
   factory, ``for batch in factory()``: it is called once at the start of every epoch (train: before its first
   batch; eval: before each evaluation), in the task's RNG stream, and may return any iterable, a generator too.
+* A DataLoader given as the data is iterated as the task's own clone, made when the task is built: copies of its
+  sampler, batch sampler and ``generator=`` (the dataset shared). Tasks sharing one loader each start from its
+  state then, as the plain loop alone would, and the user's loader, its generator and sampler are not advanced.
 * The sample batch (for the checks and the cost profile at submit) leaves the user's objects as the plain loop
   would find them: a DataLoader is sampled through a clone whose sampler and generators are copies (so
   ``generator=g``, a sampler's state and persistent workers stay untouched), its dataset a shallow copy or, with
@@ -147,35 +150,51 @@ def _peek(data: Any, seed: int) -> Any:
     from torch.utils.data import DataLoader
 
     if isinstance(data, DataLoader):
-        data = _loader_clone(data, seed)
+        data = _sample_clone(data, seed)
     elif not isinstance(data, (list, tuple)):
         with contextlib.suppress(Exception):  # not copyable: iterated itself
             data = copy.copy(data)
     return next(iter(data), NO_BATCH)
 
 
-def _loader_clone(loader: Any, seed: int) -> Any:
-    """``loader`` with copies of its sampler, batch sampler and generator (sharing preserved, the dataset not
-    copied into them), no persistent iterator, and at most one worker; without workers, a shallow copy of the
-    dataset (so ``__getitem__`` changing the dataset's attributes does not reach the user's)."""
+def task_data(data: Any) -> Any:
+    """What a task iterates in place of ``data``: a DataLoader becomes the task's own (``loader_clone``), so tasks
+    sharing one loader, or trained one after another, each start from its sampler's and generator's state at
+    submit, and the user's loader is never advanced; a factory or any other data stays as it is."""
+    from torch.utils.data import DataLoader
+
+    return loader_clone(data) if isinstance(data, DataLoader) else data
+
+
+def loader_clone(loader: Any) -> Any:
+    """A shallow copy of ``loader`` with deep copies of its sampler, batch sampler and generator (sharing among
+    them preserved; the dataset shared, not copied) and no live iterator: it iterates as ``loader`` would now."""
     dataset = loader.dataset
     try:
         samplers = copy.deepcopy((loader.sampler, loader.batch_sampler, loader.generator), {id(dataset): dataset})
     except Exception as exc:
-        raise rule_error("the DataLoader's sampler, batch_sampler and generator can be copied (copy.deepcopy) for "
-                         "the sample batch at submit", "make them deep-copyable (no locks or open files in a custom "
+        raise rule_error("the DataLoader's sampler, batch_sampler and generator can be copied (copy.deepcopy): "
+                         "each task iterates its own", "make them deep-copyable (no locks or open files in a custom "
                          "sampler), or pass a list of batches", kind=TypeError, sampler=type(loader.sampler).__name__,
                          batch_sampler=type(loader.batch_sampler).__name__, error=f"{type(exc).__name__}: {exc}"
                          ) from None
     clone = copy.copy(loader)
+    # Written to the clone's __dict__: DataLoader refuses to set sampler or dataset after its __init__.
+    vars(clone).update(sampler=samplers[0], batch_sampler=samplers[1], generator=samplers[2], _iterator=None)
+    return clone
+
+
+def _sample_clone(loader: Any, seed: int) -> Any:
+    """``loader_clone`` for one sample batch: at most one worker and no persistent one; without workers, a
+    shallow copy of the dataset (``__getitem__`` changing its attributes does not reach the user's)."""
+    clone = loader_clone(loader)
     workers = min(loader.num_workers, 1)
     if not workers:
         with contextlib.suppress(Exception):
-            dataset = copy.copy(dataset)
-    # Written to the clone's __dict__: DataLoader refuses to set sampler or dataset after its __init__.
-    vars(clone).update(sampler=samplers[0], batch_sampler=samplers[1], num_workers=workers, dataset=dataset,
-                       generator=samplers[2] if samplers[2] is not None else torch.Generator().manual_seed(seed),
-                       persistent_workers=False, _iterator=None)
+            vars(clone)["dataset"] = copy.copy(loader.dataset)
+    if clone.generator is None:  # its base seed drawn from a scratch generator, not from any stream
+        vars(clone)["generator"] = torch.Generator().manual_seed(seed)
+    vars(clone).update(num_workers=workers, persistent_workers=False)
     return clone
 
 

@@ -25,7 +25,7 @@ from ..stages import ModelStages, extract_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer
 from .build import AUTOCAST_DTYPES, build_part
 from .checkpoint import CheckpointRequest, PendingCheckpoints, Position, capture, load, restore
-from .data import NO_BATCH, check_resume, data_length, sample_batch
+from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
 from .profile import measure_costs
 from .segments import Segment
@@ -40,7 +40,7 @@ class TaskState:
                  eval_iterable: Any, cut: ModelStages, plan: Plan, rng: TaskRNG,
                  costs: list[StageCost] | None = None) -> None:
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
-        # the task's data as given: iterables, or zero-argument factories each epoch calls (data.py)
+        # the task's data: its own copy of a DataLoader, other iterables, or factories each epoch calls (data.py)
         self.train_iterable, self.eval_iterable = train_iterable, eval_iterable
         self.cut, self.plan, self.rng = cut, plan, rng
         self.costs = costs  # the measured stage costs a re-plan after a device out-of-memory starts from
@@ -78,8 +78,8 @@ class TaskState:
             scheduler = None
             if task.lr_scheduler is not None:
                 scheduler = build_part(task.lr_scheduler, "lr_scheduler", optimizer)
-        # The data is made by each epoch (a factory called then: training/data.py); the sample batch leaves the
-        # user's data untouched and draws from a scratch stream.
+        # Each epoch makes its data (a factory is called then) and a DataLoader is iterated as the task's own clone
+        # (training/data.py); the sample batch leaves the user's data untouched and draws from a scratch stream.
         cut = extract_stages(model, task.stages)
         sample = sample_batch(task.train_data, task.seed, task.name)
         if sample is NO_BATCH:
@@ -93,7 +93,8 @@ class TaskState:
             if cut.family != "whole":
                 raise
             raise PlanError(_uncut_message(model, exc)) from None
-        state = cls(task, model, optimizer, scheduler, task.train_data, task.eval_data, cut, plan, rng, costs)
+        state = cls(task, model, optimizer, scheduler, task_data(task.train_data), task_data(task.eval_data), cut,
+                    plan, rng, costs)
         state.held_bytes = state.host_bytes()
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
