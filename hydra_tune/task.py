@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .errors import rule_error
@@ -30,7 +30,9 @@ def _check_data(arg: str, data: object) -> None:
     if not isinstance(data, Iterable):
         raise rule_error(f"`{arg}` is iterable or a zero-argument callable", "pass a DataLoader or a list of "
                          "batches, or `lambda: make_loader()`", kind=TypeError, **{arg: type(data).__name__})
-    if iter(data) is data:  # type: ignore[call-overload]
+    # isinstance, not `iter(data) is data`: iter() on a DataLoader draws its base seed from torch's global
+    # generator and, with persistent workers, starts them: the user's objects are not touched here.
+    if isinstance(data, Iterator):
         raise rule_error(f"`{arg}` can be iterated once per epoch (not a one-shot iterator or generator)",
                          "pass a list or DataLoader, or a factory such as `lambda: my_generator()`",
                          kind=TypeError, **{arg: type(data).__name__})
@@ -184,6 +186,9 @@ class ModelTask:
     Semantics (the same as the plain PyTorch loop this replaces):
       * batches: a dict -> ``model(**batch)``, a tuple/list ``(inputs, target)`` -> ``model(inputs)``,
         a tensor -> ``model(t)``; ``loss(outputs, batch)`` or, when ``loss`` is None, ``outputs.loss``.
+      * ``train_data``/``eval_data``: iterated once per epoch (a list, a DataLoader: its workers, samplers and
+        ``generator=`` as in torch), or a zero-argument factory called at the start of each pass and returning
+        any iterable, a generator too (hydra_tune/training/data.py).
       * ``grad_accumulation=k``: each batch's loss is divided by k; the optimizer steps every k batches and at
         the end of an epoch that leaves gradients pending.
       * ``grad_clip_norm``: ``clip_grad_norm_`` over all parameters before every step.

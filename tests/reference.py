@@ -16,8 +16,7 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
     model.train()
     opt = task.optimizer(model)
     sched = task.lr_scheduler(opt) if task.lr_scheduler else None
-    data = task.train_data() if callable(task.train_data) and not hasattr(task.train_data, "__iter__") \
-        else task.train_data
+    factory = callable(task.train_data) and not hasattr(task.train_data, "__iter__")  # called once per epoch
     precision = getattr(task, "precision", "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
@@ -41,7 +40,7 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
 
     for _ in range(task.epochs):
         losses, pending = [], 0
-        for batch in data:
+        for batch in task.train_data() if factory else task.train_data:
             with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
                 out = model(**batch) if isinstance(batch, dict) else model(
                     batch[0] if isinstance(batch, (list, tuple)) else batch)

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import max_param_diff, trained
 
 import hydra_tune as ht
-from reference import max_param_diff
 
 
 def _mlp() -> nn.Module:
@@ -70,7 +70,7 @@ def test_plateau_matches_plain_loop(metric: str, eval_data: bool) -> None:
     with ht.Runtime(devices=["cpu", "cpu"], device_memory="64KiB") as rt:
         handle = rt.submit(task)
         reported = list(handle.metrics())
-        model = handle.model()
+        model = trained(handle)
     ref, lrs = _plain_plateau(_task(metric, eval_data))
     assert [m["lr"] for m in reported] == lrs
     assert len(set(lrs)) > 2   # the scheduler did lower the rate, more than once
@@ -130,7 +130,7 @@ def test_plateau_state_survives_a_checkpoint(tmp_path) -> None:
 
     with ht.Runtime(devices=["cpu"]) as rt:
         whole = rt.submit(task())
-        expected, expected_lrs = whole.model(), [m["lr"] for m in whole.metrics()]
+        expected, expected_lrs = trained(whole), [m["lr"] for m in whole.metrics()]
         first = rt.submit(task())
         for m in first.metrics():
             if m["epoch"] == 3:
@@ -138,7 +138,7 @@ def test_plateau_state_survives_a_checkpoint(tmp_path) -> None:
                 break
         first.cancel()
         resumed = rt.submit(task(resume_from=path))
-        model, lrs = resumed.model(), [m["lr"] for m in resumed.metrics()]
+        model, lrs = trained(resumed), [m["lr"] for m in resumed.metrics()]
     assert len(set(expected_lrs[:3])) > 1   # the rate had dropped before the checkpoint
     assert lrs == expected_lrs[-len(lrs):]
     assert max_param_diff(model, expected) == 0.0

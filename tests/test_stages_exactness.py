@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 from hydra_tune.device.dispatch import UnitMode
@@ -39,7 +39,7 @@ def _task(model, name: str, **kw) -> ht.ModelTask:
 
 def _train(task: ht.ModelTask, device_memory: int | None = None) -> tuple[nn.Module, list[list[str]]]:
     with ht.Runtime(devices=["cpu"], device_memory=device_memory) as rt:
-        model = rt.submit(task).model()
+        model = trained(rt.submit(task))
         return model, rt.stats()["tasks"][task.name]["shards"]
 
 
@@ -263,7 +263,7 @@ def test_a_stages_own_dropout_follows_the_models_eval_mode():
                  stages=lambda m: [nn.Sequential(m.fc1, nn.ReLU(), nn.Dropout(0.3)), m.fc2])
     with ht.Runtime(devices=["cpu"], device_memory=12_000) as rt:
         handle = rt.submit(task)
-        metrics, model = list(handle.metrics()), handle.model()
+        metrics, model = list(handle.metrics()), trained(handle)
     plain, _ = plain_train(task)
     assert max_param_diff(plain, model) == 0.0
     assert metrics[-1]["eval_loss"] == _eval_loss(plain, _data(seed=1))

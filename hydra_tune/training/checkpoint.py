@@ -5,11 +5,12 @@
 
 A checkpoint holds the model, optimizer, LR scheduler and loss scaler states, the task's RNG streams, and where the
 loop stands (epoch, batches done in it, steps, samples, the epoch's losses and skipped minibatches so far, and the
-RNG state at the epoch's start). Resuming rebuilds the data iterator from that epoch-start state and steps over the
-batches already trained on, so shuffling and any random data transforms repeat exactly; then the RNG continues from
-the checkpoint. Files are written to a private (0600) temporary file in the target directory and renamed into place,
-so a kill mid-write never leaves a torn checkpoint, and read with ``torch.load(weights_only=True)`` (tensors and
-plain data only: a file holding any other pickled object is refused, not run). A writer killed mid-write (SIGKILL,
+RNG states at the epoch's start: the task's and those of the data's own generators). Resuming rebuilds the data
+iterator from that epoch-start state and steps over the batches already trained on, so shuffling and any random
+data transforms repeat exactly; then the RNG continues from the checkpoint. Files are written to a private (0600)
+temporary file in the target directory and renamed into place, so a kill mid-write never leaves a torn
+checkpoint, and read with ``torch.load(weights_only=True)`` (tensors and plain data only: a file holding any other
+pickled object is refused, not run). A writer killed mid-write (SIGKILL,
 power loss) leaves its temporary file, ``.hydra-ckpt-<host>-<pid>-<random>``; the next save into that directory
 removes those of writers on this host that are no longer running. Asking for one and serving it at a step boundary
 is boundary.py's work.
@@ -45,6 +46,9 @@ class Position:
     rng: torch.Tensor           # the CPU generator state now
     accel_rng: torch.Tensor | None
     skipped: int = 0            # this epoch's minibatches dropped so far for a non-finite loss (skip_step)
+    # the states of the train data's own generators (a DataLoader's `generator=g`, its sampler's) at the epoch's
+    # start (training/data.py data_generators); None: not recorded
+    data_rng: list[torch.Tensor] | None = None
 
 
 def capture(state: TaskState, position: Position) -> dict[str, Any]:

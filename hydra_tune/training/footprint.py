@@ -48,7 +48,8 @@ from ..device.dispatch import UnitMode
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import extract_stages
 from ..task import ModelTask
-from .build import AUTOCAST_DTYPES, BUILD_LOCK, data_iterable
+from .build import AUTOCAST_DTYPES, BUILD_LOCK
+from .data import NO_BATCH, sample_batch
 from .profile import measure_costs
 
 if TYPE_CHECKING:
@@ -89,10 +90,8 @@ def estimate_footprint(task: ModelTask, budget: int | None, bandwidth: float | N
     factory or the loss needs real tensors, the model does not fit the budget, the data is empty, ...)."""
     model = _meta_model(task)
     try:
-        scratch = torch.Generator().manual_seed(task.seed)
-        with UnitMode(scratch):  # the data order of the task's stream is untouched (as TaskState.build does)
-            sample = next(iter(data_iterable(task.train_data)), None)
-        if sample is None:
+        sample = sample_batch(task.train_data, task.seed, task.name)  # the user's data untouched (data.py)
+        if sample is NO_BATCH:
             raise Unmeasurable("no batch")
         cut = extract_stages(model, task.stages)
         costs = measure_costs(cut, cut.meta_batch(sample), task.loss, task.seed, AUTOCAST_DTYPES[task.precision])

@@ -5,13 +5,13 @@
         for unit in segment.units: unit.run(device)
 
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
-stream), hand out its segment, add the minibatch's gradients, and every ``grad_accumulation`` batches clip, step
-the optimizer and the LR scheduler, and zero the gradients; after each epoch it evaluates, steps a metric-driven
-scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step boundary and epoch
-end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the
-model is unchanged until then); when it trains no more, snapshots get the final model (boundary.py). A resumed
-task repeats its epoch's data order from the checkpointed epoch-start RNG state and steps over the batches
-already trained on.
+stream; a data factory is called at the start of each pass over the data), hand out its segment, add the
+minibatch's gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and
+zero the gradients; after each epoch it evaluates, steps a metric-driven scheduler (ReduceLROnPlateau) with the
+named metric, and emits the epoch's metrics. At each step boundary and epoch end it serves the checkpoints and
+snapshots asked, and those asked before it hands out its next minibatch (the model is unchanged until then); when
+it trains no more, snapshots get the final model (boundary.py). A resumed task repeats its epoch's data order
+from the checkpointed epoch-start RNG state and steps over the batches already trained on.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
@@ -36,6 +36,7 @@ from ..policy.partition import Plan
 from ..task import check_batch
 from .boundary import task_work
 from .checkpoint import Position
+from .data import data_generators, epoch_data, is_factory, restore_generators
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -84,6 +85,8 @@ class TrainingLoop:
         self.made = 0  # segments handed out (each one's index)
         self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
         self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
+        self._data_rng: list[torch.Tensor] = []  # the train data's own generators' states at the epoch's start
+        self._data_rng_due: tuple[list[torch.Tensor] | None] | None = None  # a resumed epoch's, to put back
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
@@ -101,8 +104,11 @@ class TrainingLoop:
             emit(metrics)
             if task.max_steps is not None and state.steps >= task.max_steps:
                 break
-            snap = state.rng.snapshot()
-            state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap), epoch_end=True)
+            if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step serves
+                snap = state.rng.snapshot()
+                data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
+                state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
+                                              data_rng=data_rng), epoch_end=True)
         state.finish_requests()
 
     def retry(self, plan: Plan) -> Segment:
@@ -128,7 +134,7 @@ class TrainingLoop:
         losses, skip, skipped = self._resume_epoch()
         run = _EpochRun(losses, skip, samples, skipped=skipped)
         epoch_rng = rng.cpu.get_state()
-        for batch in self._batches(state.train_iterable):
+        for batch in self._batches(state.train_iterable, "train_data"):
             state.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
             if state.batch_in_epoch <= run.skip:
                 if state.batch_in_epoch == run.skip:  # the next fetch and all after draw as they did originally
@@ -151,8 +157,8 @@ class TrainingLoop:
                 self._step()
                 run.pending = 0
                 state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
-                                              list(run.losses), epoch_rng, *rng.snapshot(), run.skipped),
-                                     epoch_end=False)
+                                              list(run.losses), epoch_rng, *rng.snapshot(), skipped=run.skipped,
+                                              data_rng=self._data_rng), epoch_end=False)
                 if task.max_steps is not None and state.steps >= task.max_steps:
                     break
         state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
@@ -168,6 +174,7 @@ class TrainingLoop:
         if resume is None:
             return [], 0, 0
         self.state.rng.cpu.set_state(resume.epoch_rng)
+        self._data_rng_due = (resume.data_rng,)  # put into the data's own generators when the epoch makes it
         if resume.batch_in_epoch == 0:  # nothing to step over
             self._resume_rng()
         return list(resume.losses), resume.batch_in_epoch, resume.skipped
@@ -189,18 +196,30 @@ class TrainingLoop:
             metrics["loss_scale"] = state.scaler.get_scale()
         return metrics
 
-    def _batches(self, iterable: Any) -> Iterator[Any]:
-        # Only data loading draws random numbers on the host (shuffling, workers' seeds): it alone runs in the
-        # task's RNG mode; the optimizer step and the rest of the host work run at full speed outside it.
+    def _batches(self, data: Any, what: str) -> Iterator[Any]:
+        # Only data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it
+        # alone runs in the task's RNG mode; the optimizer step and the rest of the host work run at full speed
+        # outside it. DataLoader workers forked here leave that mode (device/dispatch.py): PyTorch seeds them.
         rng, name = self.state.rng, self.state.task.name
         with UnitMode(rng.cpu), task_work(name):
-            it = iter(iterable)
+            made = epoch_data(data, what, name)  # a factory is called here: once per pass
+            if what == "train_data":
+                self._start_data_rng(made)
+            it = iter(made)
         while True:
             with UnitMode(rng.cpu), task_work(name):
                 batch = next(it, _END)
             if batch is _END:
                 return
             yield batch
+
+    def _start_data_rng(self, made: Any) -> None:
+        """At an epoch's start: a resumed epoch's data generators get their checkpointed states back; their
+        states are kept for this epoch's checkpoints."""
+        due, self._data_rng_due = self._data_rng_due, None
+        if due is not None:
+            restore_generators(made, due[0], self.state.task.name)
+        self._data_rng = [g.get_state() for g in data_generators(made)]
 
     # -- segments -------------------------------------------------------------------------------------------
     def _segment(self, units: list[UnitSpec], train: bool) -> Segment:
@@ -306,7 +325,7 @@ class TrainingLoop:
         losses: list[float] = []
         n = 0
         try:
-            for batch in self._batches(state.eval_iterable):
+            for batch in self._batches(state.eval_iterable, "eval_data"):
                 check_batch(batch, state.task.name, "eval_data", state.eval_in_epoch + 1)
                 state.eval_in_epoch += 1
                 state.leave_boundary()  # an evaluation forward may change what the model holds, too

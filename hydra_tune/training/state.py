@@ -25,8 +25,9 @@ from ..stages import ModelStages, extract_stages
 from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
-from .build import AUTOCAST_DTYPES, build_part, data_iterable, data_length
+from .build import AUTOCAST_DTYPES, build_part
 from .checkpoint import Position, load, restore
+from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
 from .profile import measure_costs
 from .segments import Segment
@@ -41,6 +42,7 @@ class TaskState:
                  eval_iterable: Any, cut: ModelStages, plan: Plan, rng: TaskRNG,
                  costs: list[StageCost] | None = None) -> None:
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
+        # the task's data: its own copy of a DataLoader, other iterables, or factories each epoch calls (data.py)
         self.train_iterable, self.eval_iterable = train_iterable, eval_iterable
         self.cut, self.plan, self.rng = cut, plan, rng
         self.costs = costs  # the measured stage costs a re-plan after a device out-of-memory starts from
@@ -69,7 +71,7 @@ class TaskState:
         """Build ``task``'s model, optimizer, scheduler and data, cut it into stages, measure them on its first
         batch and plan shards for a device ``budget``; load ``task.resume_from`` when given."""
         rng = TaskRNG(task.seed)
-        with UnitMode(rng.cpu):  # init and data order draw from the task's stream, as after manual_seed(seed)
+        with UnitMode(rng.cpu):  # init draws from the task's stream, as after manual_seed(seed)
             model = task.model if isinstance(task.model, nn.Module) else build_part(task.model, "model")
             check_model(task, model)
             model.train()
@@ -79,12 +81,11 @@ class TaskState:
             if task.lr_scheduler is not None:
                 scheduler = build_part(task.lr_scheduler, "lr_scheduler", optimizer)
                 check_scheduler(task, scheduler)
-            train_iterable = data_iterable(task.train_data)
-            eval_iterable = None if task.eval_data is None else data_iterable(task.eval_data)
+        # Each epoch makes its data (a factory is called then) and a DataLoader is iterated as the task's own clone
+        # (training/data.py); the sample batch leaves the user's data untouched and draws from a scratch stream.
         cut = extract_stages(model, task.stages)
-        with UnitMode(torch.Generator().manual_seed(task.seed)):  # a scratch stream: the task's stays untouched
-            sample = next(iter(train_iterable), None)
-        if sample is None:
+        sample = sample_batch(task.train_data, task.seed, task.name)
+        if sample is NO_BATCH:
             raise rule_error("`train_data` yields at least one batch", "check the dataset's length and the "
                              "DataLoader's batch_size and drop_last", task=task.name, batches=0)
         check_batch(sample, task.name, "train_data", 1)
@@ -98,10 +99,12 @@ class TaskState:
             if cut.family != "whole":
                 raise
             raise PlanError(_uncut_message(model, exc)) from None
-        state = cls(task, model, optimizer, scheduler, train_iterable, eval_iterable, cut, plan, rng, costs)
+        state = cls(task, model, optimizer, scheduler, task_data(task.train_data), task_data(task.eval_data), cut,
+                    plan, rng, costs)
         state.held_bytes = state.host_bytes()
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
+            check_resume(task, state.resume.epoch, state.resume.data_rng)
             state.steps = state.resume.steps
         return state
 
