@@ -175,6 +175,8 @@ def device_run(device: str, budget: int | None, tasks: list[ht.ModelTask], trace
     free_cuda()
     with ht.Runtime(devices=[device], device_memory=budget) as rt:
         handles = [rt.submit(t) for t in tasks]
+        for h in handles:
+            h.result()   # model() is the trained model once the task ended
         out = [(h.model(), list(h.metrics())) for h in handles]
         stats = rt.stats()
         timeline = rt.trace()
@@ -318,6 +320,7 @@ def oom_replan(device: str) -> dict[str, Any]:
         else:
             rt.devices[0].limit_memory(limit)
         try:
+            h.result()
             model, error = h.model(), None
         except Exception as exc:  # noqa: BLE001  (reported: the check fails)
             model, error = None, f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -116,7 +116,8 @@ _LOADERS = {"pickle", "cloudpickle", "dill", "torch", "joblib", "marshal", "nump
 # fails this test until it is added here with its reason (and the README's "Files on disk" says the same).
 _KNOWN = {
     "hydra_tune/training/checkpoint.py": (1, "torch.load(weights_only=True): tensors and plain data only"),
-    "hydra_tune/node/client.py": (2, "frames of the node server's connection, after the mutual HMAC handshake"),
+    "hydra_tune/node/client.py": (3, "frames of the node server's connection (messages, a trained model, a snapshot), "
+                                    "after the mutual HMAC handshake"),
     "hydra_tune/node/wire.py": (2, "an error in a frame of the node connection (above/below); the server's own error"),
     "hydra_tune/node/connections.py": (1, "frames of a client's connection after the HMAC handshake"),
     "hydra_tune/node/handlers.py": (1, "a task in a frame of a client's connection after the HMAC handshake"),
