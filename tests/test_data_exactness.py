@@ -407,12 +407,15 @@ def _checkpointed(make_data, when: str, path) -> tuple[nn.Module, dict]:
 @pytest.mark.parametrize("when", ["train", "eval"])
 @pytest.mark.parametrize("name", sorted(RESUMED))
 def test_resumed_in_epoch_two_repeats_the_data_order(name, when, tmp_path):
-    """The loader's own generators' states at the epoch's start are in the checkpoint; a data factory's next
-    epoch has no data yet at an epoch boundary, so its checkpoint waits for the next step."""
+    """The loader's own generators' states at the epoch's start are in the checkpoint. A request is served at the
+    boundary the task stands at, if it has not handed out its next minibatch yet: asked while epoch 1's evaluation
+    starts, that is epoch 1's last step (1, 6); asked while epoch 2's data starts, the epoch boundary (2, 0) — but a
+    data factory's next epoch has no data yet at an epoch boundary, so its checkpoint waits for the next step."""
     make = RESUMED[name]
     full, position = _checkpointed(make, when, tmp_path / "c.pt")
     factory = name.startswith("factory")
-    assert (position["epoch"], position["batch_in_epoch"]) == ((2, 1) if when == "train" or factory else (2, 0))
+    expected = (1, 6) if when == "eval" else (2, 1) if factory else (2, 0)
+    assert (position["epoch"], position["batch_in_epoch"]) == expected
     def held_out():
         return DataLoader(_Points(None), batch_size=8, sampler=_AskingSampler(N, "eval"))
 

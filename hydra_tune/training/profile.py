@@ -101,6 +101,7 @@ def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int =
     carry = cut.prepare(batch)
     stages = _scratch_stages(cut.stages)
     before = ModuleState.take(m for s in stages for m in s.module.modules())
+    shared = _SharedTensors(cut.stages)
     costs = []
     try:
         for k, stage in enumerate(stages):
@@ -110,11 +111,33 @@ def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int =
     finally:
         lost = before.inplace()
         before.restore()
+        shared.restore()
     if lost and stages is cut.stages:
         warnings.warn(f"hydra_tune's cost profile changed tensor attributes of the model in place: {lost} (they "
                       "are not buffers, so it could not copy them). Register them as buffers or assign new tensors "
                       "in forward.", RuntimeWarning, stacklevel=3)
     return costs
+
+
+class _SharedTensors:
+    """The model's parameters' ``.grad`` and its buffers' values, put back after the profile. The scratch copies
+    share these tensors, and a copy can still reach the model itself (a ``forward`` replaced by a closure over the
+    model, a hook that calls it): a forward run that way, outside the profile's swapped-in copies, would leave
+    gradients on the parameters or update buffers in place."""
+
+    def __init__(self, stages: tuple[Stage, ...]) -> None:
+        params = {id(p): p for s in stages for p in s.module.parameters()}
+        buffers = {id(b): b for s in stages for b in s.module.buffers() if b.device.type != "meta"}  # no values
+        self.grads = [(p, p.grad) for p in params.values()]
+        self.buffers = [(b, b.detach().clone()) for b in buffers.values()]
+
+    def restore(self) -> None:
+        for p, grad in self.grads:
+            p.grad = grad
+        with torch.no_grad():
+            for b, value in self.buffers:
+                if b.shape == value.shape and not torch.equal(b, value):
+                    b.copy_(value)
 
 
 def _scratch_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
