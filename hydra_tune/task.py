@@ -284,6 +284,14 @@ def check_model(task: ModelTask, model: Any) -> None:
         raise rule_error("the `model` factory returns an nn.Module", "return the model instance, e.g. `lambda: "
                          "MyModel(config)` (not the class or a tuple)", kind=TypeError, task=task.name,
                          returned=type(model).__name__)
+    from torch.nn.parameter import is_lazy
+
+    lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
+    if lazy:  # their shapes exist only after a first forward: nothing can be measured, cut or copied before
+        raise rule_error("the model's parameters and buffers are initialized (no LazyModule left uninitialized)",
+                         "initialize them in the factory with one forward on a sample input (`m = Net(); "
+                         "m(sample_x); return m`), or use the non-lazy module (nn.Linear(in, out))",
+                         task=task.name, uninitialized=lazy[:4] + (["..."] if len(lazy) > 4 else []))
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
         raise rule_error("the model has at least one parameter to train (requires_grad=True)", "pass a model "

@@ -147,6 +147,11 @@ AT_TASK = [
 
 # raised by runtime.submit(task): what the factories built, the first batch and the loss on it
 AT_SUBMIT = [
+    ("lazy-module",
+     dict(model=lambda: nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))), ValueError,
+     "the model's parameters and buffers are initialized (no LazyModule left uninitialized) must hold, but got "
+     "(task='t', uninitialized=['0.weight', '0.bias']). Fix: initialize them in the factory with one forward on a "
+     "sample input (`m = Net(); m(sample_x); return m`), or use the non-lazy module (nn.Linear(in, out))."),
     ("optimizer-factory-returns-list",
      dict(optimizer=returns_param_list), TypeError,
      "`optimizer(model)` returns a torch.optim.Optimizer must hold, but got (task='t', returned='list'). Fix: "

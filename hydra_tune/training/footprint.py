@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 
 from ..device.dispatch import UnitMode
 from ..policy.partition import Plan, StageCost, partition
@@ -194,6 +195,8 @@ def _meta_model(task: ModelTask) -> nn.Module:
             model = task.model()
         if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
             raise Unmeasurable(f"the factory returned {type(model).__name__} (no parameters)")
+        if any(is_lazy(t) for t in itertools.chain(model.parameters(), model.buffers())):
+            raise Unmeasurable("uninitialized lazy parameters")  # the real build refuses them with the rule
         if any(t.device.type != "meta" for t in itertools.chain(model.parameters(), model.buffers())):
             return _meta_clone(model)
         return model
