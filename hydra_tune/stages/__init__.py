@@ -50,16 +50,35 @@ def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None =
     if more:
         warnings.warn(f"hydra_tune runs {cls.__name__} as one stage: {more}, which its parts alone would not run. "
                       "Declare its stages (ModelTask(stages=...)) to cut it.", stacklevel=3)
-    elif sequential:
+    else:
+        cut = _known_cut(model, family) if family is not None or sequential else None
+        skipped = _skipped_containers(model, cut) if cut is not None else []
+        if cut is not None and not skipped:
+            return cut
+        if skipped:
+            warnings.warn(f"hydra_tune runs {cls.__name__} as one stage: forward hooks or a replaced forward on "
+                          f"{skipped}, modules whose own forward its stages do not call. Declare its stages "
+                          "(ModelTask(stages=...)) to cut it.", stacklevel=3)
+    return ModelStages((Stage(cls.__name__, WholeModel(model)),), identity, "whole")
+
+
+def _known_cut(model: nn.Module, family: tuple[str, str] | None) -> ModelStages:
+    if family is None:
         from .sequential import sequential_stages
 
         return sequential_stages(model)
-    elif family is not None:
-        import importlib
+    import importlib
 
-        module = importlib.import_module(f"{__name__}.{family[0]}")
-        return getattr(module, family[1])(model)
-    return ModelStages((Stage(cls.__name__, WholeModel(model)),), identity, "whole")
+    module = importlib.import_module(f"{__name__}.{family[0]}")
+    return getattr(module, family[1])(model)
+
+
+def _skipped_containers(model: nn.Module, cut: ModelStages) -> list[str]:
+    """Submodules with forward hooks (or a replaced forward) that no stage runs: a container whose children the
+    stages call directly (GPT-2's ``transformer``), so its own forward, and its hooks, would never run."""
+    inside = {id(m) for stage in cut.stages for m in stage.module.modules()}
+    return [name for name, m in model.named_modules() if m is not model and id(m) not in inside
+            and (m._forward_pre_hooks or m._forward_hooks or "forward" in vars(m))]
 
 
 def _runs_more_than_its_parts(model: nn.Module, sequential: bool) -> str:
