@@ -5,7 +5,7 @@
     model = handle.model()                      # the trained model, in host memory
 
 Two sides. Callers read: ``metrics``, ``result``, ``model``, ``checkpoint``, ``cancel``, ``status``, ``done``.
-Whoever runs the task writes, in this order: ``started`` (its first segment opens), ``emit`` (each epoch's
+Whoever runs the task writes, in this order: ``started`` (a device takes it first), ``emit`` (each epoch's
 metrics), ``finish`` (once: done, failed or cancelled; later calls are ignored). ``watch`` lets a forwarder
 (the node server) follow a handle without polling.
 """
@@ -124,7 +124,7 @@ class TaskHandle:
         self._state = state
 
     def started(self) -> None:
-        """The task's first segment opened: queued -> running (watchers are told)."""
+        """A device took the task for the first time: queued -> running (watchers are told)."""
         with self._cond:
             if self._status == "queued":
                 self._status = "running"
