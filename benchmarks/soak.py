@@ -8,7 +8,7 @@ the queue. Each task is cancelled at a seeded kind of moment, seen in the runtim
   unit      from a watcher thread while a worker's stack is inside one of its units (F, L, B, E);
   prefetch  from the watcher while a copy thread's stack is inside a copy of one of its shards made ahead of use
             (a prefetch, or a kept forward's refill); "confirmed" when the copy was still running after cancel();
-  data      from its data iterable while a batch is fetched (host work, on the worker or the copy thread);
+  data      from its data iterable while a batch is fetched (host work, on the task's host thread);
   epoch     after its k-th epoch's metrics;
   finish    not cancelled.
 Measured after a warm-up wave of each kind and again after all tasks (both once every worker waits for work, after
@@ -208,12 +208,13 @@ class Watcher(threading.Thread):
 
 # -- measuring ------------------------------------------------------------------------------------------------------
 def quiesce(rt: ht.Runtime, timeout: float = 60.0) -> None:
-    """Wait until every device's worker waits for work: a handle reports its end from inside the worker, whose
-    frames let go of the task's host state (model, optimizer) a moment later."""
+    """Wait until every device's worker waits for work and no task's host thread runs: a handle reports its end
+    from inside a worker or a host thread, whose frames let go of the task's host state (model, optimizer) a moment
+    later."""
     deadline = time.monotonic() + timeout
     while True:
         counts = rt.scheduler.counts()
-        if counts["idle_devices"] == len(rt.devices) and counts["ready"] == 0:
+        if counts["idle_devices"] == len(rt.devices) and counts["ready"] == 0 and counts["host_busy"] == 0:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the runtime's workers were still busy {timeout} s after the last task ended")

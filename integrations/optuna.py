@@ -62,7 +62,7 @@ class _TrialTasks:
         self._live: dict[int, list[Any]] = {}
         self._ended: set[int] = set()
         self.names: dict[int, list[str]] = {}   # trial number -> names of the tasks it submitted
-        self.cancelled = 0                       # tasks this study cancelled because their trial ended first
+        self.cancelled = 0                       # tasks that ended cancelled because their trial ended first
 
     def add(self, number: int, handle: Any) -> None:
         with self._lock:
@@ -89,8 +89,6 @@ class _TrialTasks:
         ended = [h for h in handles if not h.done()]
         for h in ended:
             h.cancel()
-            with self._lock:
-                self.cancelled += 1
         for h in ended:   # a running task stops at its unit boundary: once the trial is over, so is its task
             try:
                 h.result(timeout=CANCEL_WAIT)
@@ -99,6 +97,10 @@ class _TrialTasks:
                               "it will be freed when its current unit returns", RuntimeWarning, stacklevel=2)
             except BaseException:  # noqa: BLE001  (TaskCancelled, or the task's own error: the trial is over)
                 pass
+        # Counted once ended: a task the objective's own `ht.train` loop cancelled as it raised (a pruned trial),
+        # which ends at once when it is not on a device, counts as one its trial's end cancelled.
+        with self._lock:
+            self.cancelled += sum(h.status == "cancelled" for h in handles)
 
 
 class HydraSampler(BaseSampler):

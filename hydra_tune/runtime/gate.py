@@ -58,6 +58,7 @@ class HostGate:
         self._plan, self._hooks = plan, hooks
         self._cv = threading.Condition()  # guards host and _waiting; the runtime's lock is never taken inside it
         self._waiting: dict[str, _Waiting] = {}
+        self._building: TaskHandle | None = None  # the waiting task the gate's thread is building now
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hydra-admit", daemon=True)
 
@@ -129,28 +130,39 @@ class HostGate:
             self._cv.notify_all()
 
     def withdraw(self, handle: TaskHandle, error: BaseException) -> bool:
-        """End ``handle``'s task if it is waiting (cancelled, or the runtime closing); False if it is not."""
+        """End ``handle``'s task if it is waiting (cancelled, or the runtime closing); False if it is not. One the
+        gate's thread is building ends at once too (its build may be stuck in its data), but False: the build may
+        have put it on the board already."""
         with self._cv:
             entry = self._waiting.get(handle.name)
-            if entry is None or entry[0] is not handle:
-                return False
-            del self._waiting[handle.name]
-            self.host.withdraw(handle.name)
-            handle.cancel_requested = True
-            self._cv.notify_all()  # the task behind it may fit now
-        handle.finish("cancelled", error)
-        return True
+            waiting = entry is not None and entry[0] is handle
+            building = not waiting and handle is self._building
+            if waiting:
+                del self._waiting[handle.name]
+                self.host.withdraw(handle.name)
+                self._cv.notify_all()  # the task behind it may fit now
+            if waiting or building:
+                handle.cancel_requested = True  # a building one: the board refuses it when its build returns
+        if waiting or building:
+            handle.finish("cancelled", error)
+        return waiting
 
-    def close(self) -> None:
-        """Stop the thread (a build in progress ends first; its task sees the runtime closed) and end every
-        waiting task with RuntimeClosed."""
+    def close(self, timeout: float | None = None) -> str | None:
+        """Stop the thread (a build in progress ends first, within ``timeout`` seconds; its task sees the runtime
+        closed) and end every waiting task with RuntimeClosed. Returns the name of a task whose build did not end
+        in time (stuck in its data): it is ended now and the thread left behind."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if self._thread.ident is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
         for handle, *_ in list(self._waiting.values()):
             self.withdraw(handle, RuntimeClosed(f"the runtime was closed before task {handle.name!r} started"))
+        with self._cv:
+            stuck = self._building if self._thread.is_alive() else None
+        if stuck is not None:
+            self.withdraw(stuck, RuntimeClosed(f"the runtime was closed before task {stuck.name!r} started"))
+        return None if stuck is None else stuck.name
 
     def snapshot(self) -> dict[str, Any]:
         """What ``Runtime.host_memory()`` reports."""
@@ -190,6 +202,7 @@ class HostGate:
                     self._cv.wait(1.0 if self.host.measured and self.host.waiting else None)
                 verdict, name = turn
                 handle, task, footprint, state = self._waiting.pop(name)
+                self._building = handle if verdict != "reject" else None
             if verdict == "reject":
                 handle.finish("failed", self._never_fits(name, footprint, capacity))
                 continue
@@ -199,6 +212,8 @@ class HostGate:
                 self.release(name)
                 detach_frames(exc, name)
                 handle.finish("cancelled" if isinstance(exc, (TaskCancelled, RuntimeClosed)) else "failed", exc)
+            with self._cv:
+                self._building = None
             del handle, task, state  # a failed build's model must not outlive it here
 
     def _never_fits(self, name: str, fp: Footprint, capacity: int) -> Exception:

@@ -9,7 +9,7 @@
 Two sides. Callers read: ``metrics``, ``result``, ``model``, ``snapshot``, ``checkpoint``, ``cancel``,
 ``status``, ``done``. ``model()`` is the trained model only: on a task that has not ended it raises at once
 (it neither waits nor returns the model of another moment); ``snapshot()`` is the model as of a step boundary.
-Whoever runs the task writes, in this order: ``started`` (its first segment opens), ``emit`` (each epoch's
+Whoever runs the task writes, in this order: ``started`` (a device takes it first), ``emit`` (each epoch's
 metrics), ``finish`` (once: done, failed or cancelled; later calls are ignored). ``watch`` lets a forwarder
 (the node server) follow a handle without polling.
 """
@@ -174,7 +174,7 @@ class TaskHandle:
         self._state = state
 
     def started(self) -> None:
-        """The task's first segment opened: queued -> running (watchers are told)."""
+        """A device took the task for the first time: queued -> running (watchers are told)."""
         with self._cond:
             if self._status == "queued":
                 self._status = "running"

@@ -5,16 +5,19 @@
         print([h.result()["train_loss"] for h in handles], rt.stats()); rt.trace().save("trace.json")
 
 A submitted task passes the host gate (gate.py: host-memory admission), is built and planned, and goes on the
-board (scheduler.py: the ready queue and the policy). Each device has a worker (worker.py): it takes a ready
-task, runs that task's next segment (a minibatch's F.. L B.. units, or one eval batch) while its copy thread
-works ahead, and hands the task back. A task runs on one device at a time; tasks are independent, so every
-device stays busy while enough tasks are ready. A task's failure or cancellation ends that task only.
+board (scheduler.py: the ready queue and the policy). Each task has a host thread (host.py) that opens its next
+segment: the plain loop's host work (optimizer step, next batch). Each device has a worker (worker.py): it takes
+a ready task, runs that task's next segment (a minibatch's F.. L B.. units, or one eval batch) while its copy
+thread works ahead, and hands the task back to its host thread. A task runs on one device at a time; tasks are
+independent, so every device stays busy while enough tasks are ready, and a task whose data iterator blocks holds
+no device. A task's failure or cancellation ends that task only.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +63,8 @@ def cpu_threads(cpu_devices: int) -> int | None:
         return int(given)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(torch.get_num_threads(), max(1, cores // cpu_devices))
+
+CLOSE_WAIT = 2.0  # seconds close() waits for ended tasks' host threads before leaving them behind with a warning
 
 
 class Runtime:
@@ -168,13 +173,16 @@ class Runtime:
         return self._recorder.snapshot()
 
     def close(self) -> None:
-        """Cancel what is still running, stop the workers. Idempotent."""
+        """Cancel what is still running, stop the workers. Idempotent. Returns once every device stopped, even
+        when a task's host work is stuck in its data iterator (or its build, in the gate's thread, is): that
+        thread is left behind (it keeps the task's memory until the iterator returns) with a RuntimeWarning
+        naming the task."""
         pending = self.scheduler.close()
         if pending is None:
             return  # closed already
         for w in self._workers:
             w.join()
-        self._gate.close()
+        building = self._gate.close(CLOSE_WAIT)
         for w in self._workers:
             w.shutdown()
         for task in pending:
@@ -182,6 +190,15 @@ class Runtime:
                                                                 "finished"))
         for d in self.devices:
             d.resident.clear()
+        stuck = [(name, "its host thread is still inside its host work") for name in
+                 self.scheduler.wait_hosts(CLOSE_WAIT)]
+        stuck += [(building, "its build (which takes a sample batch) is still running")] if building else []
+        for name, where in stuck:
+            warnings.warn(f"hydra_tune: task {name!r} ended, but {where} {CLOSE_WAIT:g} s after Runtime.close() "
+                          "(most likely a `next()` of its data iterator that has not returned): the thread is left "
+                          "behind and keeps the task's model, optimizer and batch in memory until that call returns."
+                          " Fix: make the data iterable return or raise when it cannot deliver (a timeout on a "
+                          "stream or a remote source)", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> "Runtime":
         return self
@@ -225,9 +242,7 @@ class Runtime:
         handle (after the gate's release: its name is free to reuse)."""
         self._gate.release(task.name)
         detach_frames(error, task.name)
-        task.chain.close()
-        task.state.abandon_checkpoints(status)
-        task.state.store.clear()
+        task.state.abandon_checkpoints(status)  # the chain and host buffers: the board lets them go after this
         self._drop_copies(task.state.execs)
         for d in self.devices:
             d.forget(task.name)

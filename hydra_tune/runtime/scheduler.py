@@ -1,20 +1,28 @@
-"""The runtime's task board: admitted tasks, the ready queue, and which task each device runs next.
+"""The runtime's task board: admitted tasks, their host threads, the ready queue, and which task each device runs next.
 
     board = Scheduler("lrtf", on_end=cleanup)      # on_end(task, status, error): free what an ended task held
-    task = board.admit(handle, state, footprint)   # queued for the devices
+    task = board.admit(handle, state, footprint)   # its host thread opens its first segment, then it is ready
     task = board.take(device_index)                # blocks; the task's next segment is open (task.segment)
-    board.ran(task, device_index, continues=False) # its segment ran: ready again
+    board.ran(task, device_index, keep=False)      # its segment ran: its host thread opens the next one
+    task = board.take_kept(device_index, task)     # keep=True: wait (briefly) for that task's next segment
     board.end(task, "failed", error)               # once per task; later calls do nothing
 
-Rules: a task is in the ready queue or on one device, never both, so it runs on one device at a time. The policy
-(policy/schedule.py) picks among the ready tasks with remaining-time estimates that include every unit measured
-so far. Opening a segment advances the task's chain: the host work before it (data, the optimizer step) runs in
-the thread that opens it. A task's failure or cancellation ends that task only. One lock (``cond``) guards the
-board; ``on_end`` runs outside it.
+Rules: a task is opening its next segment (in its host thread, host.py), in the ready queue, or on one device, never
+two of these, so one thread at a time touches its state and it runs on one device at a time. Opening a segment
+advances the task's chain (training/loop.py): the plain loop's host work before it (the optimizer step, the next
+batch) runs in the task's own host thread, never a device's, so a data iterator that blocks stalls only its task;
+the queue holds only tasks whose segment is open, so a device never waits on data. The policy (policy/schedule.py)
+picks among the ready tasks with remaining-time estimates that include every unit measured so far; when it keeps a
+device on the task whose segment is ending, the device waits for that task's next segment while its host work
+takes about as long as it usually does (``KEEP_WAIT``), then runs other ready tasks. A task's failure or
+cancellation ends that task only; cancelling a task whose host thread is opening ends it at once, and its chain is
+let go when that thread returns (a thread that never returns is reported by ``wait_hosts``). One lock (``cond``)
+guards the board; ``on_end`` runs outside it.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,18 +32,38 @@ from ..training.footprint import Footprint
 from ..training.segments import Segment
 from ..training.state import TaskState
 from .handle import TaskHandle
+from .host import HostThread
+
+# How long a device waits for the next segment of the task the policy kept it on: 4 times that task's last opening
+# (its host work: optimizer step, next batch), at least 50 ms, at most 1 s; past that it runs other ready tasks
+# (a data iterator that blocks holds no device longer than that).
+KEEP_WAIT = (4.0, 0.05, 1.0)
 
 
 class Admitted:
-    """One admitted task between its segments: its handle, state, chain of segments and scheduling record."""
+    """One admitted task between its segments: its handle, state, chain of segments, host thread and scheduling
+    record. ``open_next(task)`` is what its host thread runs: open the task's next segment."""
 
-    def __init__(self, handle: TaskHandle, state: TaskState, order: int, footprint: Footprint | None) -> None:
+    def __init__(self, handle: TaskHandle, state: TaskState, order: int, footprint: Footprint | None,
+                 open_next: Callable[["Admitted"], None]) -> None:
         self.handle, self.state, self.order, self.footprint = handle, state, order, footprint
         self.chain = state.segments(handle.emit)
         self.segment: Segment | None = None  # taken from the chain, not yet run
         self.last_device: int | None = None
         self.units = 0
         self.turns = 0
+        # Written under the board's lock:
+        self.opening = False        # its host thread is advancing the chain now
+        self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
+        self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
+        self.open_seconds = 0.0     # how long its last opening took
+        self.released = False       # ended, and on_end has run: what the chain holds goes next
+        self.host = HostThread(handle.name, lambda: open_next(self))
+
+    def let_go(self) -> None:
+        """Close the chain and clear the host buffers: only once the task ended and no thread advances it."""
+        self.chain.close()
+        self.state.store.clear()
 
     @property
     def name(self) -> str:
@@ -63,9 +91,10 @@ class Scheduler:
         self._pick = POLICIES[policy]
         self._on_end = on_end
         self.cond = threading.Condition()
-        self._ready: list[tuple[int, Admitted]] = []  # (when it became ready, task)
+        self._ready: list[tuple[int, Admitted]] = []  # (its place: when it left a device, task)
         self._tasks: dict[str, Admitted] = {}
         self._finished: dict[str, dict[str, Any]] = {}
+        self._left: list[HostThread] = []  # host threads of ended tasks, until they have ended too
         self._seq = 0
         self._admitted = 0
         self._closed = False
@@ -78,8 +107,8 @@ class Scheduler:
 
     # -- tasks in and out -------------------------------------------------------------------------------------
     def admit(self, handle: TaskHandle, state: TaskState, footprint: Footprint | None) -> Admitted:
-        """Queue a built task for the devices; raises if the board is closed, the task was cancelled, or its name
-        or model is already running."""
+        """Put a built task on the board: its host thread opens its first segment, then it is ready. Raises if the
+        board is closed, the task was cancelled, or its name or model is already running."""
         name = handle.name
         with self.cond:
             if self._closed:
@@ -95,31 +124,46 @@ class Scheduler:
                                  "(`lambda: MyModel()`) or a fresh module per task", task=name,
                                  model_also_in=shared[0])
             self._admitted += 1
-            task = Admitted(handle, state, self._admitted, footprint)
+            task = Admitted(handle, state, self._admitted, footprint, self._open)
             self._tasks[name] = task
-            self._push(task)
+            task.since, task.opening = self._next_seq(), True
+            task.host.start()
+            task.host.request()  # under the lock: while it is opening, its host thread has work to do
         return task
 
     def end(self, task: Admitted, status: str, error: BaseException | None = None) -> None:
         """End ``task`` (done, failed, cancelled): off the board, its record kept for ``stats``, then ``on_end``;
-        its state is let go last. A task that already ended is left alone."""
+        its chain and state are let go last (by its host thread, if that is opening a segment now). A task that
+        already ended is left alone."""
         with self.cond:
             if self._tasks.get(task.name) is not task:
                 return  # already ended (e.g. finished while the runtime was closing)
             del self._tasks[task.name]
+            self._ready = [(q, a) for q, a in self._ready if a is not task]
             self._finished[task.name] = dict(task.stats(), state=status)
             self._estimator.forget(task.name)
+            self._left = [h for h in self._left if h.alive] + [task.host]
+            self.cond.notify_all()  # a device waiting for its next segment stops waiting
+        task.host.stop()
         self._on_end(task, status, error)
         with self.cond:
-            task.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
+            task.released = True
+            free = not task.opening  # else its host thread lets it go when its work returns
+        if free:
+            self._let_go(task)
 
     def cancel(self, handle: TaskHandle) -> Admitted | None:
-        """Mark ``handle``'s task cancelled; if it is waiting in the ready queue, take it out and return it (the
-        caller ends it). A task on a device stops at its next unit boundary."""
+        """Mark ``handle``'s task cancelled; if it waits in the ready queue or its host thread is opening its next
+        segment (maybe blocked in its data iterator), take it off and return it (the caller ends it now). A task
+        on a device stops at its next unit boundary."""
         with self.cond:
             handle.cancel_requested = True
             task = self._tasks.get(handle.name)
-            if task is None or not any(a is task for _, a in self._ready):
+            if task is None or task.handle is not handle:
+                return None
+            if task.opening:
+                return task
+            if not any(a is task for _, a in self._ready):
                 return None
             self._ready = [(q, a) for q, a in self._ready if a is not task]
         return task
@@ -134,61 +178,77 @@ class Scheduler:
             self.cond.notify_all()
             return list(self._tasks.values())
 
+    def wait_hosts(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds in all for the host threads of ended tasks to end; the names of those
+        still running then (stuck in their host work: a data iterator that never returns)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            hosts = list(self._left)
+        stuck = [h.name for h in hosts if not h.join(max(deadline - time.monotonic(), 0.0))]
+        with self.cond:
+            self._left = [h for h in self._left if h.alive]
+        return stuck
+
     # -- devices asking for work ----------------------------------------------------------------------------
     def take(self, index: int) -> Admitted | None:
-        """Block until a task is ready for device ``index`` and its next segment is open; None once closed."""
-        while True:
-            with self.cond:
-                self._idle.add(index)
-                self.cond.wait_for(lambda: self._closed or self._ready)
-                self._idle.discard(index)
-                if self._closed:
-                    return None
-                task = self._choose(index)
-            if task is not None and self.open_segment(task):
-                return task
-            task = None  # it ended: waiting must not keep its handle (a done task's model, an error's frames)
+        """Block until a task is ready for device ``index`` (its next segment open); None once closed."""
+        with self.cond:
+            self._idle.add(index)
+            self.cond.wait_for(lambda: self._closed or self._ready)
+            self._idle.discard(index)
+            if self._closed:
+                return None
+            task = self._choose(index)
+        if task is not None:
+            task.handle.started()
+        return task
+
+    def take_kept(self, index: int, task: Admitted) -> Admitted | None:
+        """Wait for the next segment of ``task``, which the policy kept device ``index`` on (``ran(..., keep=True)``)
+        while its host work takes no longer than it usually does (``KEEP_WAIT``): ``task`` once its segment is
+        open; None when it ended, the board closed, or its host thread is still busy (it joins the ready queue
+        when done: a data iterator that blocks holds no device)."""
+        factor, least, most = KEEP_WAIT
+        with self.cond:
+            wait = min(max(factor * task.open_seconds, least), most)
+            self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task,
+                               wait)
+            opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
+            task.kept_by = None
+            return task if opened and not self._closed else None
 
     def choose_next(self, index: int, current: Admitted) -> Admitted | None:
-        """For device ``index``, finishing ``current``'s segment: the task it runs next, popped from the ready
-        queue, or ``current`` itself when the policy keeps the device on it; None when nothing is ready or the
-        board is closed."""
+        """For device ``index``, finishing ``current``'s segment: the task it runs next (its segment open), popped
+        from the ready queue, or ``current`` itself when the policy keeps the device on it; None when nothing is
+        ready or the board is closed."""
         with self.cond:
-            return None if self._closed else self._choose(index, current)
+            task = None if self._closed else self._choose(index, current)
+        if task is not None and task is not current:
+            task.handle.started()
+        return task
 
-    def open_segment(self, task: Admitted) -> bool:
-        """Advance ``task``'s chain to its next segment (its host work runs here, in the caller's thread);
-        False if the task ended (cancelled, finished, or its host work failed)."""
-        if task.handle.cancel_requested:
-            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
-            return False
-        if task.segment is not None:
-            return True  # a re-planned minibatch, open since its out-of-memory
-        task.handle.started()
-        try:
-            task.segment = next(task.chain)
-        except StopIteration:
-            self.end(task, "done")
-            return False
-        except BaseException as exc:  # one task's failure is that task's alone
-            self.end(task, "failed", exc)
-            return False
-        return True
-
-    def ran(self, task: Admitted, index: int, continues: bool) -> None:
-        """``task``'s segment ran on device ``index``. ``continues``: that device opens its next segment now;
-        otherwise the task is ready again (unless it ended or the board closed)."""
+    def ran(self, task: Admitted, index: int, keep: bool) -> None:
+        """``task``'s segment ran on device ``index``: its host thread opens the next one, then it is ready again
+        (or, with ``keep``, handed to this device, which waits for it in ``take``). A cancelled task ends here;
+        an ended one, or any once the board closed, is left as it is."""
         with self.cond:
             task.last_device = index
             task.turns += 1
-        if not continues:
-            self.requeue(task)
+            live = not self._closed and self._tasks.get(task.name) is task
+            cancelled = live and task.handle.cancel_requested
+            if live and not cancelled:
+                task.since, task.opening = self._next_seq(), True
+                task.kept_by = index if keep else None
+                task.host.request()
+        if cancelled:
+            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
 
     def requeue(self, task: Admitted) -> None:
-        """``task`` is ready again (a re-planned task the device had to pass on), unless it ended or the board
-        closed."""
+        """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless
+        it ended or the board closed."""
         with self.cond:
             if not self._closed and self._tasks.get(task.name) is task:
+                task.since = self._next_seq()
                 self._push(task)
 
     def observe(self, task: Admitted, kind: str, seconds: float) -> None:
@@ -218,22 +278,66 @@ class Scheduler:
         return tasks
 
     def counts(self) -> dict[str, int]:
-        """How many tasks are admitted, ready, and ended (with a kept record), and how many devices wait for
-        work: what soak checks read."""
+        """How many tasks are admitted, ready, opening a segment, and ended (with a kept record); how many host
+        threads still run (opening, or of ended tasks) and how many devices wait for work: what soak checks read."""
         with self.cond:
-            return {"admitted": len(self._tasks), "ready": len(self._ready), "finished": len(self._finished),
+            opening = sum(t.opening for t in self._tasks.values())
+            return {"admitted": len(self._tasks), "ready": len(self._ready), "opening": opening,
+                    "host_busy": opening + sum(h.alive for h in self._left), "finished": len(self._finished),
                     "idle_devices": len(self._idle)}
 
     def ready(self) -> list[Admitted]:
-        """The tasks in the ready queue, in the order they became ready."""
+        """The tasks off the devices: the ready queue in the order they became ready, then those whose host
+        thread is opening their next segment."""
         with self.cond:
-            return [task for _, task in self._ready]
+            return [task for _, task in self._ready] + [t for t in self._tasks.values() if t.opening]
+
+    # -- the host threads' work -------------------------------------------------------------------------------
+    def _open(self, task: Admitted) -> None:
+        """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
+        it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
+        A task that ended meanwhile is let go here."""
+        with self.cond:
+            live = self._tasks.get(task.name) is task
+        t0 = time.perf_counter()
+        segment, status, error = None, None, None
+        if live:
+            try:
+                segment = next(task.chain)
+            except StopIteration:
+                status = "done"
+            except BaseException as exc:  # one task's failure is that task's alone
+                status, error = "failed", exc
+        with self.cond:
+            task.opening = False
+            task.open_seconds = time.perf_counter() - t0
+            live = self._tasks.get(task.name) is task
+            if live and status is None:
+                task.segment = segment
+                if task.kept_by is not None:
+                    self.cond.notify_all()  # the device waiting for it takes it
+                elif not self._closed:  # closing: close() ends it
+                    self._push(task)
+            free = task.released
+        del segment
+        if free:
+            self._let_go(task)
+        elif live and status is not None:
+            self.end(task, status, error)
+
+    def _let_go(self, task: Admitted) -> None:
+        task.let_go()
+        with self.cond:
+            task.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
 
     # -- inside (the caller holds the lock) ------------------------------------------------------------------
-    def _push(self, task: Admitted) -> None:
+    def _next_seq(self) -> int:
         self._seq += 1
-        self._ready.append((self._seq, task))
-        self.cond.notify()
+        return self._seq
+
+    def _push(self, task: Admitted) -> None:
+        self._ready.append((task.since, task))
+        self.cond.notify_all()  # every waiter: a device waiting for a kept task must not swallow the wake-up
 
     def _choose(self, index: int, current: Admitted | None = None) -> Admitted | None:
         """Pop the ready task the policy gives device ``index``. ``current``, the task whose segment the device

@@ -7,9 +7,11 @@
 Rules: the worker takes a task from the board (its segment open) and runs that segment's units back to back, the
 device keeping the task's shards and kept activations between them. While a unit runs, the copy thread copies
 the next unit's shard in (double buffering); while the segment's last unit runs, it asks the board for the
-device's next task, opens that task's segment (its host work) and copies its first shard in when the room next
-to the running unit allows. A unit that runs out of device memory has its task re-planned smaller and its
-minibatch run again; any other error ends that task only, and the worker goes on.
+device's next task (one whose segment is open already) and copies its first shard in when the room next to the
+running unit allows. No host work of a task (its optimizer step, its next batch) runs on these threads: the
+task's own host thread does it between its segments (scheduler.py, host.py), so a data iterator that blocks never
+holds a device. A unit that runs out of device memory has its task re-planned smaller and its minibatch run
+again; any other error ends that task only, and the worker goes on.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from ..training.segments import Unit
 from ..training.shard import ShardExec
 from .scheduler import Admitted, Scheduler
 from .trace import COPY, Recorder
+
+Following = list[tuple["Admitted | None", "Future[None] | None"]]  # the device's next task, the copy of its 1st shard
 
 
 @dataclass(frozen=True)
@@ -79,38 +83,42 @@ class DeviceWorker:
             self._hooks.started(self.index, exc)
             return
         self._hooks.started(self.index, None)
-        task: Admitted | None = None  # the device's next task, its segment open
+        task: Admitted | None = None  # the device's next task, its segment open (kept: being opened)
+        kept = False
         while not self.board.closed:  # close() ends every task still admitted, the one picked for us included
-            if task is None:
+            if kept:  # the policy kept the device on this task: its host thread is opening the next segment
+                task = self.board.take_kept(self.index, task)  # type: ignore[arg-type]
+            if task is None:  # waiting holds no task (a done task's model, an error's frames)
                 task = self.board.take(self.index)
                 if task is None:
                     return
             try:
-                task = self._run_segment(task)
+                task, kept = self._run_segment(task)
             except BaseException as exc:  # a fault of ours outside the units: fail that task, keep the device
                 self.board.end(task, "failed", exc)
-                task = None
+                task, kept = None, False
 
-    def _run_segment(self, task: Admitted) -> Admitted | None:
+    def _run_segment(self, task: Admitted) -> tuple[Admitted | None, bool]:
         """Run the open segment's units in order; returns the device's next task with its segment open (picked
-        by the copy thread during the last unit), if any."""
+        during the last unit), if any, and whether it is this task kept on the device (its next segment is
+        being opened)."""
         segment = task.segment
         task.segment = None
         self.device.measuring = self.device.measure((task.name, segment.key))  # type: ignore[union-attr]
-        following: list[Future[Admitted | None]] = []
+        following: Following = []
         failure = self._run_units(task, segment.units, following)  # type: ignore[union-attr]
         if failure is not None:
-            return self._after_failure(task, *failure, following)
-        nxt = following[0].result() if following else None
-        self.board.ran(task, self.index, continues=nxt is task)
-        if nxt is task:  # the policy keeps this device on the same task: open its next segment here
-            return task if self.board.open_segment(task) else None
-        return nxt
+            return self._after_failure(task, *failure, following), False
+        keep = bool(following) and following[0][0] is task
+        self.board.ran(task, self.index, keep)  # its host thread opens its next segment from now
+        nxt = self._following(following)
+        return (task, True) if keep else (nxt, False)
 
     def _run_units(self, task: Admitted, units: Sequence[Unit],
-                   following: list[Future[Admitted | None]]) -> tuple[Unit, BaseException] | None:
-        """The units, each with the next one's shard prefetched; during the last, the copy thread prepares the
-        device's next task (its future goes into ``following``). The unit that raised and its error, if one did."""
+                   following: Following) -> tuple[Unit, BaseException] | None:
+        """The units, each with the next one's shard prefetched; during the last, the device's next task is picked
+        and the copy thread copies its first shard in (both go into ``following``). The unit that raised and its
+        error, if one did."""
         device, state = self.device, task.state
         pending: Future[None] | None = None
         try:
@@ -126,9 +134,7 @@ class DeviceWorker:
                 if later is not None:
                     pending = self._copier.submit(self._prefetch, task, later)
                 elif not self.board.closed:
-                    room = None if device.plan_budget is None else device.plan_budget - (
-                        state.plan.peak - state.plan.prefetch_bytes)
-                    following.append(self._copier.submit(self._next_segment, room, task))
+                    following.append(self._next_task(task))
                 self._run_unit(task, unit)
         except BaseException as exc:
             if pending is not None:
@@ -149,18 +155,18 @@ class DeviceWorker:
             self._stats["busy_seconds"] += t1 - t0
 
     def _after_failure(self, task: Admitted, unit: Unit, exc: BaseException,
-                       following: list[Future[Admitted | None]]) -> Admitted | None:
+                       following: Following) -> Admitted | None:
         """``unit`` raised: re-plan after an out-of-memory (the same minibatch runs again), else end the task.
         Returns the device's next task."""
         retry = is_oom(exc) and self._replan(task, unit, exc)
         if not retry:
             self.board.end(task, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
-        nxt = following[0].result() if following else None
+        nxt = self._following(following)
         if not retry:
             return None if nxt is task else nxt
         if nxt is None or nxt is task:
             return task  # its minibatch, re-planned, runs again here now
-        self.board.requeue(task)  # the copy thread already opened another task for this device: that one first
+        self.board.requeue(task)  # another task was picked for this device already: that one first
         return nxt
 
     def _replan(self, task: Admitted, unit: Unit, exc: BaseException) -> bool:
@@ -178,18 +184,34 @@ class DeviceWorker:
         self.board.replanned(task)
         return True
 
-    # -- the copy thread ------------------------------------------------------------------------------------
-    def _next_segment(self, room: int | None, current: Admitted) -> Admitted | None:
-        """While ``current``'s last unit runs: pick the device's next task, open its segment and copy its first
-        shard in when ``room`` (device bytes free next to the running unit) allows. Returns ``current`` itself
-        when the policy keeps the device on it (its host work must wait for its segment to end)."""
+    def _next_task(self, current: Admitted) -> tuple[Admitted | None, Future[None] | None]:
+        """As ``current``'s last unit starts: the device's next task (its segment open; ``current`` itself when
+        the policy keeps the device on it, None when nothing is ready), and the copy thread's copy of its first
+        shard."""
         task = self.board.choose_next(self.index, current)
-        if task is None or task is current or not self.board.open_segment(task):
-            return task if task is current else None
+        if task is None or task is current:
+            return task, None
+        plan, budget = current.state.plan, self.device.plan_budget
+        room = None if budget is None else budget - (plan.peak - plan.prefetch_bytes)
+        return task, self._copier.submit(self._next_segment, room, task)
+
+    @staticmethod
+    def _following(following: Following) -> Admitted | None:
+        """The device's next task picked during the last unit, once its first shard's copy ended."""
+        if not following:
+            return None
+        task, copying = following[0]
+        if copying is not None:
+            copying.result()
+        return task
+
+    # -- the copy thread ------------------------------------------------------------------------------------
+    def _next_segment(self, room: int | None, task: Admitted) -> None:
+        """While another task's last unit runs: copy the first shard of ``task``, the device's next, in when
+        ``room`` (device bytes free next to the running unit) allows."""
         first = task.segment.units[0]  # type: ignore[union-attr]
         if room is None or task.state.plan.shards[first.shard].state_bytes <= room:
             self._prefetch(task, first)
-        return task
 
     def _prefetch(self, task: Admitted, unit: Unit) -> None:
         t0 = time.perf_counter()
