@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import trained
+from reference import run_in_mode, trained
 
 import hydra_tune as ht
 from hydra_tune.training.state import TaskState
@@ -143,29 +143,16 @@ def test_each_backward_mode_is_exact_on_gpt2(mode):
     # The planner picks a mode per shard from measured times; here every shard is forced into one mode, so each
     # path (recompute with replayed dropout, kept graph with refilled parameters, activations round-tripped
     # through host memory) is checked against plain PyTorch bit for bit.
-    import dataclasses
 
     from conftest import lm_batches, make_gpt2
     from reference import max_param_diff, plain_train
 
-    from hydra_tune.device.devices import CpuDevice
-    from hydra_tune.training.residency import ShardCache
-
     task = ht.ModelTask(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batches(4), epochs=2,
                         grad_clip_norm=1.0, grad_accumulation=2, seed=5, name=mode)
     state = TaskState.build(task, 500 * 1024)
-    k = len(state.execs)
-    assert k >= 4
-    flags = tuple(i < k - 1 for i in range(k))  # every shard but the last (whose L unit never recomputes)
-    state.plan = dataclasses.replace(state.plan, keep=flags if mode == "keep" else (False,) * k,
-                                     offload=flags if mode == "offload" else (False,) * k)
-    device = CpuDevice("cpu:0", None)
-    device.resident = ShardCache()
-    for seg in state.segments(lambda m: None):
-        for unit in seg.units:
-            unit.run(device)
+    assert len(state.execs) >= 4
+    device = run_in_mode(state, mode)
     assert not state.store.kept
-    device.resident.clear()
     assert device.account.current == 0, "kept or offloaded forwards left device memory behind"
     model, _ = plain_train(task)
     assert max_param_diff(model, state.model) == 0.0

@@ -5,7 +5,6 @@ in each backward mode, with evaluation and after an out-of-memory retry. Submitt
 footprint estimate) changes nothing of the user's objects."""
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 from typing import Any
@@ -14,11 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import trained
+from reference import run_in_mode, trained
 
 import hydra_tune as ht
-from hydra_tune.device.devices import CpuDevice
-from hydra_tune.training.residency import ShardCache
 from hydra_tune.training.state import TaskState
 
 
@@ -144,17 +141,8 @@ def run_forced(task: ht.ModelTask, mode: str) -> TaskState:
     """Build ``task`` for the tightest budget and run all its segments on one CPU device with every shard but the
     last in ``mode`` (recompute, keep or offload)."""
     state = smallest_plan(task)
-    k = len(state.execs)
-    assert k >= 3, state.plan
-    flags = tuple(i < k - 1 for i in range(k))
-    state.plan = dataclasses.replace(state.plan, keep=flags if mode == "keep" else (False,) * k,
-                                     offload=flags if mode == "offload" else (False,) * k)
-    device = CpuDevice("cpu:0", None)
-    device.resident = ShardCache()
-    for seg in state.segments(lambda m: None):
-        for unit in seg.units:
-            unit.run(device)
-    device.resident.clear()
+    assert len(state.execs) >= 3, state.plan
+    device = run_in_mode(state, mode)
     assert device.account.current == 0, "the model holds device tensors after training (attributes)"
     return state
 
