@@ -1,4 +1,4 @@
-"""A runtime with CPU devices sets torch's intra-op threads itself (runtime.cpu_threads): at most its share of the
+"""A runtime with CPU devices sets torch's intra-op threads itself (device/threads.py): at most its share of the
 cores per device, a lower count kept, HYDRA_TUNE_CPU_THREADS=n exactly n. Each case in a fresh interpreter (the
 test session's conftest sets one thread)."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_a_bad_environment_value_is_refused_at_the_runtime(value):
 def test_the_rule():
     import torch
 
-    from hydra_tune.runtime.runtime import cpu_threads
+    from hydra_tune.device.threads import cpu_threads
 
     assert cpu_threads(0) is None                       # GPU runtimes leave the count alone
     assert cpu_threads(1) == min(torch.get_num_threads(), CORES)

@@ -14,17 +14,15 @@ no device. A task's failure or cancellation ends that task only.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..config import RuntimeConfig
-from ..device.devices import CpuDevice, Device, resolve_devices
+from ..device.devices import Device, resolve_devices
+from ..device.threads import set_cpu_threads
 from ..errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
 from ..task import ModelTask
 from ..training.footprint import Footprint
@@ -36,33 +34,7 @@ from .scheduler import Admitted, Scheduler
 from .trace import Recorder, Trace
 from .worker import DeviceWorker, WorkerHooks
 
-__all__ = ["Runtime", "TaskHandle", "CPU_THREADS_ENV", "cpu_threads"]
-
-CPU_THREADS_ENV = "HYDRA_TUNE_CPU_THREADS"
-
-
-def cpu_threads(cpu_devices: int) -> int | None:
-    """The intra-op thread count (``torch.set_num_threads``) a runtime with ``cpu_devices`` CPU devices runs with;
-    None: torch's count is left alone (no CPU devices: a GPU runtime's host work keeps the user's setting).
-
-        cpu_threads(2) == 1           # on 2 cores, torch's default count: each device one core
-        cpu_threads(0) is None        # CUDA devices only
-
-    The rule: each CPU device runs its units in its own worker thread with torch's intra-op pool, so N devices
-    on C cores get at most max(1, C // N) threads each; a lower count already set (``torch.set_num_threads(1)``,
-    Ray's OMP_NUM_THREADS=1) stays. ``HYDRA_TUNE_CPU_THREADS=<n>`` in the environment sets exactly n instead. The
-    count is torch's, for the whole process: a plain loop run in the same process afterwards uses it too."""
-    if cpu_devices == 0:
-        return None
-    given = os.environ.get(CPU_THREADS_ENV)
-    if given is not None:
-        if not given.strip().isdigit() or int(given) < 1:
-            raise rule_error(f"`{CPU_THREADS_ENV}` is a positive int (intra-op threads per CPU device) when set",
-                             f"set e.g. {CPU_THREADS_ENV}=2, or unset it for the runtime's share of the cores",
-                             **{CPU_THREADS_ENV: given})
-        return int(given)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(torch.get_num_threads(), max(1, cores // cpu_devices))
+__all__ = ["Runtime", "TaskHandle"]
 
 CLOSE_WAIT = 2.0  # seconds close() waits for ended tasks' host threads before leaving them behind with a warning
 
@@ -71,7 +43,7 @@ class Runtime:
     """Owns the node's devices and runs the units of every admitted task on them.
 
     The settings are a ``RuntimeConfig``'s (hydra_tune/config.py): pass ``config=`` or its four keywords.
-    Threads: a runtime with CPU devices caps torch's intra-op threads at its share of the cores (``cpu_threads``:
+    Threads: a runtime with CPU devices caps torch's intra-op threads at its share of the cores (``device/threads.py``:
     one each when there are as many devices as cores; ``HYDRA_TUNE_CPU_THREADS=n`` sets n); GPU runtimes leave
     the count alone.
     ``policy``: "lrtf" (Sharded-LRTF with affinity, the default), "fifo" or "round_robin" (policy/schedule.py).
@@ -99,10 +71,8 @@ class Runtime:
         self._gate.start()
 
     def _set_threads(self) -> None:
-        """Before the workers start (each thread takes torch's count at its first parallel op): see cpu_threads."""
-        threads = cpu_threads(sum(isinstance(d, CpuDevice) for d in self.devices))
-        if threads is not None and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        """Before the workers start (each thread takes torch's count at its first parallel op)."""
+        set_cpu_threads(self.devices)
 
     def _start_devices(self) -> None:
         """One worker per device; returns once every device is set up (e.g. CUDA workspaces measured), so that
