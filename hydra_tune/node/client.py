@@ -99,8 +99,7 @@ class RemoteHandle(TaskHandle):
     def checkpoint(self, path: str, timeout: float | None = None) -> str:
         """``TaskHandle.checkpoint`` run in the server (same node, same filesystem); returns the absolute path."""
         if self.done():
-            raise RuntimeError(f"task {self.name!r} is {self.status}: a checkpoint needs a running task. Fix: "
-                               "checkpoint before it ends (or keep the returned model).")
+            raise self.not_running_error()
         return self._call("checkpoint", self._tid, os.path.abspath(os.fspath(path)), timeout)
 
     def cancel(self) -> None:

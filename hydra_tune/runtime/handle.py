@@ -136,7 +136,7 @@ class TaskHandle:
         (atomically) and return the path; ``ModelTask(..., resume_from=path)`` continues from it."""
         state = self._state
         if state is None or self.done():
-            raise self._not_running()
+            raise self.not_running_error()
         self._not_in_own_work("checkpoint()")
         return state.request_checkpoint(os.fspath(path)).wait(timeout)
 
@@ -241,7 +241,8 @@ class TaskHandle:
                              kind=RuntimeError, task=self.name, status=self._status,
                              thread=threading.current_thread().name)
 
-    def _not_running(self) -> RuntimeError:
+    def not_running_error(self) -> RuntimeError:
+        """The error of a checkpoint asked of a task that no longer trains (the remote handle raises it too)."""
         return RuntimeError(f"task {self.name!r} is {self._status}: a checkpoint needs a running task. Fix: "
                             "checkpoint before it ends (or keep the returned model).")
 
