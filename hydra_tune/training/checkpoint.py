@@ -7,24 +7,40 @@ A checkpoint holds the model, optimizer, LR scheduler and loss scaler states, th
 loop stands (epoch, batches done in it, steps, samples, the epoch's losses and skipped minibatches so far, and the
 RNG states at the epoch's start: the task's and those of the data's own generators). Resuming rebuilds the data
 iterator from that epoch-start state and steps over the batches already trained on, so shuffling and any random
-data transforms repeat exactly; then the RNG continues from the checkpoint. Files are written to a private (0600)
-temporary file in the target directory and renamed into place, so a kill mid-write never leaves a torn
-checkpoint, and read with ``torch.load(weights_only=True)`` (tensors and plain data only: a file holding any other
-pickled object is refused, not run). A writer killed mid-write (SIGKILL,
+data transforms repeat exactly; then the RNG continues from the checkpoint.
+
+It also holds the Python state that changed since the task was built (pystate.py; put back on resume): the
+model's (a forward's call counter, annealed temperature, hook closure), the optimizer's attributes beyond torch's
+own, the samplers' (train data: as at the epoch's start; eval data: as they stand); the eval data's own
+generators' states as they stand (each evaluation continues their order); and each parameter group's base
+learning rate (``resume_hparams="task"`` scales from it, also under ReduceLROnPlateau, which keeps none). State
+that ``weights_only`` cannot read (a plain object, a function), or hooks registered or removed on the model while
+it trains, refuse the checkpoint with an error naming them; the task goes on.
+
+Files are written to a private (0600) temporary file in the target directory and renamed into place, so a kill
+mid-write never leaves a torn checkpoint, and read with ``torch.load(weights_only=True)`` (tensors and plain data
+only: a file holding any other pickled object is refused, not run). A writer killed mid-write (SIGKILL,
 power loss) leaves its temporary file, ``.hydra-ckpt-<host>-<pid>-<random>``; the next save into that directory
 removes those of writers on this host that are no longer running. Asking for one and serving it at a step boundary
 is boundary.py's work.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
 import socket
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn as nn
+
+from ..errors import rule_error
+from .data import data_generators, is_factory, restore_generators, sampler_state
+from .pystate import Change, ModuleState
 
 if TYPE_CHECKING:
     from .state import TaskState
@@ -49,16 +65,42 @@ class Position:
     # the states of the train data's own generators (a DataLoader's `generator=g`, its sampler's) at the epoch's
     # start (training/data.py data_generators); None: not recorded
     data_rng: list[torch.Tensor] | None = None
+    # what had changed in the Python state of the train data's samplers by the epoch's start, before its
+    # set_epoch (data.py sampler_state): pystate Changes in the loop, storable entries in a checkpoint
+    data_python: list[Any] | None = None
+
+
+class AsBuilt:
+    """What a task was built with, that its checkpoints are taken against.
+
+        state.as_built = AsBuilt(model, optimizer, eval_data)   # TaskState: before any training or restore
+
+    ``python``: the Python state then of the model, of the optimizer (attributes beyond torch's own: a custom
+    optimizer's counter) and of the eval data's samplers; a checkpoint carries what changed since. ``base_lrs``:
+    each parameter group's base learning rate (``initial_lr``, which torch's LR schedulers set, else ``lr``), which
+    ``resume_hparams="task"`` scales from. A task resumed with the checkpoint's hyper-parameters takes its bases.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, eval_data: Any = None) -> None:
+        self.python = {"model": ModuleState.of_model(model),
+                       "optimizer": ModuleState.of_objects([("optimizer", optimizer)])}
+        samplers = None if eval_data is None or is_factory(eval_data) else sampler_state(eval_data)
+        if samplers is not None:
+            self.python["eval_data"] = samplers
+        self.base_lrs: list[float | None] = [g.get("initial_lr", g.get("lr")) for g in optimizer.param_groups]
 
 
 def capture(state: TaskState, position: Position) -> dict[str, Any]:
-    """Everything needed to continue ``state`` exactly from ``position``."""
+    """Everything needed to continue ``state`` exactly from ``position``; a rule error when Python state that
+    changed cannot be stored."""
     return {
         "format": FORMAT, "task": state.task.name,
         "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
         "scaler": None if state.scaler is None else state.scaler.state_dict(),
-        "position": asdict(position),
+        "position": _position(state, position),
+        "python": _python_entries(state), "base_lrs": list(state.as_built.base_lrs),
+        "eval_rng": _eval_states(state),
     }
 
 
@@ -70,9 +112,14 @@ def restore(state: TaskState, data: dict[str, Any], keep_hparams: bool = False) 
         raise ValueError(f"a checkpoint of format {FORMAT}, but got (format={data.get('format')!r}). Fix: resume "
                          "from a file written by TaskHandle.checkpoint of this hydra_tune version.")
     state.model.load_state_dict(data["model"])
+    if _own_eval(state) is not None:  # the eval data's own generators continue where the checkpoint left them
+        restore_generators(_own_eval(state), data.get("eval_rng"), state.task.name, "eval data")
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
     fresh_bases = list(getattr(state.scheduler, "base_lrs", []) or [])
     state.optimizer.load_state_dict(data["optimizer"])
+    saved_python = data.get("python") or {}
+    for what, base in state.as_built.python.items():  # after load_state_dict, which sets no other attributes
+        put_entries(base, saved_python.get(what, []), state.task.name, what)
     for name in ("scheduler", "scaler"):
         target, saved = getattr(state, name), data[name]
         if (target is None) != (saved is None):
@@ -82,17 +129,23 @@ def restore(state: TaskState, data: dict[str, Any], keep_hparams: bool = False) 
         if target is not None:
             target.load_state_dict(saved)
     if keep_hparams:
-        _keep_hparams(state, fresh, fresh_bases)
+        _keep_hparams(state, fresh, fresh_bases, data.get("base_lrs"))
+    elif data.get("base_lrs") is not None:  # its hyper-parameters are the checkpoint's: so are its bases
+        state.as_built.base_lrs = list(data["base_lrs"])
     return Position(**data["position"])
 
 
-def _keep_hparams(state: TaskState, fresh: list[dict[str, Any]], fresh_bases: list[float]) -> None:
+def _keep_hparams(state: TaskState, fresh: list[dict[str, Any]], fresh_bases: list[float],
+                  saved_bases: list[float | None] | None) -> None:
+    """The fresh optimizer's hyper-parameters win; each group's learning rate is the checkpointed one times new
+    base / checkpointed base: the scheduler's ``base_lrs``, else the bases the checkpoint recorded (a
+    ReduceLROnPlateau keeps none: its reductions are in the checkpointed rate)."""
     groups = state.optimizer.param_groups
     if len(fresh) != len(groups):
         raise ValueError(f"the resumed optimizer has as many parameter groups as the checkpointed one, but got "
                          f"(task={len(fresh)}, checkpoint={len(groups)}). Fix: build the same optimizer layout.")
     sched = state.scheduler
-    old_bases = list(getattr(sched, "base_lrs", []) or [])
+    old_bases = list(getattr(sched, "base_lrs", []) or []) or list(saved_bases or [])
     for i, (group, new) in enumerate(zip(groups, fresh)):
         old_base = old_bases[i] if i < len(old_bases) else group.get("initial_lr", group.get("lr"))
         new_base = fresh_bases[i] if i < len(fresh_bases) else new.get("initial_lr", new.get("lr"))
@@ -102,8 +155,113 @@ def _keep_hparams(state: TaskState, fresh: list[dict[str, Any]], fresh_bases: li
             group["lr"] = lr * (new_base / old_base)
     if sched is not None and fresh_bases:
         sched.base_lrs = fresh_bases
-        if hasattr(sched, "_last_lr"):  # torch's LRScheduler keeps get_last_lr()'s value there (no setter)
-            sched._last_lr = [g["lr"] for g in groups]
+    if sched is not None and hasattr(sched, "_last_lr"):  # get_last_lr()'s value (torch has no setter)
+        sched._last_lr = [g["lr"] for g in groups]
+
+
+def _own_eval(state: TaskState) -> Any:
+    """The task's eval data when it is iterated itself (not made by a factory each evaluation), else None."""
+    data = state.eval_iterable
+    return None if data is None or is_factory(data) else data
+
+
+def _eval_states(state: TaskState) -> list[torch.Tensor] | None:
+    """The states of the eval data's own generators now (between evaluations): None for no or a factory's data."""
+    data = _own_eval(state)
+    return None if data is None else [g.get_state() for g in data_generators(data)]
+
+
+# Types torch.load(weights_only=True) reads (exact types: a numpy float or an IntEnum is pickled otherwise)
+_LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device,
+                     torch.Size, torch.Tensor, nn.Parameter})
+_NESTS = frozenset({tuple, list, set, dict, collections.OrderedDict})
+_STORABLE = ("None, bool, int, float, complex, str, bytes, tensors, torch.dtype/device/Size and tuples, lists, "
+             "dicts and sets of them")
+
+
+def _unstorable(value: Any, seen: set[int] | None = None) -> str | None:
+    """The type name of the first part of ``value`` that ``weights_only`` cannot read, or None."""
+    kind = type(value)
+    if kind in _LEAVES:
+        return None
+    if kind not in _NESTS:
+        return kind.__name__
+    seen = set() if seen is None else seen
+    if id(value) in seen:  # a container holding itself: pickled once
+        return None
+    seen.add(id(value))
+    parts = itertools.chain.from_iterable(value.items()) if isinstance(value, dict) else value
+    return next((bad for part in parts if (bad := _unstorable(part, seen)) is not None), None)
+
+
+def _position(state: TaskState, position: Position) -> dict[str, Any]:
+    """``position`` as plain data: its train samplers' Python state as storable entries."""
+    changes = position.data_python
+    out = asdict(replace(position, data_python=None))
+    out["data_python"] = None if changes is None else storable(changes, state.task.name, "train_data")
+    return out
+
+
+def _python_entries(state: TaskState) -> dict[str, list[dict[str, Any]]]:
+    """What changed since the task was built in the Python state of its model (its forwards), optimizer and eval
+    data's samplers, as storable entries; a rule error names what cannot be stored, or hooks registered or removed
+    meanwhile."""
+    python, task = state.as_built.python, state.task.name
+    for module, hooks, built, now in python["model"].hooks_changed():
+        raise rule_error("no hook is registered or removed on the model while it trains (a checkpoint carries the "
+                         "state hooks keep, not the hooks)", "register the hooks when the model is built (in its "
+                         "factory or __init__), not in forward or from outside while the task runs",
+                         kind=TypeError, task=task, module=module, hooks=hooks, built=built, now=now)
+    return {what: storable(base.changes(), task, what) for what, base in python.items()}
+
+
+_SAMPLER_FIX = ("keep a sampler's state as numbers, strings or tensors (or containers of them), or derive its "
+                "order from set_epoch(epoch), which hydra_tune calls at each training epoch's start")
+_FIX = {
+    "model": "keep such state as numbers, strings or tensors (or containers of them): e.g. the object's numbers as "
+             "attributes of the module, a tensor as a buffer; or set it when the model is built (factory or "
+             "__init__) so that training does not change it: a checkpoint carries the attributes changed since the "
+             "task was built",
+    "optimizer": "keep the optimizer's own state in its `state` (per parameter, in its state_dict) or as numbers, "
+                 "strings or tensors",
+    "train_data": _SAMPLER_FIX, "eval_data": _SAMPLER_FIX,
+}
+_CHANGED_BY = {"model": "a forward", "optimizer": "an optimizer", "train_data": "a sampler", "eval_data": "a sampler"}
+
+
+def storable(changes: list[Change], task: str, what: str) -> list[dict[str, Any]]:
+    """``changes`` (pystate) of ``what`` ("model": its modules; "optimizer"; "train_data", "eval_data": their
+    samplers) as entries ``weights_only`` reads (a deque as its items and maxlen); a rule error names the first
+    that cannot be stored."""
+    entries = []
+    for change in changes:
+        value, entry = change.value, {"module": change.module, "holder": change.holder, "key": change.key,
+                                      "how": change.how}
+        if isinstance(value, collections.deque):
+            value, entry["deque_maxlen"] = list(value), value.maxlen
+        bad = _unstorable(value)
+        if bad is not None:
+            kind = type(change.value).__name__
+            where = ({"module": change.module} if what == "model" else {} if what == "optimizer"
+                     else {"data": what, "sampler": change.module})
+            raise rule_error(
+                f"the Python state {_CHANGED_BY[what]} changes can be stored in a checkpoint (read with "
+                f"torch.load(weights_only=True): {_STORABLE})", _FIX[what], kind=TypeError,
+                task=task, **where, attribute=change.attribute, type=kind if kind == bad else f"{kind} holding {bad}")
+        entries.append({**entry, "value": value})
+    return entries
+
+
+def put_entries(base: ModuleState, entries: list[dict[str, Any]], task: str, what: str) -> None:
+    """Put a checkpoint's Python state ``entries`` (``storable``'s) into the objects ``base`` was taken of: the
+    freshly built model, optimizer and eval samplers, the train data's samplers at the resumed epoch's start."""
+    for e in entries:
+        value = collections.deque(e["value"], e["deque_maxlen"]) if "deque_maxlen" in e else e["value"]
+        change = Change(e["module"], e["holder"], e["key"], e["how"], value)
+        if not base.put(change):
+            raise rule_error(f"the resumed task's {what.replace('_', ' ')} has every place of Python state the "
+                             "checkpointed one changed", f"build the {what.replace('_', ' ')} as the checkpointed "
+                             "task did", task=task, place=change.module, attribute=change.attribute)
 
 
 def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:

@@ -8,14 +8,20 @@ Rules:
 * An epoch iterates the data as the plain loop does: ``for batch in data`` every epoch, or, for a zero-argument
   factory, ``for batch in factory()``: it is called once at the start of every epoch (train: before its first
   batch; eval: before each evaluation), in the task's RNG stream, and may return any iterable, a generator too.
+* Each training epoch starts as the plain loop's ``sampler.set_epoch(epoch)`` idiom (``set_epoch``): the train
+  DataLoader's samplers with a ``set_epoch`` (DistributedSampler) are given the epoch, 0 for the first.
+* A resumed epoch starts from the state the train data had at that epoch's start, before ``set_epoch``: the
+  states of its own generators (``data_generators``: the loader's, its samplers', its dataset's) and the Python
+  state of its samplers (``sampler_state``), both in the checkpoint.
 * A DataLoader given as the data is iterated as the task's own clone, made when the task is built: copies of its
   sampler, batch sampler and ``generator=`` (the dataset shared). Tasks sharing one loader each start from its
   state then, as the plain loop alone would, and the user's loader, its generator and sampler are not advanced.
 * The sample batch (for the checks and the cost profile at submit) leaves the user's objects as the plain loop
   would find them: a DataLoader is sampled through a clone whose sampler and generators are copies (so
   ``generator=g``, a sampler's state and persistent workers stay untouched), its dataset a shallow copy or, with
-  workers, read by one worker process; any other iterable through a shallow copy. Random draws of the sample come
-  from a scratch stream seeded with the task's seed, never the task's own.
+  workers, read by one worker process; any other iterable through a shallow copy; the generators a dataset holds
+  itself get their states back after it. Random draws of the sample come from a scratch stream seeded with the
+  task's seed, never the task's own.
 * A factory is called for the sample too (its random draws then come from the scratch stream): it must return a
   fresh iterable on every call. A one-shot result (a generator) is checked for that: two calls must give the same
   first batch, else the task is refused (slices of one shared iterator would lose the sample's batch).
@@ -41,6 +47,7 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 from ..device.dispatch import UnitMode
 from ..errors import rule_error
 from .build import build_part
+from .pystate import ModuleState
 
 NO_BATCH = object()
 SAMPLE_WAIT_S = 10.0  # how long a sample waits for another task's to end before it goes on unchecked
@@ -72,39 +79,92 @@ def data_length(data: Any) -> int | None:
 
 
 def data_generators(data: Any) -> list[torch.Generator]:
-    """The torch.Generators ``data`` draws from besides the task's stream, each once: a DataLoader's
-    ``generator=``, and those its sampler and batch sampler hold (or an iterable's own attributes). Checkpoints
-    keep their states at each epoch's start, so a resumed epoch repeats its order."""
-    from torch.utils.data import DataLoader
+    """The torch.Generators ``data`` draws from besides the task's stream, each once, in a fixed order: a
+    DataLoader's ``generator=``, those its sampler and batch sampler hold (and samplers nested in them, two levels
+    down), and its dataset's own (datasets nested in it too: a Subset's); of any other iterable, its attributes.
+    Checkpoints keep their states at each epoch's start, so a resumed epoch repeats its order and draws."""
+    from torch.utils.data import DataLoader, Dataset, Sampler
 
-    holders = [data]
-    if isinstance(data, DataLoader):
-        holders += [data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None)]
     found: dict[int, torch.Generator] = {}
-    for holder in holders:
-        for value in getattr(holder, "__dict__", {}).values():
-            if isinstance(value, torch.Generator):
-                found.setdefault(id(value), value)
+
+    def walk(holder: Any, depth: int) -> None:
+        for value in list(getattr(holder, "__dict__", {}).values()):
+            nested = value if isinstance(value, (list, tuple)) and len(value) <= 64 else [value]  # ConcatDataset's
+            for item in nested:
+                if isinstance(item, torch.Generator):
+                    found.setdefault(id(item), item)
+                elif depth and isinstance(item, (Sampler, Dataset)):
+                    walk(item, depth - 1)
+
+    walk(data, 0)
+    if isinstance(data, DataLoader):
+        for holder in (data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None),
+                       data.dataset):
+            walk(holder, 2)
     return list(found.values())
 
 
-def restore_generators(data: Any, states: list[torch.Tensor] | None, task: str) -> None:
-    """A resumed epoch: put the states its checkpoint recorded (``states``; None: none recorded) into ``data``'s
-    own generators."""
-    generators = _matching_generators(data, states, task)
+@contextlib.contextmanager
+def _generators_kept(data: Any) -> Iterator[None]:
+    """``data``'s own generators (``data_generators``: a dataset's too, which a sample read in this process
+    draws from) have their states back after the block."""
+    states = [(g, g.get_state()) for g in data_generators(data)]
+    try:
+        yield
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
+
+
+def restore_generators(data: Any, states: list[torch.Tensor] | None, task: str, what: str = "train data") -> None:
+    """A resume: put the states its checkpoint recorded (``states``; None: none recorded) into ``data``'s own
+    generators (train data: at the resumed epoch's start; eval data: at the build, as they stood)."""
+    generators = _matching_generators(data, states, task, what)
     for generator, state in zip(generators, states or ()):
         generator.set_state(state)
 
 
-def _matching_generators(data: Any, states: list[torch.Tensor] | None, task: str) -> list[torch.Generator]:
+def _matching_generators(data: Any, states: list[torch.Tensor] | None, task: str,
+                         what: str = "train data") -> list[torch.Generator]:
     generators = data_generators(data)
     if (states is not None or generators) and len(states or ()) != len(generators):
-        raise rule_error("the resumed task's train data has as many generators of its own as the checkpointed "
-                         "task's (their states at the epoch's start are in the checkpoint)", "build the "
-                         "DataLoader (its generator= and sampler) as the checkpointed task did, with a checkpoint "
-                         "written by this hydra_tune version", task=task, checkpoint=None if states is None
-                         else len(states), data=len(generators))
+        raise rule_error(f"the resumed task's {what} has as many generators of its own as the checkpointed "
+                         "task's (their states are in the checkpoint)", "build the DataLoader (its generator= and "
+                         "sampler) as the checkpointed task did, with a checkpoint written by this hydra_tune "
+                         "version", task=task, checkpoint=None if states is None else len(states),
+                         data=len(generators))
     return generators
+
+
+def sampler_state(data: Any) -> ModuleState | None:
+    """The Python state of ``data``'s samplers now (a DataLoader's sampler, batch sampler and the batch sampler's
+    sampler), labelled by their role; None for other data. A checkpoint carries what changed in it by each epoch's
+    start (a counter a sampler's ``__iter__`` steps, DistributedSampler's epoch)."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(data, DataLoader):
+        return None
+    named: dict[int, tuple[str, Any]] = {}
+    for role, sampler in (("sampler", data.sampler), ("batch_sampler", data.batch_sampler),
+                          ("batch_sampler.sampler", getattr(data.batch_sampler, "sampler", None))):
+        if hasattr(sampler, "__dict__"):
+            named.setdefault(id(sampler), (role, sampler))
+    return ModuleState.of_objects(list(named.values()), opaque=[data.dataset])  # the dataset: not theirs
+
+
+def set_epoch(data: Any, epoch: int) -> None:
+    """As the plain loop's ``sampler.set_epoch(epoch)`` at each epoch's start (``epoch``: 0 for the first): the
+    sampler, batch sampler and batch sampler's sampler of a DataLoader that have a ``set_epoch`` (DistributedSampler)
+    are given it, each once. They are the task's own copies (``loader_clone``), or what its factory made."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(data, DataLoader):
+        return
+    done: set[int] = set()
+    for sampler in (data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and id(sampler) not in done:
+            done.add(id(sampler))
+            sampler.set_epoch(epoch)
 
 
 def check_resume(task: Any, epoch: int, states: list[torch.Tensor] | None) -> None:
@@ -149,12 +209,13 @@ def sample_batch(data: Any, seed: int, task: str, what: str = "train_data") -> A
 def _peek(data: Any, seed: int) -> Any:
     from torch.utils.data import DataLoader
 
-    if isinstance(data, DataLoader):
-        data = _sample_clone(data, seed)
-    elif not isinstance(data, (list, tuple)):
-        with contextlib.suppress(Exception):  # not copyable: iterated itself
-            data = copy.copy(data)
-    return next(iter(data), NO_BATCH)
+    with _generators_kept(data):  # a dataset's own generator is shared by the clone or copy
+        if isinstance(data, DataLoader):
+            data = _sample_clone(data, seed)
+        elif not isinstance(data, (list, tuple)):
+            with contextlib.suppress(Exception):  # not copyable: iterated itself
+                data = copy.copy(data)
+        return next(iter(data), NO_BATCH)
 
 
 def task_data(data: Any) -> Any:

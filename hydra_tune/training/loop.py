@@ -35,8 +35,8 @@ from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
 from .boundary import task_work
-from .checkpoint import Position
-from .data import data_generators, epoch_data, is_factory, restore_generators
+from .checkpoint import Position, put_entries
+from .data import data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -86,7 +86,10 @@ class TrainingLoop:
         self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
         self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
         self._data_rng: list[torch.Tensor] = []  # the train data's own generators' states at the epoch's start
-        self._data_rng_due: tuple[list[torch.Tensor] | None] | None = None  # a resumed epoch's, to put back
+        self._data_py: list[Any] | None = None   # what had changed in its samplers' Python state by then
+        self._data_due: tuple[Any, Any] | None = None  # a resumed epoch's (generator states, sampler entries)
+        # the train data's samplers as built (a factory's are made anew each epoch: none); see data.sampler_state
+        self._samplers = None if is_factory(state.train_iterable) else sampler_state(state.train_iterable)
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
@@ -107,8 +110,9 @@ class TrainingLoop:
             if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step serves
                 snap = state.rng.snapshot()
                 data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
+                data_py = None if self._samplers is None else self._samplers.changes(frozen=True)
                 state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
-                                              data_rng=data_rng), epoch_end=True)
+                                              data_rng=data_rng, data_python=data_py), epoch_end=True)
         state.finish_requests()
 
     def retry(self, plan: Plan) -> Segment:
@@ -158,7 +162,8 @@ class TrainingLoop:
                 run.pending = 0
                 state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
                                               list(run.losses), epoch_rng, *rng.snapshot(), skipped=run.skipped,
-                                              data_rng=self._data_rng), epoch_end=False)
+                                              data_rng=self._data_rng, data_python=self._data_py),
+                                     epoch_end=False)
                 if task.max_steps is not None and state.steps >= task.max_steps:
                     break
         state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
@@ -174,7 +179,7 @@ class TrainingLoop:
         if resume is None:
             return [], 0, 0
         self.state.rng.cpu.set_state(resume.epoch_rng)
-        self._data_rng_due = (resume.data_rng,)  # put into the data's own generators when the epoch makes it
+        self._data_due = (resume.data_rng, resume.data_python)  # put into the data when the epoch makes it
         if resume.batch_in_epoch == 0:  # nothing to step over
             self._resume_rng()
         return list(resume.losses), resume.batch_in_epoch, resume.skipped
@@ -204,7 +209,7 @@ class TrainingLoop:
         with UnitMode(rng.cpu), task_work(name):
             made = epoch_data(data, what, name)  # a factory is called here: once per pass
             if what == "train_data":
-                self._start_data_rng(made)
+                self._start_epoch_data(made)
             it = iter(made)
         while True:
             with UnitMode(rng.cpu), task_work(name):
@@ -213,13 +218,18 @@ class TrainingLoop:
                 return
             yield batch
 
-    def _start_data_rng(self, made: Any) -> None:
-        """At an epoch's start: a resumed epoch's data generators get their checkpointed states back; their
-        states are kept for this epoch's checkpoints."""
-        due, self._data_rng_due = self._data_rng_due, None
+    def _start_epoch_data(self, made: Any) -> None:
+        """At an epoch's start: a resumed epoch's data gets its checkpointed generator states and sampler Python
+        state back; both are kept for this epoch's checkpoints; then samplers with ``set_epoch`` are given it (0
+        for the first: the plain loop's idiom)."""
+        due, self._data_due = self._data_due, None
         if due is not None:
             restore_generators(made, due[0], self.state.task.name)
+            if self._samplers is not None:
+                put_entries(self._samplers, due[1] or [], self.state.task.name, "train_data")
         self._data_rng = [g.get_state() for g in data_generators(made)]
+        self._data_py = None if self._samplers is None else self._samplers.changes(frozen=True)
+        set_epoch(made, self.state.epoch - 1)
 
     # -- segments -------------------------------------------------------------------------------------------
     def _segment(self, units: list[UnitSpec], train: bool) -> Segment:

@@ -17,19 +17,27 @@ a tensor attribute that is not a buffer and was changed in place (``self.t.add_(
 than 10,000 items changed in place (compared by length only: copying it every unit would cost), cannot be put
 back: ``inplace()`` names it and the caller refuses to go on. State the snapshot does not see (objects nested
 deeper, elements inside containers, module-level globals) is the user's to keep out of ``forward``.
+
+For checkpoints (checkpoint.py) the state of a whole model is taken by module path (``ModuleState.of_model``,
+every container copied whatever its length; ``of_objects`` for samplers and optimizers): ``changes()`` lists what
+differs since, addressed so that ``put`` finds the same place in another build of the model (the module's path,
+then the plain object or hook holding the attribute: hooks by their position in their dict), and
+``hooks_changed()`` tells where hooks were registered or removed since. A dataset a sampler holds is not its state
+(nor any torch Dataset held by a module).
 """
 from __future__ import annotations
 
 import collections
 import copy
 import functools
-import itertools
 import types
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.utils.data import Dataset
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -37,18 +45,19 @@ _CONTAINERS = (list, dict, set, collections.deque, bytearray)
 _MISSING = object()
 _BIG = 10_000  # a container longer than this is compared by its length only (copying it every unit costs)
 _NOT_STATE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
-              types.BuiltinFunctionType, functools.partial)
+              types.BuiltinFunctionType, functools.partial, Dataset)
 
 
 class _Cell:
-    """A closure cell seen as a one-entry dict, so that cells and ``__dict__``s are read and written alike."""
+    """A closure cell seen as a one-entry dict keyed by its variable's name, so that cells and ``__dict__``s are
+    read and written alike."""
 
-    def __init__(self, cell: Any) -> None:
-        self.cell = cell
+    def __init__(self, cell: Any, var: str) -> None:
+        self.cell, self.var = cell, var
 
     def items(self) -> Iterable[tuple[str, Any]]:
         try:
-            return [("<cell>", self.cell.cell_contents)]
+            return [(self.var, self.cell.cell_contents)]
         except ValueError:  # an empty cell
             return []
 
@@ -62,50 +71,80 @@ class _Cell:
         del self.cell.cell_contents
 
 
+@functools.cache
+def _optimizer_own() -> frozenset[str]:
+    """torch's own attributes of an optimizer (its state and param_groups travel in its state_dict)."""
+    return frozenset(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)))
+
+
+def _own_keys(obj: Any) -> frozenset[str]:
+    """The attributes of ``obj`` that are torch's bookkeeping, not state a user's code keeps."""
+    if isinstance(obj, nn.Module):
+        return _TORCH_OWN
+    return _optimizer_own() if isinstance(obj, torch.optim.Optimizer) else frozenset()
+
+
+class _Holder(NamedTuple):
+    """One place of state: ``name`` for messages (``Type`` or ``Type hook fn``), where it is in the model
+    (``module``: its label, ``prefix``: the attribute path to the holder inside it, "" for the module itself), the
+    mapping and the keys to skip."""
+
+    name: str
+    module: str
+    prefix: str
+    mapping: Any
+    skip: frozenset[str]
+
+
 def _plain_object(value: Any) -> bool:
     """A user object whose attributes are state too (a schedule object a forward steps), not torch's or code."""
     return (hasattr(value, "__dict__") and not isinstance(value, _NOT_STATE)
             and not type(value).__module__.startswith("torch"))
 
 
-def _holders(modules: Iterable[nn.Module]) -> list[tuple[str, Any, frozenset[str]]]:
-    """(name, mapping, keys to skip) for every place of state: module ``__dict__``s, hook objects, hook cells,
-    and the attributes of plain objects held there (one level down)."""
-    out: list[tuple[str, Any, frozenset[str]]] = []
+def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozenset()) -> list[_Holder]:
+    """Every place of state of the ``(label, module or other object)`` pairs: their ``__dict__``s, hook objects,
+    hook cells, and the attributes of plain objects held there (one level down; not those whose id is in
+    ``opaque``)."""
+    out: list[_Holder] = []
     seen: set[int] = set()
 
-    def add(name: str, mapping: Any, skip: frozenset[str] = frozenset(), nested: bool = True) -> None:
+    def add(name: str, module: str, prefix: str, mapping: Any, skip: frozenset[str] = frozenset(),
+            nested: bool = True) -> None:
         key = id(mapping.cell) if isinstance(mapping, _Cell) else id(mapping)
         if key in seen:
             return
         seen.add(key)
-        out.append((name, mapping, skip))
+        out.append(_Holder(name, module, prefix, mapping, skip))
         if nested:
             for k, v in list(mapping.items()):
-                if k not in skip and _plain_object(v):
-                    add(f"{name}.{k}", vars(v), nested=False)
+                if k not in skip and _plain_object(v) and id(v) not in opaque:
+                    add(f"{name}.{k}", module, f"{prefix}{k}.", vars(v), nested=False)
 
-    for m in modules:
+    for label, m in named:
         mname = type(m).__name__
-        add(mname, m.__dict__, _TORCH_OWN)
-        for hook in itertools.chain.from_iterable(getattr(m, d, {}).values() for d in _HOOK_DICTS):
-            fn = hook.__func__ if isinstance(hook, types.MethodType) else hook
-            if isinstance(hook, types.MethodType) and not isinstance(hook.__self__, nn.Module):
-                add(f"{mname} hook {type(hook.__self__).__name__}", vars(hook.__self__))
-            if isinstance(fn, types.FunctionType):
-                for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-                    add(f"{mname} hook {fn.__name__}.{var}", _Cell(cell))
-            elif hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):
-                add(f"{mname} hook {type(fn).__name__}", vars(fn))
+        add(mname, label, "", m.__dict__, _own_keys(m))
+        for dict_name in _HOOK_DICTS:
+            for i, hook in enumerate(getattr(m, dict_name, {}).values()):
+                at = f"{dict_name}[{i}]."
+                fn = hook.__func__ if isinstance(hook, types.MethodType) else hook
+                if isinstance(hook, types.MethodType) and not isinstance(hook.__self__, nn.Module):
+                    add(f"{mname} hook {type(hook.__self__).__name__}", label, at, vars(hook.__self__))
+                if isinstance(fn, types.FunctionType):
+                    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                        add(f"{mname} hook {fn.__name__}", label, at, _Cell(cell, var))
+                elif hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):
+                    add(f"{mname} hook {type(fn).__name__}", label, at, vars(fn))
     return out
 
 
-def _contents(value: Any) -> Any:
-    """What an in-place change is detected by: a container's shallow copy, a tensor's version, else None."""
+def _contents(value: Any, big: float) -> Any:
+    """What an in-place change is detected by: a container's shallow copy (its length, past ``big`` items), a
+    tensor's version, else None."""
     if isinstance(value, torch.Tensor):
         return value._version  # torch's in-place counter: there is no public accessor
     if isinstance(value, _CONTAINERS):
-        return copy.copy(value) if len(value) <= _BIG else len(value)
+        return copy.copy(value) if len(value) <= big else len(value)
     return None
 
 
@@ -133,34 +172,82 @@ def _put_contents(value: Any, old: Any) -> None:
         value.update(old)
 
 
+class _Diff(NamedTuple):
+    holder: _Holder
+    key: str
+    how: str          # "rebound", "added", "contents" (a container changed in place) or "inplace" (see _changes)
+    recorded: Any     # (value, contents) as taken, None for "added"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One attribute that differs from a model's state as taken (``ModuleState.changes``): where (``module``: the
+    module's path, ``holder``: the attribute path inside it, e.g. "" or "schedule." or "_forward_pre_hooks[0]."),
+    ``key``, ``how`` ("rebound", "added", "contents", "inplace" or "deleted") and its ``value`` now (None when
+    deleted)."""
+
+    module: str
+    holder: str
+    key: str
+    how: str
+    value: Any
+
+    @property
+    def attribute(self) -> str:
+        return f"{self.holder}{self.key}"
+
+
 class ModuleState:
     """The Python state of some modules at one moment (see the module docstring for what counts)."""
 
-    def __init__(self, entries: list[tuple[str, Any, frozenset[str], dict[str, tuple[Any, Any]]]]) -> None:
-        self._entries = entries  # (holder name, mapping, keys to skip, {key: (value, contents)})
+    def __init__(self, entries: list[tuple[_Holder, dict[str, tuple[Any, Any]]]],
+                 named: list[tuple[str, Any]] | None = None) -> None:
+        self._entries = entries  # (holder, {key: (value, contents)})
+        self._named = named or []  # of_model, of_objects: the (label, object) pairs taken
+        self._hooks = _hook_counts(self._named)  # (path, hook dict) -> hooks registered there then
 
     @classmethod
     def take(cls, modules: Iterable[nn.Module]) -> ModuleState:
-        entries = []
-        for name, mapping, skip in _holders(modules):
-            entries.append((name, mapping, skip, {k: (v, _contents(v)) for k, v in list(mapping.items())
-                                                  if k not in skip}))
-        return cls(entries)
+        return cls._take(((type(m).__name__, m) for m in modules), _BIG)
 
-    def _changes(self) -> Iterable[tuple[str, Any, str, Any, Any]]:
-        """(holder, mapping, key, how, recorded) for each entry that differs now: how is "rebound", "added",
-        "contents" or "inplace" (a tensor changed in place)."""
-        for name, mapping, skip, keys in self._entries:
+    @classmethod
+    def of_model(cls, model: nn.Module) -> ModuleState:
+        """The state of every module of ``model``, labelled by its path (``named_modules``; "(root)" for the model
+        itself), containers copied whatever their length: what ``changes`` compares a checkpoint's model with."""
+        named = [(path or "(root)", m) for path, m in model.named_modules()]
+        return cls._take(named, float("inf"), named)
+
+    @classmethod
+    def of_objects(cls, named: list[tuple[str, Any]], opaque: Iterable[Any] = ()) -> ModuleState:
+        """The state of other objects with attributes (a DataLoader's samplers, an optimizer: its attributes
+        beyond torch's own), labelled as ``named`` gives them, containers copied whatever their length; objects
+        they hold that are in ``opaque`` (a sampler's dataset) are not looked into."""
+        return cls._take(named, float("inf"), named, frozenset(id(o) for o in opaque))
+
+    @classmethod
+    def _take(cls, named: Iterable[tuple[str, Any]], big: float, keep: list[tuple[str, Any]] | None = None,
+              opaque: frozenset[int] = frozenset()) -> ModuleState:
+        entries = []
+        for holder in _holders(named, opaque):
+            entries.append((holder, {k: (v, _contents(v, big)) for k, v in list(holder.mapping.items())
+                                     if k not in holder.skip}))
+        return cls(entries, keep)
+
+    def _changes(self) -> Iterable[_Diff]:
+        """Each entry that differs now: "rebound", "added", "contents" (old contents kept) or "inplace" (a tensor
+        changed in place, or a big container: the old contents are gone)."""
+        for holder, keys in self._entries:
+            mapping = holder.mapping
             for k, (value, contents) in keys.items():
                 now = mapping.get(k, _MISSING)
                 if now is not value:
-                    yield name, mapping, k, "rebound", (value, contents)
+                    yield _Diff(holder, k, "rebound", (value, contents))
                 elif not _same_contents(contents, value):
                     how = "inplace" if isinstance(contents, int) else "contents"  # old contents: gone / kept
-                    yield name, mapping, k, how, (value, contents)
+                    yield _Diff(holder, k, how, (value, contents))
             for k, _ in list(mapping.items()):
-                if k not in keys and k not in skip:
-                    yield name, mapping, k, "added", None
+                if k not in keys and k not in holder.skip:
+                    yield _Diff(holder, k, "added", None)
 
     def changed(self) -> bool:
         """Whether anything differs from the snapshot now."""
@@ -168,35 +255,85 @@ class ModuleState:
 
     def changed_names(self) -> list[str]:
         """``Holder.attr`` of every attribute that differs now from the snapshot, sorted."""
-        return sorted(f"{name}.{k}" for name, _, k, _, _ in self._changes())
+        return sorted(f"{d.holder.name}.{d.key}" for d in self._changes())
 
     def inplace(self) -> list[str]:
         """``Holder.attr`` of each attribute changed in place beyond repair since the snapshot: a tensor that is
         not a buffer, or a container longer than ``_BIG``."""
-        return [f"{name}.{k}" for name, _, k, how, _ in self._changes() if how == "inplace"]
+        return [f"{d.holder.name}.{d.key}" for d in self._changes() if d.how == "inplace"]
+
+    def changes(self, frozen: bool = False) -> list[Change]:
+        """Every attribute that differs now from the snapshot, with its value now (``frozen``: a deep copy, so
+        that later changes do not reach it; the value itself when it cannot be copied)."""
+        out = []
+        for d in self._changes():
+            now = d.holder.mapping.get(d.key, _MISSING)
+            how, value = ("deleted", None) if now is _MISSING else (d.how, now)
+            if frozen and how != "deleted":
+                try:
+                    value = copy.deepcopy(value)
+                except Exception:  # noqa: BLE001  (not copyable: then not storable either, which the caller says)
+                    pass
+            out.append(Change(d.holder.module, d.holder.prefix, d.key, how, value))
+        return out
+
+    def hooks_changed(self) -> list[tuple[str, str, int, int]]:
+        """(module, hook dict, hooks then, hooks now) wherever hooks were registered or removed since ``of_model``."""
+        now = _hook_counts(self._named)
+        return [(m, d, n, now[(m, d)]) for (m, d), n in self._hooks.items() if now[(m, d)] != n]
+
+    def put(self, change: Change) -> bool:
+        """Make ``change`` here (this state's modules are another build of the model it was taken from): a
+        container or tensor changed in place is given its contents in place (references to it stay valid), any
+        other value is bound. False: no such place here."""
+        holder = next((h for h, _ in self._entries if (h.module, h.prefix) == (change.module, change.holder)
+                       and change.key not in h.skip
+                       and (not isinstance(h.mapping, _Cell) or h.mapping.var == change.key)),
+                      None)
+        if holder is None:
+            return False
+        mapping, now = holder.mapping, holder.mapping.get(change.key, _MISSING)
+        if change.how == "deleted":
+            if now is not _MISSING:
+                del mapping[change.key]
+        elif change.how in ("contents", "inplace") and isinstance(now, _CONTAINERS) and type(now) is type(
+                change.value):
+            _put_contents(now, change.value)
+        elif (change.how == "inplace" and isinstance(now, torch.Tensor) and isinstance(change.value, torch.Tensor)
+              and now.shape == change.value.shape and now.dtype == change.value.dtype):
+            with torch.no_grad():
+                now.copy_(change.value)
+        else:
+            mapping[change.key] = change.value
+        return True
 
     def settle(self, to_host: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace each tensor bound to an attribute since the snapshot (a forward's EMA, a hook's computed weight)
         by ``to_host(tensor)``: between units the model holds host tensors only, as a model trained on the CPU
         does, and nothing stays on a device outside its plan. A tensor held anywhere in the snapshot already
         (one attribute assigned another) stays as it is; parameters too."""
-        known = {id(v) for *_, keys in self._entries for v, _ in keys.values()}
-        for _, mapping, k, how, _ in list(self._changes()):
-            if how in ("rebound", "added"):
-                now = mapping.get(k, _MISSING)
+        known = {id(v) for _, keys in self._entries for v, _ in keys.values()}
+        for d in list(self._changes()):
+            if d.how in ("rebound", "added"):
+                now = d.holder.mapping.get(d.key, _MISSING)
                 if isinstance(now, torch.Tensor) and not isinstance(now, nn.Parameter) and id(now) not in known:
-                    mapping[k] = to_host(now)
+                    d.holder.mapping[d.key] = to_host(now)
 
     def restore(self) -> None:
         """Put back every rebound attribute and container contents; drop attributes added since (a tensor changed
         in place stays as it is: see ``inplace``)."""
-        for _, mapping, k, how, recorded in list(self._changes()):
-            if how == "added":
-                del mapping[k]
-            elif how == "rebound":
-                value, contents = recorded
-                mapping[k] = value
+        for d in list(self._changes()):
+            if d.how == "added":
+                del d.holder.mapping[d.key]
+            elif d.how == "rebound":
+                value, contents = d.recorded
+                d.holder.mapping[d.key] = value
                 if not isinstance(contents, int) and not _same_contents(contents, value):
                     _put_contents(value, contents)
-            elif how == "contents":
-                _put_contents(recorded[0], recorded[1])
+            elif d.how == "contents":
+                _put_contents(d.recorded[0], d.recorded[1])
+
+
+def _hook_counts(named: Iterable[tuple[str, Any]]) -> dict[tuple[str, str], int]:
+    """(module label, hook dict) -> the number of hooks registered there."""
+    return {(label, d): len(getattr(m, d, {})) for label, m in named for d in _HOOK_DICTS}

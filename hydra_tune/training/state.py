@@ -26,7 +26,7 @@ from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
 from .build import AUTOCAST_DTYPES, build_part
-from .checkpoint import Position, load, restore
+from .checkpoint import AsBuilt, Position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
 from .profile import measure_costs
@@ -42,6 +42,7 @@ class TaskState:
                  eval_iterable: Any, cut: ModelStages, plan: Plan, rng: TaskRNG,
                  costs: list[StageCost] | None = None) -> None:
         self.task, self.model, self.optimizer, self.scheduler = task, model, optimizer, scheduler
+        self.as_built = AsBuilt(model, optimizer, eval_iterable)  # what checkpoints are taken against
         # the task's data: its own copy of a DataLoader, other iterables, or factories each epoch calls (data.py)
         self.train_iterable, self.eval_iterable = train_iterable, eval_iterable
         self.cut, self.plan, self.rng = cut, plan, rng
