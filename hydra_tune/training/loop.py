@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 
 from ..device.devices import Device
 from ..device.dispatch import UnitMode
+from ..device.seeding import seeding_to
 from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
@@ -201,13 +202,13 @@ class TrainingLoop:
         # alone runs in the task's RNG mode; the optimizer step and the rest of the host work run at full speed
         # outside it. DataLoader workers forked here leave that mode (device/dispatch.py): PyTorch seeds them.
         rng, name = self.state.rng, self.state.task.name
-        with UnitMode(rng.cpu), task_work(name):
+        with UnitMode(rng.cpu), seeding_to(rng), task_work(name):  # a factory's torch.manual_seed: the task's
             made = epoch_data(data, what, name)  # a factory is called here: once per pass
             if what == "train_data":
                 self._start_data_rng(made)
             it = iter(made)
         while True:
-            with UnitMode(rng.cpu), task_work(name):
+            with UnitMode(rng.cpu), seeding_to(rng), task_work(name):
                 batch = next(it, _END)
             if batch is _END:
                 return

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..device.dispatch import UnitMode
 from ..device.rng import TaskRNG
+from ..device.seeding import seeding_to
 from ..errors import PlanError, rule_error
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
@@ -71,7 +72,9 @@ class TaskState:
         """Build ``task``'s model, optimizer, scheduler and data, cut it into stages, measure them on its first
         batch and plan shards for a device ``budget``; load ``task.resume_from`` when given."""
         rng = TaskRNG(task.seed)
-        with UnitMode(rng.cpu):  # init draws from the task's stream, as after manual_seed(seed)
+        # init draws from the task's stream, as after manual_seed(seed); a factory's own torch.manual_seed(s)
+        # seeds that stream (device/seeding.py), as it seeds the global generator the plain loop draws from
+        with UnitMode(rng.cpu), seeding_to(rng):
             model = task.model if isinstance(task.model, nn.Module) else build_part(task.model, "model")
             check_model(task, model)
             model.train()
