@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -71,13 +72,15 @@ def bind(submit: Callable[[ModelTask], TaskHandle]) -> Iterator[None]:
 
 
 def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str, Any]]:
-    """Run ``task`` on ``runtime`` and yield its per-epoch metrics. Without ``runtime``: the runtime of the
-    ``bind`` block this thread is in (an Optuna trial's study, a Tune trial's node runtime), else the process's
-    default runtime.
+    """Submit ``task`` to ``runtime`` now and return an iterator of its per-epoch metrics. Without ``runtime``: the
+    runtime of the ``bind`` block this thread is in (an Optuna trial's study, a Tune trial's node runtime), else
+    the process's default runtime.
 
         for m in hydra_tune.train(task): print(m["epoch"], m["train_loss"])
 
-    Closing the iterator early (``break``, an exception, garbage collection) cancels the task.
+    Rules: the task is submitted by this call, not by the first iteration: submit errors raise here, and from here
+    on ``current_handle()`` is this task's. Closing the iterator early (``break``, an exception, garbage
+    collection, an iterator dropped before its first item) cancels the task.
     """
     bound = getattr(_bound, "submit", None)
     if runtime is not None:
@@ -87,15 +90,27 @@ def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str,
     else:
         handle = default_runtime().submit(task)
     _bound.handle = handle
+    metrics = _metrics(handle)
+    # a generator never started runs no `finally` when it is collected: this cancels such a task too
+    weakref.finalize(metrics, _cancel_unfinished, handle).atexit = False
+    return metrics
+
+
+def _metrics(handle: TaskHandle) -> Iterator[dict[str, Any]]:
     try:
         yield from handle.metrics()
     finally:
-        if not handle.done():
-            handle.cancel()
+        _cancel_unfinished(handle)
+
+
+def _cancel_unfinished(handle: TaskHandle) -> None:
+    if not handle.done():
+        handle.cancel()
 
 
 def current_handle() -> TaskHandle:
-    """The handle of the task this thread's latest ``train(...)`` submitted (running or ended).
+    """The handle of the task this thread's latest ``train(...)`` submitted (running or ended), from the moment
+    ``train`` returns.
 
         for m in hydra_tune.train(task):
             snap = hydra_tune.current_handle().snapshot()   # the weights as of the task's next step boundary
