@@ -11,7 +11,8 @@ zero the gradients; after each epoch it evaluates, steps a metric-driven schedul
 named metric, and emits the epoch's metrics. At each step boundary and epoch end it serves the checkpoints and
 snapshots asked, and those asked before it hands out its next minibatch (the model is unchanged until then); when
 it trains no more, snapshots get the final model (boundary.py). A resumed task repeats its epoch's data order
-from the checkpointed epoch-start RNG state and steps over the batches already trained on.
+from the checkpointed epoch-start RNG state and steps over the batches already trained on; one resumed from the end
+of its last epoch trains nothing: it emits that epoch's metrics again (the checkpoint holds them) and ends.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
@@ -92,6 +93,10 @@ class TrainingLoop:
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
         state, task = self.state, self.state.task
+        final = state.resume
+        if final is not None and final.is_final(task.epochs) and final.metrics is not None:
+            yield from self._resumed_at_the_end(final, final.metrics, emit)
+            return
         start = time.perf_counter()
         samples = state.resume.samples if state.resume else 0
         for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
@@ -102,6 +107,7 @@ class TrainingLoop:
                 metrics["eval_loss"] = yield from self._evaluate()
             self._epoch_schedule(metrics)
             metrics["seconds"] = time.perf_counter() - start
+            emitted = dict(metrics)
             emit(metrics)
             if task.max_steps is not None and state.steps >= task.max_steps:
                 break
@@ -109,8 +115,22 @@ class TrainingLoop:
                 snap = state.rng.snapshot()
                 data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
                 state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
-                                              data_rng=data_rng), epoch_end=True)
+                                              data_rng=data_rng, metrics=emitted), epoch_end=True)
         state.finish_requests()
+
+    def _resumed_at_the_end(self, resume: Position, metrics: dict[str, Any],
+                            emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
+        """Resumed from the end of its last epoch (a Tune trial restored from its final checkpoint): nothing is
+        left to train; the task emits that epoch's metrics again, as it did when the checkpoint was taken, stands
+        at that boundary (a checkpoint asked now is that one again) and ends."""
+        state = self.state
+        state.resume = None
+        state.rng.restore((resume.rng, resume.accel_rng))
+        state.epoch, state.steps = resume.epoch - 1, resume.steps
+        emit(dict(metrics))
+        state.reach_boundary(resume, epoch_end=True)
+        state.finish_requests()
+        yield from ()
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the

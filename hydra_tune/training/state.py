@@ -27,7 +27,7 @@ from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
 from .build import AUTOCAST_DTYPES, build_part
-from .checkpoint import Position, load, restore
+from .checkpoint import Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
 from .profile import measure_costs
@@ -107,7 +107,9 @@ class TaskState:
         state.held_bytes = state.host_bytes()
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
-            check_resume(task, state.resume.epoch, state.resume.data_rng)
+            check_position(task, state.resume)   # nothing silently left untrained, no step past max_steps
+            if not state.resume.is_final(task.epochs):  # at the end nothing iterates the data again
+                check_resume(task, state.resume.epoch, state.resume.data_rng)
             state.steps = state.resume.steps
         return state
 
