@@ -285,3 +285,26 @@ def test_install_is_once_and_uninstall_gives_torch_its_functions_back():
         assert torch.cuda.manual_seed_all is originals[2]
         print("ok")
     """) == "ok"
+
+
+# -- the optimizer step ---------------------------------------------------------------------------------------------
+class _NoisySGD(torch.optim.SGD):
+    """Gradient noise: the step draws random numbers (from torch's global generator in the plain loop)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(torch.randn_like(p.grad), alpha=0.01)
+        return super().step(closure)
+
+
+def test_an_optimizer_step_that_draws_uses_the_tasks_stream():
+    def make() -> ht.ModelTask:
+        return _task(_mlp, optimizer=lambda m: _NoisySGD(m.parameters(), lr=0.1), grad_accumulation=2)
+
+    before = torch.get_rng_state()
+    got = _hydra(make())
+    assert torch.equal(torch.get_rng_state(), before)        # before: the noise came from the global generator
+    assert max_param_diff(plain_train(make())[0], got) == 0.0   # before: 0.011

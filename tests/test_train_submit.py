@@ -46,10 +46,15 @@ def test_in_a_fresh_bind_scope_the_handle_exists_once_train_returns():
         assert list(metrics)[-1]["epoch"] == 1
 
 
-def test_submit_errors_raise_at_the_call():
+def test_submit_errors_raise_at_the_call_and_leave_no_stale_handle():
+    with ht.Runtime(devices=["cpu"]) as rt:
+        list(ht.train(_task("earlier"), runtime=rt))
     with ht.Runtime(devices=["cpu"], device_memory=1_000) as rt:
         with pytest.raises(PlanError):
             ht.train(_task("too-big"), runtime=rt)   # before: only at the first next()
+        with pytest.raises(RuntimeError, match="latest `hydra_tune.train\\(task\\)` submitted its task") as err:
+            ht.current_handle()                      # before: the handle of "earlier"
+    assert "task='too-big'" in str(err.value) and "PlanError" in str(err.value)
 
 
 def test_an_iterator_dropped_before_its_first_item_cancels_its_task():

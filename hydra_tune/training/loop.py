@@ -7,7 +7,8 @@
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
 stream; a data factory is called at the start of each pass over the data), hand out its segment, add the
 minibatch's gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and
-zero the gradients; after each epoch it evaluates, steps a metric-driven scheduler (ReduceLROnPlateau) with the
+zero the gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step
+that only starts drawing later draws from torch's global generator); after each epoch it evaluates, steps a metric-driven scheduler (ReduceLROnPlateau) with the
 named metric, and emits the epoch's metrics. At each step boundary and epoch end it serves the checkpoints and
 snapshots asked, and those asked before it hands out its next minibatch (the model is unchanged until then); when
 it trains no more, snapshots get the final model (boundary.py). A resumed task repeats its epoch's data order
@@ -89,6 +90,9 @@ class TrainingLoop:
         self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
         self._data_rng: list[torch.Tensor] = []  # the train data's own generators' states at the epoch's start
         self._data_rng_due: tuple[list[torch.Tensor] | None] | None = None  # a resumed epoch's, to put back
+        # whether the optimizer step (clip, step, schedule) draws random numbers: the first one runs in the task's
+        # RNG mode and tells; later ones do only if it did (None: not known yet)
+        self._step_draws: bool | None = None
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
@@ -218,9 +222,10 @@ class TrainingLoop:
         return metrics
 
     def _batches(self, data: Any, what: str) -> Iterator[Any]:
-        # Only data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it
-        # alone runs in the task's RNG mode; the optimizer step and the rest of the host work run at full speed
-        # outside it. DataLoader workers forked here leave that mode (device/dispatch.py): PyTorch seeds them.
+        # Data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it runs in
+        # the task's RNG mode; so does the optimizer step if its first one drew any (_step); the rest of the host
+        # work runs at full speed outside it. DataLoader workers forked here leave that mode (device/dispatch.py):
+        # PyTorch seeds them.
         rng, name = self.state.rng, self.state.task.name
         with UnitMode(rng.cpu), seeding_to(rng), task_work(name):  # a factory's torch.manual_seed: the task's
             made = epoch_data(data, what, name)  # a factory is called here: once per pass
@@ -315,6 +320,17 @@ class TrainingLoop:
     def _step(self) -> None:
         state = self.state
         state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+        if self._step_draws is False:  # the first step drew no random numbers: no routing (full speed)
+            self._update()
+        else:  # a noisy optimizer's draws come from the task's stream, as the plain loop's from the global one
+            with UnitMode(state.rng.cpu) as mode, seeding_to(state.rng):
+                self._update()
+            if self._step_draws is None:
+                self._step_draws = bool(mode.seeded)
+        state.steps += 1
+
+    def _update(self) -> None:
+        state = self.state
         scaler, optimizer = state.scaler, state.optimizer
         if state.task.grad_clip_norm is not None:
             if scaler is not None:
@@ -328,7 +344,6 @@ class TrainingLoop:
         if state.scheduler is not None and state.task.lr_scheduler_metric is None:
             state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
         optimizer.zero_grad()
-        state.steps += 1
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
         """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
