@@ -71,6 +71,7 @@ SEED_CALLS = {
     "negative seed": lambda: torch.manual_seed(-7),
     "set_rng_state(get_rng_state of a fresh generator)":
         lambda: torch.set_rng_state(torch.Generator().manual_seed(123).get_state()),
+    "transformers.set_seed": lambda: __import__("transformers").set_seed(123),
     "cuda seeds (nothing on CPU)": lambda: (torch.cuda.manual_seed_all(99), torch.cuda.manual_seed(98),
                                             torch.cuda.seed(), torch.cuda.seed_all()),
 }
