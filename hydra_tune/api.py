@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -71,31 +72,56 @@ def bind(submit: Callable[[ModelTask], TaskHandle]) -> Iterator[None]:
 
 
 def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str, Any]]:
-    """Run ``task`` on ``runtime`` and yield its per-epoch metrics. Without ``runtime``: the runtime of the
-    ``bind`` block this thread is in (an Optuna trial's study, a Tune trial's node runtime), else the process's
-    default runtime.
+    """Submit ``task`` to ``runtime`` now and return an iterator of its per-epoch metrics. Without ``runtime``: the
+    runtime of the ``bind`` block this thread is in (an Optuna trial's study, a Tune trial's node runtime), else
+    the process's default runtime.
 
         for m in hydra_tune.train(task): print(m["epoch"], m["train_loss"])
 
-    Closing the iterator early (``break``, an exception, garbage collection) cancels the task.
+    Rules: the task is submitted by this call, not by the first iteration: submit errors raise here, and from here
+    on ``current_handle()`` is this task's. Closing the iterator early (``break``, an exception, garbage
+    collection, an iterator dropped before its first item) cancels the task.
     """
     bound = getattr(_bound, "submit", None)
-    if runtime is not None:
-        handle = runtime.submit(task)
-    elif bound is not None:
-        handle = bound(task)
-    else:
-        handle = default_runtime().submit(task)
+    try:
+        if runtime is not None:
+            handle = runtime.submit(task)
+        elif bound is not None:
+            handle = bound(task)
+        else:
+            handle = default_runtime().submit(task)
+    except BaseException as exc:  # current_handle() must not return the task of an earlier train() now
+        _bound.handle = _NotSubmitted(getattr(task, "name", None), f"{type(exc).__name__}: {exc}")
+        raise
     _bound.handle = handle
+    metrics = _metrics(handle)
+    # a generator never started runs no `finally` when it is collected: this cancels such a task too
+    weakref.finalize(metrics, _cancel_unfinished, handle).atexit = False
+    return metrics
+
+
+def _metrics(handle: TaskHandle) -> Iterator[dict[str, Any]]:
     try:
         yield from handle.metrics()
     finally:
-        if not handle.done():
-            handle.cancel()
+        _cancel_unfinished(handle)
+
+
+def _cancel_unfinished(handle: TaskHandle) -> None:
+    if not handle.done():
+        handle.cancel()
+
+
+class _NotSubmitted:
+    """The record of a ``train`` call whose submit raised (``task``'s name and the error, in words)."""
+
+    def __init__(self, task: str | None, error: str) -> None:
+        self.task, self.error = task, error
 
 
 def current_handle() -> TaskHandle:
-    """The handle of the task this thread's latest ``train(...)`` submitted (running or ended).
+    """The handle of the task this thread's latest ``train(...)`` submitted (running or ended), from the moment
+    ``train`` returns.
 
         for m in hydra_tune.train(task):
             snap = hydra_tune.current_handle().snapshot()   # the weights as of the task's next step boundary
@@ -104,10 +130,16 @@ def current_handle() -> TaskHandle:
 
     Rules: ``model()`` is the trained model of an ended task: inside the loop the task is still running and it
     raises at once; take ``snapshot()`` there (a copy, as of a step boundary: ``snap.steps`` says which; it may
-    lie a step or more past the epoch just reported). The record is this thread's: another thread (a pool's
-    worker, an evaluation thread) gets its own or none, so hand it the ``TaskHandle`` itself.
+    lie a step or more past the epoch just reported). After a ``train`` call that raised (its submit failed) it
+    raises too, naming that error: it never returns the task of an earlier call. The record is this thread's:
+    another thread (a pool's worker, an evaluation thread) gets its own or none, so hand it the ``TaskHandle``
+    itself.
     """
     handle = getattr(_bound, "handle", None)
+    if isinstance(handle, _NotSubmitted):
+        raise rule_error("this thread's latest `hydra_tune.train(task)` submitted its task", "handle the error "
+                         "that train() raised; current_handle() refers to the task of a train() call that "
+                         "returned", kind=RuntimeError, task=handle.task, error=handle.error)
     if handle is None:
         raise rule_error("`hydra_tune.train(task)` was started in this thread before", "call "
                          "hydra_tune.save_checkpoint/current_handle inside the `for metrics in hydra_tune.train(task)` "

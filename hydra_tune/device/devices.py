@@ -22,6 +22,7 @@ import torch
 from ..errors import rule_error
 from .dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
 from .rng import TaskRNG
+from .seeding import OnDevice, seeding_to
 from .streams import HostCopier, make_copier
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
@@ -148,12 +149,12 @@ class CpuDevice(Device):
     @contextlib.contextmanager
     def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode | None]:
         if self.measuring:
-            with UnitMode(rng.cpu, self.account) as mode:
+            with UnitMode(rng.cpu, self.account) as mode, seeding_to(rng):
                 yield mode
             if mode.seeded - ROUTED:
                 self._unrouted.add(self._task)
         else:
-            with RandomRouter(rng.cpu):
+            with RandomRouter(rng.cpu), seeding_to(rng):
                 yield None
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -188,12 +189,9 @@ class CudaDevice(Device):
     @contextlib.contextmanager
     def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode]:
         gen = torch.cuda.default_generators[self.torch_device.index]
-        if rng.accel_state is None:
-            gen.manual_seed(rng.seed)
-        else:
-            gen.set_state(rng.accel_state)
-        try:
-            with torch.cuda.device(self.torch_device), RandomRouter(rng.cpu):
+        rng.start_accel(gen)
+        try:  # the unit's torch.manual_seed & co. seed this generator only (the others hold other tasks' streams)
+            with torch.cuda.device(self.torch_device), RandomRouter(rng.cpu), seeding_to(OnDevice(rng.cpu, gen)):
                 yield None
         finally:
             rng.accel_state = gen.get_state()

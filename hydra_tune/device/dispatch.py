@@ -10,6 +10,9 @@ random op of this thread draws from the task's own generator (the same algorithm
 one, so masks equal plain training seeded with ``torch.manual_seed(seed)``). With an account, every new storage
 an op creates is counted until it is freed: the CPU devices' measured memory.
 
+Inside either mode, ``torch.manual_seed`` and torch's other seeding functions called by this thread seed the mode's
+generator (device/seeding.py), as the plain loop's call seeds the generator its later draws come from.
+
 Rule: a process forked inside these modes (a DataLoader worker started while the task's data loads) leaves them at
 once (``os.register_at_fork``): it is no unit of the task, and PyTorch seeds a worker's own generators (torch,
 ``random``, numpy) from the loader's base seed, which the task's stream drew, as in the plain loop.
@@ -25,6 +28,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from . import seeding
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 _generator_arg: dict[Any, bool] = {}
@@ -105,7 +110,29 @@ def _op_device(args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cpu")
 
 
-class UnitMode(TorchDispatchMode):
+class _SeedsGenerator:
+    """Inside the mode, this thread's ``torch.manual_seed`` & co. seed the mode's generator, not torch's global one
+    (device/seeding.py). Where the generator is a task's, the task's code also runs in ``seeding_to(task_rng)``,
+    which reaches its GPU stream too."""
+
+    _seeds: seeding.Scratch
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        seeding.push(self._seeds)
+        try:
+            return super().__enter__()  # type: ignore[misc]
+        except BaseException:
+            seeding.pop(self._seeds)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            seeding.pop(self._seeds)
+
+
+class UnitMode(_SeedsGenerator, TorchDispatchMode):
     """Route this thread's CPU random ops to ``cpu_generator``; count new storages in ``account`` if given."""
 
     def __init__(self, cpu_generator: torch.Generator, account: MemoryAccount | None = None) -> None:
@@ -114,6 +141,7 @@ class UnitMode(TorchDispatchMode):
         self.account = account
         self.paused = False
         self.seeded: set[str] = set()  # base names of the random aten ops run under this mode
+        self._seeds = seeding.Scratch(cpu_generator)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -192,7 +220,7 @@ _RANDOM_NAMES = frozenset((
     "fused_dropout", "_fused_dropout"))
 
 
-class RandomRouter(TorchFunctionMode):
+class RandomRouter(_SeedsGenerator, TorchFunctionMode):
     """A light stand-in for UnitMode on units whose memory need not be counted: only calls to functions that
     may draw random numbers are intercepted (a handful per layer, not every aten op), and those run under
     UnitMode. It is used for a task only after a UnitMode-measured segment of it saw nothing but ``ROUTED``
@@ -201,6 +229,7 @@ class RandomRouter(TorchFunctionMode):
     def __init__(self, cpu_generator: torch.Generator) -> None:
         super().__init__()
         self.generator = cpu_generator
+        self._seeds = seeding.Scratch(cpu_generator)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}

@@ -7,14 +7,15 @@
     rt.close()                                         # the server cancels this client's unfinished tasks
     print(open(hydra_tune.node.server_files(config=config)["log"]).read())       # what that server printed
 
-The server (``python -m hydra_tune.node.server``) is one detached process per (OS user, RuntimeConfig, Python
+The server (``python hydra_tune/node/boot.py``, run by its path so that a ``hydra_tune.py`` in the working
+directory cannot shadow the package there) is one detached process per (OS user, RuntimeConfig, Python
 interpreter, visible GPUs), gone ``$HYDRA_TUNE_NODE_LINGER`` s (10) after its last client left. Its files, in the
 0700 directory /tmp/hydra_tune-<uid> ($HYDRA_TUNE_NODE_DIR): ``authkey`` (0600: the connection's HMAC handshake,
 passed before anything is unpickled), ``<key>.sock``, ``<key>.lock`` (starting and stopping) and ``<key>.log``.
 
 Modules: ``client`` (connect, NodeRuntime, RemoteHandle), ``files`` (where a server lives), ``wire`` (the messages
-and how errors travel), and the server's: ``server`` (its lifetime and entry), ``connections``, ``handlers``,
-``forward``.
+and how errors travel), and the server's: ``boot`` (its start: which hydra_tune it imports), ``server`` (its
+lifetime), ``connections``, ``handlers``, ``forward``.
 """
 from .client import NodeRuntime, RemoteHandle, connect
 from .files import server_files

@@ -5,9 +5,11 @@ the tasks it runs (``RemoteHandle``).
     handle = rt.submit(task); handle.result(); rt.close()
 
 Rules: one starter at a time (the server's start lock); a server that does not accept within ``START_TIMEOUT`` s,
-or exits, fails ``connect`` with its log's tail. One reader thread per connection routes replies to the waiting
-call and task events to their handles; when the connection ends, every waiting call and unfinished handle ends
-with RuntimeClosed naming the server's log. A handle collected here is forgotten by the server on the next send.
+or exits, fails ``connect`` with its log's tail; one whose ``import hydra_tune`` would load another package (a
+``hydra_tune.py`` on its ``PYTHONPATH``) exits at once, and ``connect`` raises ImportError naming that file
+(boot.py). One reader thread per connection routes replies to the waiting call and task events to their handles;
+when the connection ends, every waiting call and unfinished handle ends with RuntimeClosed naming the server's log.
+A handle collected here is forgotten by the server on the next send.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
 from ..task import ModelTask
 from ..training.boundary import Snapshot
+from .boot import SHADOWED_EXIT, package_dir, script, shadowing_error
 from .files import locked, log_tail, server_env, server_files
 from .wire import RemoteError, TaskNotPicklable, unpack_error
 
@@ -314,10 +317,12 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
     if not re.fullmatch(r"\d+(\.\d*)?", linger.strip()):
         raise rule_error("`HYDRA_TUNE_NODE_LINGER` is a number of seconds >= 0", "unset it (10 s) or set e.g. 30",
                          HYDRA_TUNE_NODE_LINGER=linger)
-    arg = json.dumps(dict(files["config"], base=files["base"], key=files["key"], linger=float(linger)))
+    arg = json.dumps(dict(files["config"], base=files["base"], key=files["key"], linger=float(linger),
+                          package=package_dir()))
     log = os.open(files["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:  # own session: it outlives this process and its Ctrl-C
-        proc = subprocess.Popen([sys.executable, "-m", "hydra_tune.node.server", arg], cwd=os.getcwd(),
+    try:  # own session: it outlives this process and its Ctrl-C. Run by path, not -m: the cwd is not on its path,
+        # so a hydra_tune.py there cannot shadow the package in the server (boot.py checks what it imports)
+        proc = subprocess.Popen([sys.executable, script(), arg], cwd=os.getcwd(),
                                 env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True)
     finally:
@@ -328,6 +333,10 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
         node = _open(files, key)
         if node is not None:
             return node
+        if proc.returncode == SHADOWED_EXIT:
+            shadowed = shadowing_error(log_tail(files["log"]))
+            if shadowed is not None:
+                raise shadowed
         if proc.returncode is not None or time.monotonic() > deadline:
             why = f"exited with code {proc.returncode}" if proc.returncode is not None else \
                 f"did not accept connections within {START_TIMEOUT:.0f} s"

@@ -2,7 +2,7 @@
 
     python -m hydra_tune.node.server '{"devices": ["cpu", "cpu"], "device_memory": 67108864, "host_memory": null,
         "policy": "lrtf", "base": "/tmp/hydra_tune-1000", "key": "0123abcd0123abcd", "linger": 10}'
-    # started by hydra_tune.node.connect(); its output goes to <base>/<key>.log
+    # hydra_tune.node.connect() starts it through boot.py (no -m: see there); its output goes to <base>/<key>.log
 
 The argument is ``RuntimeConfig.as_dict()`` plus where its files are (``base``, ``key``: see files.py) and its
 ``linger``. This module is the server's lifetime; its parts are ``connections`` (accepting, reading and dropping

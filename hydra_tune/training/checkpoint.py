@@ -5,9 +5,12 @@
 
 A checkpoint holds the model, optimizer, LR scheduler and loss scaler states, the task's RNG streams, and where the
 loop stands (epoch, batches done in it, steps, samples, the epoch's losses and skipped minibatches so far, and the
-RNG states at the epoch's start: the task's and those of the data's own generators). Resuming rebuilds the data
+RNG states at the epoch's start: the task's and those of the data's own generators; at an epoch end, the
+metrics it emitted). Resuming rebuilds the data
 iterator from that epoch-start state and steps over the batches already trained on, so shuffling and any random
-data transforms repeat exactly; then the RNG continues from the checkpoint.
+data transforms repeat exactly; then the RNG continues from the checkpoint. A checkpoint at the end of the last
+epoch resumes to a task that emits that epoch's metrics once more and ends (a restored Tune trial's final
+report); ``check_position`` refuses at submit a resume that would train nothing else or pass ``max_steps``.
 
 It also holds the Python state that changed since the task was built (pystate.py; put back on resume): the
 model's (a forward's call counter, annealed temperature, hook closure), the optimizer's attributes beyond torch's
@@ -68,6 +71,12 @@ class Position:
     # what had changed in the Python state of the train data's samplers by the epoch's start, before its
     # set_epoch (data.py sampler_state): pystate Changes in the loop, storable entries in a checkpoint
     data_python: list[Any] | None = None
+    # at an epoch end: the metrics that epoch emitted (a task resumed from its last epoch's end emits them again)
+    metrics: dict[str, Any] | None = None
+
+    def is_final(self, epochs: int) -> bool:
+        """Whether this is the end of the last of ``epochs``: nothing is left to train."""
+        return self.epoch == epochs + 1 and self.batch_in_epoch == 0
 
 
 class AsBuilt:
@@ -133,6 +142,28 @@ def restore(state: TaskState, data: dict[str, Any], keep_hparams: bool = False) 
     elif data.get("base_lrs") is not None:  # its hyper-parameters are the checkpoint's: so are its bases
         state.as_built.base_lrs = list(data["base_lrs"])
     return Position(**data["position"])
+
+
+def check_position(task: Any, position: Position) -> None:
+    """Refuse at submit a resume that would silently train nothing, or steps past ``max_steps``: the task has the
+    checkpoint's epoch left, or the checkpoint is the end of its last epoch and holds the metrics emitted there
+    (the resumed task emits them again and ends); it has steps left, unless the checkpoint is at its last step."""
+    where = {"task": task.name, "checkpoint_epoch": position.epoch,
+             "checkpoint_batches_done": position.batch_in_epoch, "checkpoint_steps": position.steps,
+             "epochs": task.epochs, "max_steps": task.max_steps}
+    final = position.is_final(task.epochs)
+    if position.epoch > task.epochs and not (final and position.metrics is not None):
+        done = position.epoch - 1 if position.batch_in_epoch == 0 else position.epoch
+        raise rule_error("a resumed task has training left at its checkpoint, or the checkpoint is the end of its "
+                         "last epoch and holds that epoch's metrics", f"resume with epochs >= {done + 1} to train "
+                         f"on (the checkpoint has {done} epoch(s) done), or load the checkpoint's model itself "
+                         "(torch.load(path)['model'] is its state_dict)", **where)
+    if task.max_steps is None:
+        return
+    at_last_step = position.steps == task.max_steps and (position.batch_in_epoch > 0 or final)
+    if position.steps > task.max_steps or (position.steps == task.max_steps and not at_last_step):
+        raise rule_error("a resumed task has steps left (checkpoint steps < max_steps), unless the checkpoint was "
+                         "taken at its last step", f"resume with max_steps > {position.steps} (or None)", **where)
 
 
 def _keep_hparams(state: TaskState, fresh: list[dict[str, Any]], fresh_bases: list[float],

@@ -7,11 +7,13 @@
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
 stream; a data factory is called at the start of each pass over the data), hand out its segment, add the
 minibatch's gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and
-zero the gradients; after each epoch it evaluates, steps a metric-driven scheduler (ReduceLROnPlateau) with the
-named metric, and emits the epoch's metrics. At each step boundary and epoch end it serves the checkpoints and
+zero the gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step
+that only starts drawing later draws from torch's global generator); after each epoch it evaluates, steps a
+metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step boundary and epoch end it serves the checkpoints and
 snapshots asked, and those asked before it hands out its next minibatch (the model is unchanged until then); when
 it trains no more, snapshots get the final model (boundary.py). A resumed task repeats its epoch's data order
-from the checkpointed epoch-start RNG state and steps over the batches already trained on.
+from the checkpointed epoch-start RNG state and steps over the batches already trained on; one resumed from the end
+of its last epoch trains nothing: it emits that epoch's metrics again (the checkpoint holds them) and ends.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
@@ -31,6 +33,7 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 
 from ..device.devices import Device
 from ..device.dispatch import UnitMode
+from ..device.seeding import seeding_to
 from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
@@ -90,10 +93,17 @@ class TrainingLoop:
         self._data_due: tuple[Any, Any] | None = None  # a resumed epoch's (generator states, sampler entries)
         # the train data's samplers as built (a factory's are made anew each epoch: none); see data.sampler_state
         self._samplers = None if is_factory(state.train_iterable) else sampler_state(state.train_iterable)
+        # whether the optimizer step (clip, step, schedule) draws random numbers: the first one runs in the task's
+        # RNG mode and tells; later ones do only if it did (None: not known yet)
+        self._step_draws: bool | None = None
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing."""
         state, task = self.state, self.state.task
+        final = state.resume
+        if final is not None and final.is_final(task.epochs) and final.metrics is not None:
+            yield from self._resumed_at_the_end(final, final.metrics, emit)
+            return
         start = time.perf_counter()
         samples = state.resume.samples if state.resume else 0
         for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
@@ -104,6 +114,7 @@ class TrainingLoop:
                 metrics["eval_loss"] = yield from self._evaluate()
             self._epoch_schedule(metrics)
             metrics["seconds"] = time.perf_counter() - start
+            emitted = dict(metrics)
             emit(metrics)
             if task.max_steps is not None and state.steps >= task.max_steps:
                 break
@@ -112,8 +123,23 @@ class TrainingLoop:
                 data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
                 data_py = None if self._samplers is None else self._samplers.changes(frozen=True)
                 state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
-                                              data_rng=data_rng, data_python=data_py), epoch_end=True)
+                                              data_rng=data_rng, data_python=data_py,
+                                              metrics=emitted), epoch_end=True)
         state.finish_requests()
+
+    def _resumed_at_the_end(self, resume: Position, metrics: dict[str, Any],
+                            emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
+        """Resumed from the end of its last epoch (a Tune trial restored from its final checkpoint): nothing is
+        left to train; the task emits that epoch's metrics again, as it did when the checkpoint was taken, stands
+        at that boundary (a checkpoint asked now is that one again) and ends."""
+        state = self.state
+        state.resume = None
+        state.rng.restore((resume.rng, resume.accel_rng))
+        state.epoch, state.steps = resume.epoch - 1, resume.steps
+        emit(dict(metrics))
+        state.reach_boundary(resume, epoch_end=True)
+        state.finish_requests()
+        yield from ()
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
@@ -202,17 +228,18 @@ class TrainingLoop:
         return metrics
 
     def _batches(self, data: Any, what: str) -> Iterator[Any]:
-        # Only data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it
-        # alone runs in the task's RNG mode; the optimizer step and the rest of the host work run at full speed
-        # outside it. DataLoader workers forked here leave that mode (device/dispatch.py): PyTorch seeds them.
+        # Data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it runs in
+        # the task's RNG mode; so does the optimizer step if its first one drew any (_step); the rest of the host
+        # work runs at full speed outside it. DataLoader workers forked here leave that mode (device/dispatch.py):
+        # PyTorch seeds them.
         rng, name = self.state.rng, self.state.task.name
-        with UnitMode(rng.cpu), task_work(name):
+        with UnitMode(rng.cpu), seeding_to(rng), task_work(name):  # a factory's torch.manual_seed: the task's
             made = epoch_data(data, what, name)  # a factory is called here: once per pass
             if what == "train_data":
                 self._start_epoch_data(made)
             it = iter(made)
         while True:
-            with UnitMode(rng.cpu), task_work(name):
+            with UnitMode(rng.cpu), seeding_to(rng), task_work(name):
                 batch = next(it, _END)
             if batch is _END:
                 return
@@ -304,6 +331,17 @@ class TrainingLoop:
     def _step(self) -> None:
         state = self.state
         state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+        if self._step_draws is False:  # the first step drew no random numbers: no routing (full speed)
+            self._update()
+        else:  # a noisy optimizer's draws come from the task's stream, as the plain loop's from the global one
+            with UnitMode(state.rng.cpu) as mode, seeding_to(state.rng):
+                self._update()
+            if self._step_draws is None:
+                self._step_draws = bool(mode.seeded)
+        state.steps += 1
+
+    def _update(self) -> None:
+        state = self.state
         scaler, optimizer = state.scaler, state.optimizer
         if state.task.grad_clip_norm is not None:
             if scaler is not None:
@@ -317,7 +355,6 @@ class TrainingLoop:
         if state.scheduler is not None and state.task.lr_scheduler_metric is None:
             state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
         optimizer.zero_grad()
-        state.steps += 1
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
         """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..device.dispatch import UnitMode
 from ..device.rng import TaskRNG
+from ..device.seeding import seeding_to
 from ..errors import PlanError, rule_error
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
@@ -26,7 +27,7 @@ from ..stages.check import check_stages
 from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
 from .build import AUTOCAST_DTYPES, build_part
-from .checkpoint import AsBuilt, Position, load, restore
+from .checkpoint import AsBuilt, Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
 from .profile import measure_costs
@@ -72,7 +73,9 @@ class TaskState:
         """Build ``task``'s model, optimizer, scheduler and data, cut it into stages, measure them on its first
         batch and plan shards for a device ``budget``; load ``task.resume_from`` when given."""
         rng = TaskRNG(task.seed)
-        with UnitMode(rng.cpu):  # init draws from the task's stream, as after manual_seed(seed)
+        # init draws from the task's stream, as after manual_seed(seed); a factory's own torch.manual_seed(s)
+        # seeds that stream (device/seeding.py), as it seeds the global generator the plain loop draws from
+        with UnitMode(rng.cpu), seeding_to(rng):
             model = task.model if isinstance(task.model, nn.Module) else build_part(task.model, "model")
             check_model(task, model)
             model.train()
@@ -105,7 +108,9 @@ class TaskState:
         state.held_bytes = state.host_bytes()
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
-            check_resume(task, state.resume.epoch, state.resume.data_rng)
+            check_position(task, state.resume)   # nothing silently left untrained, no step past max_steps
+            if not state.resume.is_final(task.epochs):  # at the end nothing iterates the data again
+                check_resume(task, state.resume.epoch, state.resume.data_rng)
             state.steps = state.resume.steps
         return state
 
