@@ -211,6 +211,18 @@ class BoundaryRequests:
         with self._lock:
             snapshots, self._snapshots = self._snapshots, []
             checkpoints, self._checkpoints = self._checkpoints, []
+        if not (snapshots or checkpoints):
+            return
+        try:
+            with state.home.on_host():  # state resident on a device: they read host copies of its values
+                self._produce(state, where, snapshots, checkpoints)
+        except BaseException as exc:  # noqa: BLE001  (copying the state home failed: the askers' news, not the task's)
+            for req in snapshots + [r for r, _ in checkpoints]:
+                if not req._done.is_set():
+                    req.finish(None, exc)
+
+    def _produce(self, state: TaskState, where: Boundary, snapshots: list[BoundaryRequest],
+                 checkpoints: list[tuple[BoundaryRequest, str]]) -> None:
         for req in snapshots:
             req.settle(lambda: take_snapshot(state.model, where))
         for req, path in checkpoints:

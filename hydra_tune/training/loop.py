@@ -145,12 +145,14 @@ class TrainingLoop:
             yield self._train_segment(batch, run.losses)
             if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
                 self._skipping = False
-                state.store.clear()
-                state.optimizer.zero_grad()
+                with state.home.locked():
+                    state.store.clear()
+                    state.optimizer.zero_grad()
                 run.pending, run.skipped = 0, run.skipped + 1
                 continue
-            state.store.flush_grads()
-            state.store.clear()
+            with state.home.locked():  # the gradients may be on a device: no eviction while they are added
+                state.store.flush_grads()
+                state.store.clear()
             run.samples += _batch_size(batch)
             run.pending += 1
             if run.pending == task.grad_accumulation:
@@ -292,21 +294,25 @@ class TrainingLoop:
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
+        """The plain loop's step, over the tensors where the task's state is: on the device it is resident on
+        (exactly the user's GPU loop; on CUDA launched from this thread on the device's default stream, behind
+        the units that made the gradients), else in host memory. Its state does not move meanwhile (the lock)."""
         state = self.state
-        state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
-        scaler, optimizer = state.scaler, state.optimizer
-        if state.task.grad_clip_norm is not None:
+        with state.home.stepping():
+            state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+            scaler, optimizer = state.scaler, state.optimizer
+            if state.task.grad_clip_norm is not None:
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
             if scaler is not None:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
-        if scaler is not None:
-            scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
-            scaler.update()
-        else:
-            optimizer.step()
-        if state.scheduler is not None and state.task.lr_scheduler_metric is None:
-            state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
-        optimizer.zero_grad()
+                scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
+                scaler.update()
+            else:
+                optimizer.step()
+            if state.scheduler is not None and state.task.lr_scheduler_metric is None:
+                state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
+            optimizer.zero_grad()
         state.steps += 1
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
