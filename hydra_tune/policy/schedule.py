@@ -21,7 +21,7 @@ class Ready:
 
     task: str
     seq: int                  # when it became ready (a global counter)
-    last_device: int | None   # the device holding its state, else the one its previous unit ran on
+    last_device: int | None   # the device its previous unit ran on (and may still hold its state)
     remaining: float = 0.0    # estimated seconds of work left (Estimator.remaining)
     turns: int = 0            # how many times a device has taken it so far
     admitted: int = 0         # admission order

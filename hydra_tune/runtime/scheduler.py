@@ -80,12 +80,6 @@ class Admitted:
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,
                 "residency": st.home.stats()}
 
-    @property
-    def affinity(self) -> int | None:
-        """The device it should run on next: the one holding its state, else the one it last ran on."""
-        cache = self.state.home.cache if self.state is not None else None
-        return cache.index if cache is not None else self.last_device
-
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
 
@@ -364,7 +358,7 @@ class Scheduler:
         cands = list(self._ready) + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
-        records = [Ready(a.name, seq, index if a is current else a.affinity,
+        records = [Ready(a.name, seq, index if a is current else a.last_device,
                          self._estimator.remaining(a.name, a.state.remaining()),
                          a.turns + (a is current), a.order) for seq, a in cands]
         pos = self._pick(records, index, idle)
