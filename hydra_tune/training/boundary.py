@@ -21,6 +21,7 @@ own work (its model's forward, its loss, its data iterator: ``task_work``) wait 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator
@@ -213,8 +214,9 @@ class BoundaryRequests:
             checkpoints, self._checkpoints = self._checkpoints, []
         if not (snapshots or checkpoints):
             return
+        home = getattr(state, "home", None)  # where its state is (training/resident.py); serving reads the model
         try:
-            with state.home.on_host():  # state resident on a device: they read host copies of its values
+            with home.on_host() if home is not None else contextlib.nullcontext():  # resident: host copies
                 self._produce(state, where, snapshots, checkpoints)
         except BaseException as exc:  # noqa: BLE001  (copying the state home failed: the askers' news, not the task's)
             for req in snapshots + [r for r, _ in checkpoints]:
