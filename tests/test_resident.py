@@ -5,6 +5,7 @@ out-of-memory), and the copy counters show what moved (0 state bytes after the f
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import pytest
@@ -65,6 +66,7 @@ def test_state_stays_on_the_device_and_steps_there_bit_identical(residency):
     assert device["current_bytes"] == 0 and device["resident_tasks"] == 0 and res["state_on"] is None
     assert copies["h2d"]["batches"] > 0 and copies == device["copies"]  # one task: its copies are the device's
     if residency == "auto":
+        assert res["why"] == "its state fits on cpu:0"
         assert (res["steps_on_device"], res["steps_on_host"]) == (steps, 0)
         assert res["state_bytes_after_first_step"] == 0
         assert copies["h2d"]["state"] == params  # in once, before its first step (no optimizer state yet)
@@ -99,14 +101,19 @@ def test_two_tasks_whose_state_fits_one_at_a_time_are_evicted_and_brought_back_e
         assert max_param_diff(plain_train(task)[0], model) == 0.0
 
 
-def test_fp16_loss_scaling_over_device_gradients_matches_plain():
+@pytest.mark.parametrize("scaler_steps_there", [True, False])
+def test_fp16_loss_scaling_over_device_gradients_matches_plain(scaler_steps_there):
     task = _gpt2_task(3, precision="fp16", grad_accumulation=1)
     with ht.Runtime(config=_config()) as rt:
+        rt.devices[0].steps_loss_scaler = scaler_steps_there  # False: as CUDA devices (device/devices.py)
         h = rt.submit(task)
         model, metrics = trained(h), list(h.metrics())
         res = rt.stats()["tasks"][task.name]["residency"]
     expected, history = plain_train(task)
-    assert res["steps_on_device"] == 12 and res["state_bytes_after_first_step"] == 0
+    if scaler_steps_there:
+        assert res["steps_on_device"] == 12 and res["state_bytes_after_first_step"] == 0
+    else:  # its state stays in host memory, visibly
+        assert res["steps_on_host"] == 12 and res["why"].startswith("fp16 loss scaling: its GradScaler")
     assert max_param_diff(expected, model) == 0.0
     assert [m["train_loss"] for m in metrics] == history
     assert metrics[-1]["loss_scale"] == expected.final_loss_scale
@@ -223,3 +230,30 @@ def test_eviction_takes_the_task_that_runs_latest_never_the_one_picked_next():
 def test_residency_setting_is_checked():
     with pytest.raises(ValueError, match=r"`residency` in \['auto', 'off'\] must hold, but got \(residency='gpu'\)"):
         ht.RuntimeConfig(residency="gpu")
+
+
+def test_task_ended_while_its_host_thread_is_in_its_step_frees_its_state_when_the_step_returns():
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if next(model.parameters()).device.type != "meta":  # the footprint's meta build steps too
+            opt.register_step_pre_hook(lambda *a: (entered.set(), gate.wait(60)))
+        return opt
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(3)]
+    task = ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), gated, data,
+                        loss=lambda o, b: F.mse_loss(o, b[1]), name="stuck")
+    with ht.Runtime(config=_config()) as rt:
+        h = rt.submit(task)
+        assert entered.wait(60)
+        t0 = time.monotonic()
+        h.cancel()  # its host thread holds its state (in the step): the end does not wait for it
+        assert h.wait(30) and h.status == "cancelled" and time.monotonic() - t0 < 10
+        assert rt.stats()["devices"][0]["resident_tasks"] == 1
+        gate.set()  # the step returns: its host thread lets the task go and writes its state back
+        deadline = time.monotonic() + 30
+        while rt.stats()["devices"][0]["resident_tasks"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.stats()["devices"][0]["resident_tasks"] == 0 and rt.devices[0].current_bytes() == 0

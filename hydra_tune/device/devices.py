@@ -48,6 +48,10 @@ class Device:
         # for the backward. Only where that is proven exact (CPU): on CUDA an offloaded backward has crashed the
         # autograd engine and a kept one's refill from the copy thread is untested, so CUDA plans recompute.
         self.releases_graphs = torch_device.type == "cpu"
+        # Whether a task's fp16 GradScaler (torch.amp.GradScaler("cpu"), in host memory) may unscale and step
+        # gradients on this device. Not on CUDA: its update() copies found_inf device->host non-blocking into
+        # page-locked memory and reads it at once, so fp16 tasks keep their state in host memory there.
+        self.steps_loss_scaler = torch_device.type == "cpu"
 
     def start(self) -> None:
         """Called once in the device's worker thread before its first unit."""

@@ -225,7 +225,9 @@ class Runtime:
         detach_frames(error, task.name)
         task.state.abandon_checkpoints(status)  # the chain and host buffers: the board lets them go after this
         self._drop_copies(task.state.execs)
-        task.state.home.release(f"the task ended ({status})")  # its state back in its model, device bytes freed
+        # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
+        # it when it lets the task go (TrainingLoop.segments)
+        task.state.home.release(wait=CLOSE_WAIT)
         for d in self.devices:
             d.forget(task.name)
         task.handle.finish(status, error)

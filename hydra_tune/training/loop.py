@@ -89,27 +89,32 @@ class TrainingLoop:
         self._data_rng_due: tuple[list[torch.Tensor] | None] | None = None  # a resumed epoch's, to put back
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
-        """The task's training as segments of units; host work (step, data) runs while advancing."""
+        """The task's training as segments of units; host work (step, data) runs while advancing. However it
+        stops (done, failed, closed: ``close()`` runs in the thread that lets it go), its state goes back to host
+        memory: a host thread that was busy in its step when the task ended releases it here."""
         state, task = self.state, self.state.task
         start = time.perf_counter()
         samples = state.resume.samples if state.resume else 0
-        for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
-            run = yield from self._train_epoch(epoch, samples)
-            samples = run.samples
-            metrics = self._epoch_metrics(epoch, run)
-            if state.eval_iterable is not None:
-                metrics["eval_loss"] = yield from self._evaluate()
-            self._epoch_schedule(metrics)
-            metrics["seconds"] = time.perf_counter() - start
-            emit(metrics)
-            if task.max_steps is not None and state.steps >= task.max_steps:
-                break
-            if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step serves
-                snap = state.rng.snapshot()
-                data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
-                state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
-                                              data_rng=data_rng), epoch_end=True)
-        state.finish_requests()
+        try:
+            for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
+                run = yield from self._train_epoch(epoch, samples)
+                samples = run.samples
+                metrics = self._epoch_metrics(epoch, run)
+                if state.eval_iterable is not None:
+                    metrics["eval_loss"] = yield from self._evaluate()
+                self._epoch_schedule(metrics)
+                metrics["seconds"] = time.perf_counter() - start
+                emit(metrics)
+                if task.max_steps is not None and state.steps >= task.max_steps:
+                    break
+                if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step
+                    snap = state.rng.snapshot()
+                    data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
+                    state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
+                                                  data_rng=data_rng), epoch_end=True)
+            state.finish_requests()
+        finally:
+            state.home.release()
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the

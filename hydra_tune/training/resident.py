@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from .shard import ShardExec
     from .store import HostStore
 
+EVICT_WAIT = 5.0  # seconds a device waits for a task's host thread to finish its step before evicting other state
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -84,8 +86,9 @@ class StateHome:
     checkpoints, and by whoever moves the state."""
 
     def __init__(self, name: str, optimizer: torch.optim.Optimizer, store: HostStore,
-                 grad_accumulation: int = 1) -> None:
+                 grad_accumulation: int = 1, scaled: bool = False) -> None:
         self.name, self.optimizer, self.store = name, optimizer, store
+        self.scaled = scaled  # fp16: a GradScaler (host memory) unscales and steps its gradients
         self.lock = threading.RLock()
         self.counts = CopyCounts()          # this task's copies and waits, on every device
         self.cache: StateCache | None = None   # the device cache holding its entries; None: host memory
@@ -225,31 +228,40 @@ class StateHome:
             cache.add(self)
             self._hold()
 
-    def release(self, why: str | None = None) -> int:
+    def release(self, why: str | None = None, wait: float | None = None) -> int:
         """Write the state back into host memory and free its device bytes (the task ends, is re-planned or is
-        evicted: ``why``); returns the bytes written back (0: it was in host memory)."""
-        with self.lock:
-            cache = self.cache
-            if cache is None:
-                return 0
-            copier = cache.device.copier
-            assign: list[Callable[[], None]] = []
-            written = 0
-            with copier.charged_to(self.counts):
-                for slots in self._slots.values():
-                    for slot in slots:
-                        written += self._write_back(slot, copier, assign)
-                self.store.move_pending(lambda g: self._copy_home(copier, g))
-                copier.wait_written()
-            for step in assign:  # after the wait: the host tensors hold their values
-                step()
-            self._slots = {}
-            self.cache = None
-            self.device_bytes = 0
-            if why is not None:
-                self.why = why
-            cache.remove(self)
-            return written
+        evicted: ``why``); returns the bytes written back (0: it was in host memory). ``wait``: at most that many
+        seconds for the task's host thread to leave its lock (its step), else nothing is done and -1 returned."""
+        if not self.lock.acquire(timeout=-1 if wait is None else wait):
+            return -1
+        try:
+            return self._release(why)
+        finally:
+            self.lock.release()
+
+    def _release(self, why: str | None) -> int:
+        """(the lock held)"""
+        cache = self.cache
+        if cache is None:
+            return 0
+        copier = cache.device.copier
+        assign: list[Callable[[], None]] = []
+        written = 0
+        with copier.charged_to(self.counts):
+            for slots in self._slots.values():
+                for slot in slots:
+                    written += self._write_back(slot, copier, assign)
+            self.store.move_pending(lambda g: self._copy_home(copier, g))
+            copier.wait_written()
+        for step in assign:  # after the wait: the host tensors hold their values
+            step()
+        self._slots = {}
+        self.cache = None
+        self.device_bytes = 0
+        if why is not None:
+            self.why = why
+        cache.remove(self)
+        return written
 
     @staticmethod
     def _copy_home(copier: Any, t: torch.Tensor, home: torch.Tensor | None = None) -> torch.Tensor:
@@ -380,7 +392,10 @@ class StateCache:
         if home.cache is not None and home.cache is not self:
             home.release("its next segment ran on another device")  # a task's state lives on one device
         budget = self.device.plan_budget
-        if home.cache is None and home.enabled:
+        if home.cache is None and home.enabled and home.scaled and not self.device.steps_loss_scaler:
+            home.why = (f"fp16 loss scaling: its GradScaler lives in host memory, which {self.device.name} cannot "
+                        "step gradients with exactly (torch reads its non-blocking device->host copy at once)")
+        elif home.cache is None and home.enabled:
             limits = [x for x in (budget, home.room) if x is not None]
             limit = min(limits) if limits else None
             if not resident_fits(peak, home.state_bytes, limit):
@@ -423,8 +438,11 @@ class StateCache:
         return False
 
     def _evict(self, victim: StateHome) -> int:
-        """Write ``victim``'s state back (after its host thread left its lock); the bytes freed here."""
-        with victim.lock:
+        """Write ``victim``'s state back once its host thread left its lock (its step: up to ``EVICT_WAIT``
+        seconds, else it stays); the bytes freed here."""
+        if not victim.lock.acquire(timeout=EVICT_WAIT):
+            return 0
+        try:
             with self._lock:
                 if victim.cache is not self or victim is self._running or victim is self._next:
                     return 0  # moved or released meanwhile, or picked to run
@@ -434,13 +452,16 @@ class StateCache:
             with self._lock:
                 self.evictions += 1
             return freed
+        finally:
+            victim.lock.release()
 
     def clear(self) -> None:
-        """Write every task's state back (the runtime closes)."""
+        """Write every task's state back (the runtime closes); one whose host thread is inside its step stays
+        (that thread writes it back when its task's chain is let go: TrainingLoop.segments)."""
         with self._lock:
             homes = list(self._homes)
         for home in homes:
-            home.release()
+            home.release(wait=0)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

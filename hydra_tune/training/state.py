@@ -51,7 +51,7 @@ class TaskState:
         self.autocast = AUTOCAST_DTYPES[task.precision]
         self.store = HostStore()
         # where its parameters, gradients and optimizer state are: host memory, or a device (resident.py)
-        self.home = StateHome(task.name, optimizer, self.store, task.grad_accumulation)
+        self.home = StateHome(task.name, optimizer, self.store, task.grad_accumulation, task.precision == "fp16")
         self.execs = self._execs(plan)
         # fp16: dynamic loss scaling by torch's own GradScaler over the gradients, wherever they are (a "cpu"
         # scaler unscales device gradients too: its scale is copied to each gradient's device)
@@ -166,7 +166,7 @@ class TaskState:
     def finish_requests(self) -> None:
         """The loop trains no more: its state goes back to host memory; waiting checkpoints fail, snapshots (now
         and later) get the final model."""
-        self.home.release("the task trains no more")
+        self.home.release()
         self._requests.finish(self.model, Boundary(None, self.epoch, self.steps, True))
 
     # -- what it holds and what is left --------------------------------------------------------------------
