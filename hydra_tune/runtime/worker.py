@@ -28,7 +28,7 @@ from typing import Any
 from ..device.devices import Device
 from ..errors import TaskCancelled
 from ..training.replan import is_oom, replan
-from ..training.resident import StateCache
+from ..training.state_cache import StateCache
 from ..training.residency import ShardCache
 from ..training.segments import Unit
 from ..training.shard import ShardExec

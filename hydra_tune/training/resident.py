@@ -1,9 +1,7 @@
 """A task's state kept on a device: its parameters, their gradients and its optimizer state, stepped there.
 
     home = StateHome("trial-3", optimizer, store, grad_accumulation=1); home.reshard(execs)  # TaskState.home
-    cache = StateCache(device, 0, order=board.run_order)   # one per device (device.states, runtime/worker.py)
-    cache.begin(home, peak=plan.peak)   # a segment starts here: other tasks' entries evicted for room, state in
-    cache.end(home)                     # the segment ran: its entries may be evicted from now on
+    cache.begin(home, peak=plan.peak)   # state_cache.py, one per device: room made, the task's state moved in
     with home.stepping() as device: optimizer.step()   # the task's host thread: over device tensors if resident
     home.where(shard)                   # the device holding that shard's state; None: host memory
     with home.on_host(): capture(...)   # checkpoints and snapshots read host tensors
@@ -18,24 +16,21 @@ tensors the state came from stay as its "home" (page-locked on CUDA): writing ba
 parameters, and the host footprint admission charged (parameters, gradients, optimizer state) is unchanged.
 
 Rules:
-* All or nothing per task (``StateCache.begin``): at the start of a segment on a device, every shard's state moves
-  in when the task's predicted state bytes (``state_bytes``: parameters, gradients (twice with grad_accumulation
-  > 1: a minibatch's next to the accumulated ones), optimizer state, and the step's temporaries: one more copy of
-  the trainable parameters) fit next to its plan's peak within the device budget (and the room an out-of-memory
-  re-plan left it), after evicting other tasks' entries; otherwise none does, and the task runs as before (state
-  in host memory, copied in per unit, stepped on the host). A task's entries live on one device: a segment on
-  another device first writes them back.
+* All or nothing per task (state_cache.py ``StateCache.begin``): at the start of a segment on a device, every
+  shard's state moves in when the task's predicted state bytes (``state_bytes``: parameters, gradients (twice
+  with grad_accumulation > 1: a minibatch's next to the accumulated ones), optimizer state, and the step's
+  temporaries: one more copy of the trainable parameters) fit next to its plan's peak within the device budget
+  (and the room an out-of-memory re-plan left it), after evicting other tasks' state; otherwise none does, and
+  the task runs as before (state in host memory, copied in per unit, stepped on the host). A task's state lives
+  on one device: a segment on another device first writes it back.
 * Units of a resident shard use the state itself: the parameter's device tensor is the unit's leaf (a new leaf
   over the same storage), and the gradients go into the minibatch's pending gradients on the device; the task's
   host thread adds them into ``.grad`` after the segment (HostStore.flush_grads), so a failed attempt (out of
   memory) adds nothing, as before. Buffers are no part of an entry: they keep the copy-in / write-back path (a
   retried or recomputed unit needs their values from before the minibatch); unchanged ones stay in the device's
   ShardCache.
-* Eviction (``StateCache.begin`` making room) writes entries back to host memory: first those of the tasks
-  expected to run latest (the board's order: tasks whose host thread is busy, then the ready queue from its
-  end), among equals the largest; never the running task's nor the task picked next for the device; it waits
-  for a task's host thread to leave its lock (flush, step, checkpoint) so the two never overlap. Pending
-  gradients move with the entry.
+* Eviction (state_cache.py) writes a task's state back to host memory (``release``) while holding its lock, so
+  it never overlaps the task's host thread's flush, step or checkpoint; pending gradients move with it.
 * Seam for a per-shard step: ``where(shard)`` says where shard i's state is; ``stepping()`` steps the whole task
   where its state is (on the device only when every shard is there).
 """
@@ -52,13 +47,11 @@ import torch.nn as nn
 
 from ..device.counts import CopyCounts
 from ..device.devices import Device
-from ..policy.partition import resident_fits
 
 if TYPE_CHECKING:
     from .shard import ShardExec
+    from .state_cache import StateCache
     from .store import HostStore
-
-EVICT_WAIT = 5.0  # seconds a device waits for a task's host thread to finish its step before evicting other state
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -216,12 +209,7 @@ class StateHome:
                 self.store.move_pending(lambda g: device.copier.to_device(g, "state"))
             # Nothing points at the copies before all of them exist: an out-of-memory above leaves the host state
             for slot, data, grad, state in moved:
-                p = slot.param
-                p.grad = None  # (CUDA: a gradient must be on its parameter's device when assigned)
-                p.data = data
-                p.grad = grad
-                if state:
-                    self.optimizer.state[p].update(state)
+                self._point(slot.param, data, grad, state)
             cut = iter(moved)
             self._slots = {i: [next(cut)[0] for _ in shard] for i, shard in enumerate(self._shards)}
             self.cache = cache
@@ -279,14 +267,7 @@ class StateHome:
         state = {k: self._copy_home(copier, v, slot.state_homes.get(k)) for k, v in self._moved_state(p, back=True)}
         slot.state_homes.update(state)
 
-        def point_home() -> None:
-            p.grad = None
-            p.data = slot.home
-            p.grad = grad
-            if state:
-                self.optimizer.state[p].update(state)
-
-        assign.append(point_home)
+        assign.append(lambda: self._point(p, slot.home, grad, state))
         return _nbytes(p) + (0 if grad is None else _nbytes(grad)) + sum(_nbytes(v) for v in state.values())
 
     @contextlib.contextmanager
@@ -321,7 +302,8 @@ class StateHome:
 
     def _point(self, p: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None,
                state: dict[str, torch.Tensor]) -> None:
-        p.grad = None
+        """Make ``p`` (the model's own Parameter) and its optimizer state refer to these tensors."""
+        p.grad = None  # (CUDA: a gradient must be on its parameter's device when assigned)
         p.data = data
         p.grad = grad
         if state:
@@ -348,122 +330,3 @@ class StateHome:
                 "steps_on_host": self.steps_on_host, "evictions": self.evictions, "why": self.why,
                 "copies": self.counts.snapshot(),
                 "state_bytes_after_first_step": self._state_since_first_step}
-
-
-class StateCache:
-    """One device's resident task state (see the module docstring). ``order()``: task names in the order they
-    are expected to run (soonest first); a task not named runs latest."""
-
-    def __init__(self, device: Device, index: int, order: Callable[[], Sequence[str]]) -> None:
-        self.device, self.index = device, index
-        self._order = order
-        self._lock = threading.Lock()
-        self._homes: list[StateHome] = []
-        self._running: StateHome | None = None
-        self._next: StateHome | None = None
-        self.evictions = 0
-
-    def add(self, home: StateHome) -> None:
-        with self._lock:
-            self._homes.append(home)
-
-    def remove(self, home: StateHome) -> None:
-        with self._lock:
-            self._homes = [h for h in self._homes if h is not home]
-
-    def total(self) -> int:
-        """Device bytes reserved for the state held here (predicted: each task's ``state_bytes``)."""
-        with self._lock:
-            return sum(h.state_bytes for h in self._homes)
-
-    def prefetched(self, home: StateHome) -> None:
-        """``home``'s task runs next here: its entries are not evicted meanwhile."""
-        with self._lock:
-            self._next = home
-
-    def begin(self, home: StateHome, peak: int) -> None:
-        """A segment of ``home``'s task starts on this device; its units need ``peak`` bytes beside the state
-        held here. Its state moves here when it fits (room made by evicting others), others are evicted as its
-        units need room (module docstring)."""
-        with self._lock:
-            self._running = home
-            if self._next is home:
-                self._next = None
-        if home.cache is not None and home.cache is not self:
-            home.release("its next segment ran on another device")  # a task's state lives on one device
-        budget = self.device.plan_budget
-        if home.cache is None and home.enabled and home.scaled and not self.device.steps_loss_scaler:
-            home.why = (f"fp16 loss scaling: its GradScaler lives in host memory, which {self.device.name} cannot "
-                        "step gradients with exactly (torch reads its non-blocking device->host copy at once)")
-        elif home.cache is None and home.enabled:
-            limits = [x for x in (budget, home.room) if x is not None]
-            limit = min(limits) if limits else None
-            if not resident_fits(peak, home.state_bytes, limit):
-                home.why = (f"its state ({home.state_bytes} bytes) next to its units' peak ({peak} bytes) exceeds "
-                            f"the device budget ({limit} bytes)")
-            elif self._make_room(home, home.state_bytes + peak, budget, optional=True):
-                try:
-                    home.move_in(self)
-                    home.why = f"its state fits on {self.device.name}"
-                except torch.OutOfMemoryError:
-                    home.why = f"{self.device.name} ran out of memory while its state was copied in"
-            else:
-                home.why = f"other tasks' state on {self.device.name} that cannot be evicted now leaves no room"
-        self._make_room(home, peak, budget, optional=False)
-
-    def end(self, home: StateHome) -> None:
-        with self._lock:
-            if self._running is home:
-                self._running = None
-
-    def _make_room(self, home: StateHome, need: int, budget: int | None, optional: bool) -> bool:
-        """Evict others until ``need`` more bytes fit beside the state held here (``optional``: only if that
-        can be reached); whether it fits."""
-        if budget is None:
-            return True
-        with self._lock:
-            held = sum(h.state_bytes for h in self._homes)
-            pinned = (home, self._running, self._next)
-            victims = [h for h in self._homes if not any(h is x for x in pinned)]
-        over = held + need - budget
-        if over <= 0:
-            return True
-        if optional and sum(h.state_bytes for h in victims) < over:
-            return False
-        rank = {name: i for i, name in enumerate(self._order())}
-        for victim in sorted(victims, key=lambda h: (-rank.get(h.name, len(rank)), -h.state_bytes)):
-            over -= self._evict(victim)
-            if over <= 0:
-                return True
-        return False
-
-    def _evict(self, victim: StateHome) -> int:
-        """Write ``victim``'s state back once its host thread left its lock (its step: up to ``EVICT_WAIT``
-        seconds, else it stays); the bytes freed here."""
-        if not victim.lock.acquire(timeout=EVICT_WAIT):
-            return 0
-        try:
-            with self._lock:
-                if victim.cache is not self or victim is self._running or victim is self._next:
-                    return 0  # moved or released meanwhile, or picked to run
-            freed = victim.state_bytes
-            victim.release(f"evicted from {self.device.name} to make room for another task")
-            victim.evictions += 1
-            with self._lock:
-                self.evictions += 1
-            return freed
-        finally:
-            victim.lock.release()
-
-    def clear(self) -> None:
-        """Write every task's state back (the runtime closes); one whose host thread is inside its step stays
-        (that thread writes it back when its task's chain is let go: TrainingLoop.segments)."""
-        with self._lock:
-            homes = list(self._homes)
-        for home in homes:
-            home.release(wait=0)
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"resident_tasks": len(self._homes), "resident_bytes": sum(h.state_bytes for h in self._homes),
-                    "evictions": self.evictions}

@@ -10,8 +10,9 @@ the copy thread, or left by the previous unit) and are used only while the host 
 model's own tensors are never touched by device code. Parameters shared by several stages get one copy per
 shard. While the task's state is resident on the device (resident.py), the parameters' device tensors are used
 themselves (a unit's leaves are new leaves over their storage) and their gradients stay there, in the store's
-pending gradients; only buffers are copied. A kept forward (``keep=True``) leaves its graph on the device so its backward needs no recompute; an
-offloading one (``offload=True``) sends its saved activations to host memory until its backward.
+pending gradients; only buffers are copied. A kept forward (``keep=True``) leaves its graph on the device so its
+backward needs no recompute; an offloading one (``offload=True``) sends its saved activations to host memory
+until its backward.
 
 Rules for what a forward changes besides its output, so that each change happens once per forward as in the plain
 loop: buffers changed in place (BatchNorm's statistics) or assigned a new tensor (``self.ema = 0.9 * self.ema +
