@@ -72,6 +72,7 @@ def test_state_stays_on_the_device_and_steps_there_bit_identical(residency):
         assert copies["h2d"]["state"] == params  # in once, before its first step (no optimizer state yet)
         assert copies["d2h"]["state"] == 3 * params  # back once at its end: parameters and AdamW's two moments
         assert copies["syncs"] == minibatches + 1  # a loss read per minibatch, the wait for the write-back
+        assert res["syncs_per_step"] == (minibatches + 1) / steps
     else:
         assert (res["steps_on_device"], res["steps_on_host"]) == (0, steps)
         assert copies["h2d"]["state"] == steps * params  # the parameters, once per step (unchanged in between)
@@ -257,3 +258,33 @@ def test_task_ended_while_its_host_thread_is_in_its_step_frees_its_state_when_th
         while rt.stats()["devices"][0]["resident_tasks"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rt.stats()["devices"][0]["resident_tasks"] == 0 and rt.devices[0].current_bytes() == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep", "offload"])
+def test_resident_shards_in_every_backward_mode_match_plain(mode):
+    """A task cut into shards whose state all stays on one device: kept forwards keep the parameters (they are its
+    state: not released), offloading ones leave them referenced, recomputing ones read them again."""
+    import dataclasses
+
+    from hydra_tune.training.residency import ShardCache
+
+    task = _gpt2_task(7)
+    state = TaskState.build(task, budget=500 * 1024)
+    k = len(state.execs)
+    assert k >= 3
+    flags = tuple(i < k - 1 for i in range(k))
+    state.plan = dataclasses.replace(state.plan, keep=flags if mode == "keep" else (False,) * k,
+                                     offload=flags if mode == "offload" else (False,) * k)
+    device = CpuDevice("cpu:0", None)
+    device.resident, device.states = ShardCache(), StateCache(device, 0, lambda: [])
+    for seg in state.segments(lambda m: None):
+        device.states.begin(state.home, state.plan.peak)
+        assert all(state.home.where(i) is device for i in range(k))
+        for unit in seg.units:
+            unit.run(device)
+        device.states.end(state.home)
+    device.resident.clear()
+    assert (state.home.steps_on_device, state.home.steps_on_host) == (6, 0)
+    assert state.home.counts.snapshot()["h2d"]["state"] == _param_bytes(state.model)  # in once, never again
+    assert device.current_bytes() == 0 and state.home.cache is None  # written back when the loop ended
+    assert max_param_diff(plain_train(task)[0], state.model) == 0.0

@@ -325,8 +325,9 @@ class StateHome:
     def stats(self) -> dict[str, Any]:
         """What ``Runtime.stats()`` reports for the task (plain reads: any thread)."""
         cache = self.cache
+        copies, steps = self.counts.snapshot(), self.steps_on_device + self.steps_on_host
         return {"state_on": None if cache is None else cache.device.name, "state_bytes": self.state_bytes,
                 "device_bytes": self.device_bytes, "steps_on_device": self.steps_on_device,
                 "steps_on_host": self.steps_on_host, "evictions": self.evictions, "why": self.why,
-                "copies": self.counts.snapshot(),
+                "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
                 "state_bytes_after_first_step": self._state_since_first_step}
