@@ -288,3 +288,18 @@ def test_resident_shards_in_every_backward_mode_match_plain(mode):
     assert state.home.counts.snapshot()["h2d"]["state"] == _param_bytes(state.model)  # in once, never again
     assert device.current_bytes() == 0 and state.home.cache is None  # written back when the loop ended
     assert max_param_diff(plain_train(task)[0], state.model) == 0.0
+
+
+def test_no_copy_ahead_of_a_shard_whose_state_is_on_another_device():
+    from hydra_tune.training.residency import ShardCache
+
+    state = _tiny_state("t")
+    here, there = CpuDevice("cpu:0", None), CpuDevice("cpu:1", None)
+    for device in (here, there):
+        device.resident, device.states = ShardCache(), StateCache(device, 0, lambda: [])
+    there.states.begin(state.home, 100)
+    there.states.end(state.home)
+    ex = state.execs[0]
+    assert ex.prefetch(here, state.store, "F") == 0 and len(here.resident) == 0  # its tensors are cpu:1's now
+    state.home.release()
+    assert ex.prefetch(here, state.store, "F") > 0 and len(here.resident) == 1

@@ -337,11 +337,13 @@ class ShardExec:
 
     def prefetch(self, device: Device, store: HostStore, kind: str) -> int:
         """Prepare this shard on ``device`` ahead of its ``kind`` unit (run by the device's copy thread); returns
-        the bytes copied (0 when it was already resident)."""
+        the bytes copied (0 when it was already resident, or its state is on another device: the segment's start
+        brings it back first, and a copy made now would read the other device's tensors)."""
         kept = store.kept.get(self.index) if kind == "B" else None
         if kept is not None:
             return self.refill(device, kept)
-        if device.resident is not None and not (kind == "B" and self.index in store.buffers):
+        elsewhere = self.home is not None and self.home.where(self.index) not in (None, device)
+        if device.resident is not None and not elsewhere and not (kind == "B" and self.index in store.buffers):
             return device.resident.prefetch(self, device)
         return 0
 
