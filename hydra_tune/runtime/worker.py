@@ -8,7 +8,7 @@ Rules: the worker takes a task from the board (its segment open) and runs that s
 device keeping the task's shards and kept activations between them. While a unit runs, the copy thread copies
 the next unit's shard in (double buffering); while the segment's last unit runs, it asks the board for the
 device's next task (one whose segment is open already) and copies its first shard in when the room next to the
-running unit allows. When a segment starts, the device's StateCache (training/resident.py) makes room for the
+running unit allows. When a segment starts, the device's StateCache (training/state_cache.py) makes room for the
 task's units by evicting other tasks' state, and moves the task's own parameters, gradients and optimizer state
 onto the device when they fit beside its units, to stay there. Every copy and wait counts for the task whose work
 it is. No host work of a task (its optimizer step, its next batch) runs on these threads: the
@@ -28,10 +28,10 @@ from typing import Any
 from ..device.devices import Device
 from ..errors import TaskCancelled
 from ..training.replan import is_oom, replan
-from ..training.state_cache import StateCache
 from ..training.residency import ShardCache
 from ..training.segments import Unit
 from ..training.shard import ShardExec
+from ..training.state_cache import StateCache
 from .scheduler import Admitted, Scheduler
 from .trace import COPY, Recorder
 

@@ -92,29 +92,32 @@ class TrainingLoop:
         """The task's training as segments of units; host work (step, data) runs while advancing. However it
         stops (done, failed, closed: ``close()`` runs in the thread that lets it go), its state goes back to host
         memory: a host thread that was busy in its step when the task ended releases it here."""
+        try:
+            yield from self._epochs(emit)
+        finally:
+            self.state.home.release()
+
+    def _epochs(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         state, task = self.state, self.state.task
         start = time.perf_counter()
         samples = state.resume.samples if state.resume else 0
-        try:
-            for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
-                run = yield from self._train_epoch(epoch, samples)
-                samples = run.samples
-                metrics = self._epoch_metrics(epoch, run)
-                if state.eval_iterable is not None:
-                    metrics["eval_loss"] = yield from self._evaluate()
-                self._epoch_schedule(metrics)
-                metrics["seconds"] = time.perf_counter() - start
-                emit(metrics)
-                if task.max_steps is not None and state.steps >= task.max_steps:
-                    break
-                if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step
-                    snap = state.rng.snapshot()
-                    data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
-                    state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
-                                                  data_rng=data_rng), epoch_end=True)
-            state.finish_requests()
-        finally:
-            state.home.release()
+        for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
+            run = yield from self._train_epoch(epoch, samples)
+            samples = run.samples
+            metrics = self._epoch_metrics(epoch, run)
+            if state.eval_iterable is not None:
+                metrics["eval_loss"] = yield from self._evaluate()
+            self._epoch_schedule(metrics)
+            metrics["seconds"] = time.perf_counter() - start
+            emit(metrics)
+            if task.max_steps is not None and state.steps >= task.max_steps:
+                break
+            if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step serves
+                snap = state.rng.snapshot()
+                data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
+                state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
+                                              data_rng=data_rng), epoch_end=True)
+        state.finish_requests()
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
@@ -302,23 +305,26 @@ class TrainingLoop:
         """The plain loop's step, over the tensors where the task's state is: on the device it is resident on
         (exactly the user's GPU loop; on CUDA launched from this thread on the device's default stream, behind
         the units that made the gradients), else in host memory. Its state does not move meanwhile (the lock)."""
+        with self.state.home.stepping():
+            self._plain_step()
+        self.state.steps += 1
+
+    def _plain_step(self) -> None:
         state = self.state
-        with state.home.stepping():
-            state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
-            scaler, optimizer = state.scaler, state.optimizer
-            if state.task.grad_clip_norm is not None:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
+        state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+        scaler, optimizer = state.scaler, state.optimizer
+        if state.task.grad_clip_norm is not None:
             if scaler is not None:
-                scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
-                scaler.update()
-            else:
-                optimizer.step()
-            if state.scheduler is not None and state.task.lr_scheduler_metric is None:
-                state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
-            optimizer.zero_grad()
-        state.steps += 1
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
+            scaler.update()
+        else:
+            optimizer.step()
+        if state.scheduler is not None and state.task.lr_scheduler_metric is None:
+            state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
+        optimizer.zero_grad()
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
         """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
