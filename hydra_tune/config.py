@@ -30,6 +30,7 @@ _SIZE_RULES = {
     "host_memory": (f"`host_memory` is None (measured), a positive int or a size string with a unit in "
                     f"{_UNIT_NAMES}", "write e.g. host_memory='16GiB', or None to measure the available memory"),
 }
+RESIDENCY = ("auto", "off")  # where tasks' state lives: on the device while it fits, or always in host memory
 _NOT_POSITIVE = {"device_memory": ("`device_memory > 0`", "pass a positive byte count or a string like '512MiB'")}
 
 
@@ -95,12 +96,16 @@ class RuntimeConfig:
     ``["cpu", "cpu"]``: CPU stand-ins). ``device_memory``: each device's budget (None: CUDA's free memory less a
     margin; unlimited on CPU). ``host_memory``: what admitted tasks' host state may take (None: measured at every
     admission). ``policy``: the schedule, "lrtf" (Sharded-LRTF with affinity), "fifo" or "round_robin".
+    ``residency``: "auto" (a task's parameters, gradients and optimizer state stay on the device it runs on while
+    they fit beside its units, and its optimizer steps there; training/resident.py) or "off" (always in host
+    memory, copied in per unit, stepped on the host: device memory only for the running units).
     """
 
     devices: Any = "auto"
     device_memory: int | str | None = None
     host_memory: int | str | None = None
     policy: str = "lrtf"
+    residency: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _device_names(self.devices))
@@ -108,6 +113,9 @@ class RuntimeConfig:
         object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
         if self.policy not in POLICIES:
             raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=self.policy)
+        if self.residency not in RESIDENCY:
+            raise rule_error(f"`residency` in {list(RESIDENCY)}", "pass 'auto' (state stays on the device while it "
+                             "fits) or 'off' (state in host memory, stepped there)", residency=self.residency)
 
     @classmethod
     def of(cls, config: "RuntimeConfig | None" = None, **settings: Any) -> "RuntimeConfig":

@@ -42,16 +42,22 @@ class Device:
         self.copier: HostCopier = make_copier(torch_device)
         self.overhead = 0  # bytes the device holds before any unit (library workspaces), set by start()
         self.resident: Any = None  # the runtime's ShardCache for this device (shard copies made ahead of use)
+        self.states: Any = None  # the runtime's StateCache (training/resident.py): tasks' state kept here; None: off
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
         self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
         # Kept and offloaded forwards free storages their graph still references (resize_(0)) and refill them
         # for the backward. Only where that is proven exact (CPU): on CUDA an offloaded backward has crashed the
         # autograd engine and a kept one's refill from the copy thread is untested, so CUDA plans recompute.
         self.releases_graphs = torch_device.type == "cpu"
+        # Whether a task's fp16 GradScaler (torch.amp.GradScaler("cpu"), in host memory) may unscale and step
+        # gradients on this device. Not on CUDA: its update() copies found_inf device->host non-blocking into
+        # page-locked memory and reads it at once, so fp16 tasks keep their state in host memory there.
+        self.steps_loss_scaler = torch_device.type == "cpu"
 
     def start(self) -> None:
         """Called once in the device's worker thread before its first unit."""
         self.copy_bandwidth = self._measure_bandwidth()
+        self.copier.counts.reset()  # the counters are the tasks' copies and waits, not this measurement's
 
     def after_oom(self) -> None:
         """Called after a unit ran out of memory and its tensors were dropped, before the task is re-planned."""
@@ -98,6 +104,14 @@ class Device:
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where the device's copy engine (the prefetch thread) makes device copies: counted, no RNG swap."""
         raise NotImplementedError
+
+    def step_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a task's host thread runs its optimizer step over tensors on this device."""
+        return contextlib.nullcontext()
+
+    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Count ``tensors`` (made outside any unit, e.g. by an optimizer step on this device) as this device's
+        memory until they are freed. CUDA counts every allocation itself: nothing to do."""
 
     def peak_bytes(self) -> int:
         raise NotImplementedError
@@ -160,6 +174,10 @@ class CpuDevice(Device):
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return UnitMode(self._scratch, self.account)  # clones count as this device's memory
 
+    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            self.account.track(t.untyped_storage(), enforce=False)  # already made: counted, never refused
+
     def peak_bytes(self) -> int:
         return self.account.peak
 
@@ -185,6 +203,7 @@ class CudaDevice(Device):
             torch.cuda.synchronize(dev)
             self.overhead = int(torch.cuda.memory_allocated(dev))
             torch.cuda.reset_peak_memory_stats(dev)
+        self.copier.counts.reset()
 
     @contextlib.contextmanager
     def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode]:
@@ -197,6 +216,12 @@ class CudaDevice(Device):
             rng.accel_state = gen.get_state()
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.torch_device)
+
+    def step_scope(self) -> contextlib.AbstractContextManager[Any]:
+        # The host thread's current stream on this device is the default stream, as the worker's: the step's
+        # kernels queue behind the units that made the gradients, and a later eviction's copy (same stream)
+        # behind the step.
         return torch.cuda.device(self.torch_device)
 
     def after_oom(self) -> None:

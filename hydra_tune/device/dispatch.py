@@ -47,14 +47,16 @@ class MemoryAccount:
 
     # Storages are keyed by their StorageImpl (``_cdata``), not their data pointer: that identity survives
     # resize_ (release/refill) and also tells apart meta-device storages, which all have data pointer 0.
-    def track(self, storage: torch.UntypedStorage) -> None:
+    def track(self, storage: torch.UntypedStorage, enforce: bool = True) -> None:
+        """Count ``storage`` until it is freed; with ``enforce``, one that would pass ``limit`` raises instead
+        (``enforce=False``: it exists already, e.g. made by a task's optimizer step, and is only counted)."""
         key, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0:
             return
         with self._lock:
             if key in self._live:
                 return
-            if self.limit is not None and self.current + nbytes > self.limit:
+            if enforce and self.limit is not None and self.current + nbytes > self.limit:
                 raise torch.OutOfMemoryError(f"CPU device out of memory (test limit): allocating {nbytes} bytes "
                                              f"with {self.current} in use would pass the limit of {self.limit}")
             self._live[key] = (nbytes, weakref.finalize(storage, self._release, key))

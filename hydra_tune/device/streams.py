@@ -4,6 +4,12 @@
     dev = copier.to_device(host_tensor)          # a real copy: the device's own memory
     back = copier.to_host(dev)                   # a real copy into host memory
     copier.release(dev); copier.refill(dev, host_tensor)   # free its bytes, keep the tensor; later fill it again
+    with copier.charged_to(task_counts): ...     # this thread's copies and waits count for that task too
+    copier.write_back(home, dev); copier.wait_written()    # a device tensor's values into an existing host tensor
+
+Every copy is counted (device/counts.py) by direction and category (``what``: state, buffers, activations,
+batches) in the copier's ``counts`` and in the counts of the task this thread works for (``charged_to``), and so
+is every call that makes the host wait for the device (a copy out with ``wait=True``, ``read``, ``synchronize``).
 
 On CUDA, copies go through a dedicated copy stream from pinned host buffers, and the compute stream waits on an
 event, so a later prefetch can overlap the copy with compute. On CPU the same calls are plain clones, so every
@@ -17,6 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from .counts import CopyCounts
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -32,24 +40,68 @@ class HostCopier:
     def __init__(self, device: torch.device, account: Any = None) -> None:
         self.device = device
         self.account = account  # the CPU device's MemoryAccount: resize_ bypasses the dispatch mode
+        self.counts = CopyCounts()  # everything this device's copier moved, and the waits
         self._local = threading.local()
 
     def moved(self) -> int:
         """Bytes this thread has copied through this copier so far (for the trace)."""
         return getattr(self._local, "bytes", 0)
 
-    def _count(self, t: torch.Tensor) -> None:
-        self._local.bytes = self.moved() + t.numel() * t.element_size()
+    @contextlib.contextmanager
+    def charged_to(self, counts: CopyCounts | None) -> Iterator[None]:
+        """Inside: this thread's copies and waits also count in ``counts`` (a task's)."""
+        outer = getattr(self._local, "task", None)
+        self._local.task = counts
+        try:
+            yield
+        finally:
+            self._local.task = outer
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        self._count(t)
+    def _count(self, t: torch.Tensor, direction: str = "h2d", what: str = "activations") -> None:
+        nbytes = t.numel() * t.element_size()
+        self._local.bytes = self.moved() + nbytes
+        self.counts.add(direction, what, nbytes)
+        task = getattr(self._local, "task", None)
+        if task is not None:
+            task.add(direction, what, nbytes)
+
+    def _waited(self) -> None:
+        self.counts.waited()
+        task = getattr(self._local, "task", None)
+        if task is not None:
+            task.waited()
+
+    def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
+        self._count(t, "h2d", what)
         return t.detach().clone()
 
-    def to_host(self, t: torch.Tensor, wait: bool = True) -> torch.Tensor:
+    def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
         waiting copy out, which every unit makes before it ends."""
-        self._count(t)
+        self._count(t, "d2h", what)
+        if wait:
+            self._waited()
         return t.detach().clone()
+
+    def read(self, t: torch.Tensor) -> float:
+        """A device scalar's value on the host (a loss): the host waits for the device."""
+        self._waited()
+        return float(t.detach().item())
+
+    def host_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor to write ``t`` back into (CUDA: page-locked, so the copy is a direct DMA)."""
+        return torch.empty(t.shape, dtype=t.dtype)
+
+    def write_back(self, home: torch.Tensor, t: torch.Tensor, what: str = "state") -> None:
+        """Copy device tensor ``t``'s values into host tensor ``home`` (same shape and dtype); on CUDA it may be in
+        flight until ``wait_written``."""
+        self._count(t, "d2h", what)
+        with torch.no_grad():
+            home.copy_(t.detach())
+
+    def wait_written(self) -> None:
+        """Wait for the ``write_back`` copies issued by this thread (CPU: they are done)."""
+        self._waited()
 
     def release(self, t: torch.Tensor) -> None:
         """Free ``t``'s device bytes but keep the tensor (and autograd's references to it) for ``refill``."""
@@ -60,7 +112,7 @@ class HostCopier:
 
     def refill(self, t: torch.Tensor, src: torch.Tensor) -> None:
         """Give a released ``t`` its bytes back, holding ``src``'s values (host tensor of the same layout)."""
-        self._count(src)
+        self._count(src, "h2d", "state")
         with torch.no_grad():
             self._fill(t, src.detach())
         if self.account is not None:
@@ -88,6 +140,7 @@ class HostCopier:
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (nothing to wait for on CPU)."""
+        self._waited()
 
     def prepare_host(self, tensors: list[torch.Tensor]) -> None:
         """Make host tensors that are copied in often cheap to copy (CPU: nothing to do)."""
@@ -121,8 +174,8 @@ class CudaCopier(HostCopier):
         for done in pending:
             compute.wait_event(done)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        self._count(t)
+    def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
+        self._count(t, "h2d", what)
         src = t.detach()
         if not src.is_pinned():
             src = src.pin_memory()
@@ -146,15 +199,31 @@ class CudaCopier(HostCopier):
         self._join(compute)
         dst.record_stream(compute)  # freed later by the compute stream: the allocator waits for its use
 
-    def to_host(self, t: torch.Tensor, wait: bool = True) -> torch.Tensor:
-        self._count(t)
+    def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
+        self._count(t, "d2h", what)
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t.detach(), non_blocking=True)
         if wait:  # else the unit's last waiting copy out (its output carry) covers this one: same stream
+            self._waited()
             torch.cuda.current_stream(self.device).synchronize()
         return out
 
+    def host_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+    def write_back(self, home: torch.Tensor, t: torch.Tensor, what: str = "state") -> None:
+        # On this thread's current stream (the default stream, which the units and the task's optimizer step also
+        # run on): the copy is ordered after every kernel that wrote ``t``. ``wait_written`` waits for it.
+        self._count(t, "d2h", what)
+        with torch.no_grad(), torch.cuda.device(self.device):
+            home.copy_(t.detach(), non_blocking=home.is_pinned())
+
+    def wait_written(self) -> None:
+        self._waited()
+        torch.cuda.current_stream(self.device).synchronize()
+
     def synchronize(self) -> None:
+        self._waited()
         self.stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
 

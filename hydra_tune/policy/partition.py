@@ -272,6 +272,13 @@ def _with_held(shards: tuple[Shard, ...], budget: int | None, reserve: int, keep
     return Plan(shards, budget, reserve, kept, choose_offload(shards, kept, bandwidth))
 
 
+def resident_fits(peak: int, state_bytes: int, budget: int | None) -> bool:
+    """Whether a task's state (``state_bytes``: parameters, gradients, optimizer state and the step's temporaries)
+    may stay on a device beside its units (``peak``: its plan's peak) within ``budget`` (None: unlimited).
+    Conservative: the peak counts the running shard's parameter copies, which a resident shard does not make."""
+    return budget is None or peak + state_bytes <= budget
+
+
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:
     alone = shard_of(costs, i, i + 1)
     need = alone.peak + reserve

@@ -85,7 +85,8 @@ class Runtime:
                 self._start_errors.append(error)
             started[index].set()
 
-        hooks = WorkerHooks(lambda: self._plan, self._drop_copies, on_started)  # planned once devices started
+        hooks = WorkerHooks(lambda: self._plan, self._drop_copies, on_started,  # planned once devices started
+                            residency=self.config.residency == "auto")
         self._workers = [DeviceWorker(i, d, self.scheduler, self._recorder, hooks) for i, d in enumerate(self.devices)]
         for w in self._workers:
             w.start()
@@ -128,9 +129,14 @@ class Runtime:
         return self._gate.snapshot()
 
     def stats(self) -> dict[str, Any]:
-        """Per device: units run, busy seconds, prefetches, measured peak/current bytes, budget. Per task: shards,
-        kept shards, state, host bytes held and the footprint admission charged (tasks waiting for host memory:
-        state "queued", ``waiting_for_host_memory``). ``host``: what ``host_memory()`` returns."""
+        """Per device: units run, busy seconds, prefetches, measured peak/current bytes, budget; ``copies``
+        (bytes host->device "h2d" and device->host "d2h" by category: state, buffers, activations, batches; and
+        "syncs"), ``resident_tasks``/``resident_bytes`` (tasks' state held there) and ``evictions``. Per task:
+        shards, kept shards, state, host bytes held and the footprint admission charged (tasks waiting for host
+        memory: state "queued", ``waiting_for_host_memory``), and ``residency``: where its state is
+        (``state_on``), steps taken on the device and on the host and why, evictions, its ``copies`` and
+        ``state_bytes_after_first_step`` (moved from its first optimizer step to its last: 0 while it stays
+        resident). ``host``: what ``host_memory()`` returns."""
         tasks = self.scheduler.task_stats()
         devices = [dict(name=w.device.name, budget=w.device.budget, overhead_bytes=w.device.overhead,
                         peak_bytes=w.device.peak_bytes(), current_bytes=w.device.current_bytes(), **w.stats())
@@ -160,6 +166,8 @@ class Runtime:
                                                                 "finished"))
         for d in self.devices:
             d.resident.clear()
+            if d.states is not None:
+                d.states.clear()
         stuck = [(name, "its host thread is still inside its host work") for name in
                  self.scheduler.wait_hosts(CLOSE_WAIT)]
         stuck += [(building, "its build (which takes a sample batch) is still running")] if building else []
@@ -194,6 +202,9 @@ class Runtime:
         if state is None:
             state = TaskState.build(task, *self._plan)
         self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
+        state.home.set_optimizer_bytes(footprint.optimizer)  # measured for admission: what its state will hold
+        if self.config.residency == "off":
+            state.home.disable("residency='off' (RuntimeConfig): its state stays in host memory")
         if handle is None:
             handle = self._new_handle(task.name)
         handle.attach(state)
@@ -214,6 +225,9 @@ class Runtime:
         detach_frames(error, task.name)
         task.state.abandon_checkpoints(status)  # the chain and host buffers: the board lets them go after this
         self._drop_copies(task.state.execs)
+        # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
+        # it when it lets the task go (TrainingLoop.segments)
+        task.state.home.release(wait=CLOSE_WAIT)
         for d in self.devices:
             d.forget(task.name)
         task.handle.finish(status, error)

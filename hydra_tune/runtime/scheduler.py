@@ -77,7 +77,8 @@ class Admitted:
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "epoch": st.epoch, "units": self.units, "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
-                "host_footprint": self.footprint.parts() if self.footprint is not None else None}
+                "host_footprint": self.footprint.parts() if self.footprint is not None else None,
+                "residency": st.home.stats()}
 
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
@@ -140,13 +141,14 @@ class Scheduler:
                 return  # already ended (e.g. finished while the runtime was closing)
             del self._tasks[task.name]
             self._ready = [(q, a) for q, a in self._ready if a is not task]
-            self._finished[task.name] = dict(task.stats(), state=status)
+            record = self._finished[task.name] = dict(task.stats(), state=status)
             self._estimator.forget(task.name)
             self._left = [h for h in self._left if h.alive] + [task.host]
             self.cond.notify_all()  # a device waiting for its next segment stops waiting
         task.host.stop()
         self._on_end(task, status, error)
         with self.cond:
+            record.update(residency=task.state.home.stats())  # with what on_end wrote back
             task.released = True
             free = not task.opening  # else its host thread lets it go when its work returns
         if free:
@@ -285,6 +287,12 @@ class Scheduler:
             return {"admitted": len(self._tasks), "ready": len(self._ready), "opening": opening,
                     "host_busy": opening + sum(h.alive for h in self._left), "finished": len(self._finished),
                     "idle_devices": len(self._idle)}
+
+    def run_order(self) -> list[str]:
+        """Task names in the order they are expected to get a device (a guess for evicting state): the ready
+        queue, longest waiting first, then the tasks whose host thread is opening their next segment."""
+        with self.cond:
+            return [task.name for _, task in self._ready] + [t.name for t in self._tasks.values() if t.opening]
 
     def ready(self) -> list[Admitted]:
         """The tasks off the devices: the ready queue in the order they became ready, then those whose host

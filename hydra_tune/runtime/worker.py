@@ -8,7 +8,10 @@ Rules: the worker takes a task from the board (its segment open) and runs that s
 device keeping the task's shards and kept activations between them. While a unit runs, the copy thread copies
 the next unit's shard in (double buffering); while the segment's last unit runs, it asks the board for the
 device's next task (one whose segment is open already) and copies its first shard in when the room next to the
-running unit allows. No host work of a task (its optimizer step, its next batch) runs on these threads: the
+running unit allows. When a segment starts, the device's StateCache (training/state_cache.py) makes room for the
+task's units by evicting other tasks' state, and moves the task's own parameters, gradients and optimizer state
+onto the device when they fit beside its units, to stay there. Every copy and wait counts for the task whose work
+it is. No host work of a task (its optimizer step, its next batch) runs on these threads: the
 task's own host thread does it between its segments (scheduler.py, host.py), so a data iterator that blocks never
 holds a device. A unit that runs out of device memory has its task re-planned smaller and its minibatch run
 again; any other error ends that task only, and the worker goes on.
@@ -28,6 +31,7 @@ from ..training.replan import is_oom, replan
 from ..training.residency import ShardCache
 from ..training.segments import Unit
 from ..training.shard import ShardExec
+from ..training.state_cache import StateCache
 from .scheduler import Admitted, Scheduler
 from .trace import COPY, Recorder
 
@@ -39,11 +43,12 @@ class WorkerHooks:
     """What a worker needs beyond its device and the board. ``plan()``: (budget, copy bandwidth, keep) every
     task is planned with, known once all devices started. ``drop_copies(execs)``: forget those shards' copies on
     every device (a re-plan replaces them). ``started(index, error)``: the device's set-up ended (``error`` None
-    when it worked)."""
+    when it worked). ``residency``: tasks' state may stay on the device (RuntimeConfig.residency "auto")."""
 
     plan: Callable[[], tuple[int | None, float | None, bool]]
     drop_copies: Callable[[Sequence[ShardExec]], None]
     started: Callable[[int, "BaseException | None"], None]
+    residency: bool = True
 
 
 class DeviceWorker:
@@ -54,6 +59,7 @@ class DeviceWorker:
         self.index, self.device, self.board = index, device, board
         self._recorder, self._hooks = recorder, hooks
         device.resident = ShardCache()
+        device.states = StateCache(device, index, board.run_order) if hooks.residency else None
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"hydra-copy-{device.name}")
         self._thread = threading.Thread(target=self._work, name=f"hydra-{device.name}", daemon=True)
         self._lock = threading.Lock()
@@ -70,10 +76,19 @@ class DeviceWorker:
         """After ``join``: stop the copy thread and drop the device's resident copies."""
         self._copier.shutdown(wait=True)
         self.device.resident.clear()
+        if self.device.states is not None:
+            self.device.states.clear()
 
     def stats(self) -> dict[str, Any]:
+        """Units, busy seconds, prefetches; bytes copied each way by category and syncs (``copies``); the tasks'
+        state held on the device and evictions."""
         with self._lock:
-            return dict(self._stats)
+            out: dict[str, Any] = dict(self._stats)
+        states = self.device.states
+        out.update(states.stats() if states is not None else {"resident_tasks": 0, "resident_bytes": 0,
+                                                              "evictions": 0})
+        out["copies"] = self.device.copier.counts.snapshot()
+        return out
 
     # -- the compute thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -106,7 +121,15 @@ class DeviceWorker:
         task.segment = None
         self.device.measuring = self.device.measure((task.name, segment.key))  # type: ignore[union-attr]
         following: Following = []
-        failure = self._run_units(task, segment.units, following)  # type: ignore[union-attr]
+        states, home = self.device.states, task.state.home
+        if states is not None:
+            with self.device.copier.charged_to(home.counts):
+                states.begin(home, task.state.plan.peak)
+        try:
+            failure = self._run_units(task, segment.units, following)  # type: ignore[union-attr]
+        finally:
+            if states is not None:
+                states.end(home)
         if failure is not None:
             return self._after_failure(task, *failure, following), False
         keep = bool(following) and following[0][0] is task
@@ -145,7 +168,8 @@ class DeviceWorker:
     def _run_unit(self, task: Admitted, unit: Unit) -> None:
         moved = self.device.copier.moved()
         t0 = time.perf_counter()
-        unit.run(self.device)
+        with self.device.copier.charged_to(task.state.home.counts):
+            unit.run(self.device)
         t1 = time.perf_counter()
         self._recorder.add(self.index, unit.task, unit.shard, unit.kind, t0, t1, self.device.copier.moved() - moved,
                            segment=unit.segment)
@@ -174,10 +198,13 @@ class DeviceWorker:
         the same minibatch again (``task.segment``); False when that failed (the task then ended with why)."""
         exc.__traceback__ = None  # its frames hold the failed unit's device tensors
         self._hooks.drop_copies(task.state.execs)
+        home = task.state.home
+        resident = home.state_bytes if home.cache is not None else 0
+        home.release("its state left the device after an out-of-memory; it is back when it fits the re-plan")
         self.device.after_oom()
         _, bandwidth, keep = self._hooks.plan()
         try:
-            task.segment = replan(task.state, unit, self.device.name, bandwidth, keep)
+            task.segment = replan(task.state, unit, self.device.name, bandwidth, keep, resident)
         except BaseException as error:  # noqa: BLE001  (a stage that no longer fits: that task's error alone)
             self.board.end(task, "failed", error)
             return False
@@ -191,8 +218,12 @@ class DeviceWorker:
         task = self.board.choose_next(self.index, current)
         if task is None or task is current:
             return task, None
+        states = self.device.states
+        if states is not None:
+            states.prefetched(task.state.home)  # its state, if here, is not evicted before it runs
         plan, budget = current.state.plan, self.device.plan_budget
-        room = None if budget is None else budget - (plan.peak - plan.prefetch_bytes)
+        held = states.total() if states is not None else 0
+        room = None if budget is None else budget - held - (plan.peak - plan.prefetch_bytes)
         return task, self._copier.submit(self._next_segment, room, task)
 
     @staticmethod
@@ -216,7 +247,8 @@ class DeviceWorker:
     def _prefetch(self, task: Admitted, unit: Unit) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = unit.prefetch(self.device)
+            with self.device.copier.charged_to(task.state.home.counts):
+                nbytes = unit.prefetch(self.device)
         except Exception:  # e.g. out of memory while copying ahead: the unit copies its shard in itself
             self.device.resident.drop(task.state.execs[unit.shard])
             return

@@ -21,6 +21,7 @@ own work (its model's forward, its loss, its data iterator: ``task_work``) wait 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator
@@ -211,6 +212,19 @@ class BoundaryRequests:
         with self._lock:
             snapshots, self._snapshots = self._snapshots, []
             checkpoints, self._checkpoints = self._checkpoints, []
+        if not (snapshots or checkpoints):
+            return
+        home = getattr(state, "home", None)  # where its state is (training/resident.py); serving reads the model
+        try:
+            with home.on_host() if home is not None else contextlib.nullcontext():  # resident: host copies
+                self._produce(state, where, snapshots, checkpoints)
+        except BaseException as exc:  # noqa: BLE001  (copying the state home failed: the askers' news, not the task's)
+            for req in snapshots + [r for r, _ in checkpoints]:
+                if not req._done.is_set():
+                    req.finish(None, exc)
+
+    def _produce(self, state: TaskState, where: Boundary, snapshots: list[BoundaryRequest],
+                 checkpoints: list[tuple[BoundaryRequest, str]]) -> None:
         for req in snapshots:
             req.settle(lambda: take_snapshot(state.model, where))
         for req, path in checkpoints:

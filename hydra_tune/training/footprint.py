@@ -24,6 +24,9 @@ What a training task holds in host memory at its peak (hydra_tune keeps every ta
 * overhead: a fixed allowance per task (``TASK_OVERHEAD``: Python objects, allocator slack, the step's
   temporaries) plus the largest parameter once more (an optimizer step's per-parameter temporaries).
 
+A task whose state stays on a device (training/resident.py) keeps its host tensors to write it back into: its
+footprint is the same either way.
+
 Not counted: the task's data (the datasets and loaders it reads); device memory (for CPU stand-in devices also
 host memory, bounded by their budgets); the build's profile, which runs one stage at a time in host memory
 (transient, at most the largest unit's peak, within the reservation of its gradients and optimizer state that

@@ -98,7 +98,15 @@ class TrainingLoop:
         self._step_draws: bool | None = None
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
-        """The task's training as segments of units; host work (step, data) runs while advancing."""
+        """The task's training as segments of units; host work (step, data) runs while advancing. However it
+        stops (done, failed, closed: ``close()`` runs in the thread that lets it go), its state goes back to host
+        memory: a host thread that was busy in its step when the task ended releases it here."""
+        try:
+            yield from self._epochs(emit)
+        finally:
+            self.state.home.release()
+
+    def _epochs(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         state, task = self.state, self.state.task
         final = state.resume
         if final is not None and final.is_final(task.epochs) and final.metrics is not None:
@@ -175,12 +183,14 @@ class TrainingLoop:
             yield self._train_segment(batch, run.losses)
             if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
                 self._skipping = False
-                state.store.clear()
-                state.optimizer.zero_grad()
+                with state.home.locked():
+                    state.store.clear()
+                    state.optimizer.zero_grad()
                 run.pending, run.skipped = 0, run.skipped + 1
                 continue
-            state.store.flush_grads()
-            state.store.clear()
+            with state.home.locked():  # the gradients may be on a device: no eviction while they are added
+                state.store.flush_grads()
+                state.store.clear()
             run.samples += _batch_size(batch)
             run.pending += 1
             if run.pending == task.grad_accumulation:
@@ -329,6 +339,14 @@ class TrainingLoop:
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
+        """The plain loop's step, over the tensors where the task's state is: on the device it is resident on
+        (exactly the user's GPU loop; on CUDA launched from this thread on the device's default stream, behind
+        the units that made the gradients), else in host memory. Its state does not move meanwhile (the lock)."""
+        with self.state.home.stepping():
+            self._plain_step()
+        self.state.steps += 1
+
+    def _plain_step(self) -> None:
         state = self.state
         state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
         if self._step_draws is False:  # the first step drew no random numbers: no routing (full speed)

@@ -6,7 +6,9 @@
     pack, unpack = offload_hooks(device, copies, mode)   # an offloading forward's saved activations go to host
 
 Rules: a resident copy is used only while the host tensors it was made from are unchanged (identity and version
-of each); a kept forward's parameter bytes are released after the forward and refilled for its backward; an
+of each); it holds what a unit copies in (``ShardExec.moving``: only the buffers while the shard's parameters,
+gradients and optimizer state stay on the device, resident.py); a kept forward's parameter bytes are released
+after the forward and refilled for its backward (not a resident shard's: they are its state); an
 offloading forward keeps parameters and buffers referenced (released and refilled like a kept one's) and copies
 every other saved tensor to host memory, back to the device when the backward unpacks it.
 """
@@ -44,26 +46,26 @@ class ShardCache:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[ShardExec, tuple[tuple[int, int], ...], dict[int, torch.Tensor]]] = {}
 
-    def put(self, ex: ShardExec, copies: dict[int, torch.Tensor]) -> None:
+    def put(self, ex: ShardExec, device: Device, copies: dict[int, torch.Tensor]) -> None:
         with self._lock:
-            self._entries[id(ex)] = (ex, ex.versions(), copies)
+            self._entries[id(ex)] = (ex, ex.versions(device), copies)
 
-    def take(self, ex: ShardExec) -> dict[int, torch.Tensor] | None:
-        """The resident copies of ``ex``'s shard while still exact, else None."""
+    def take(self, ex: ShardExec, device: Device) -> dict[int, torch.Tensor] | None:
+        """The resident copies of ``ex``'s shard on ``device`` while still exact, else None."""
         with self._lock:
             entry = self._entries.get(id(ex))
-        if entry is None or entry[0] is not ex or entry[1] != ex.versions():
+        if entry is None or entry[0] is not ex or entry[1] != ex.versions(device):
             return None
         return dict(entry[2])
 
     def prefetch(self, ex: ShardExec, device: Device) -> int:
         """Copy ``ex``'s shard onto ``device`` unless it is resident already; returns the bytes copied."""
-        if self.take(ex) is not None:
+        if self.take(ex, device) is not None:
             return 0
         with device.copy_scope(), device.copier.deferred():
             copies = ex.copy_in(device)
             device.copier.finish_copies()
-        self.put(ex, copies)
+        self.put(ex, device, copies)
         return sum(t.numel() * t.element_size() for t in copies.values())
 
     def drop(self, ex: ShardExec) -> None:

@@ -8,8 +8,11 @@
 Device copies of the shard's parameters and buffers live in the device's ShardCache (residency.py: made ahead by
 the copy thread, or left by the previous unit) and are used only while the host tensors are unchanged; the host
 model's own tensors are never touched by device code. Parameters shared by several stages get one copy per
-shard. A kept forward (``keep=True``) leaves its graph on the device so its backward needs no recompute; an
-offloading one (``offload=True``) sends its saved activations to host memory until its backward.
+shard. While the task's state is resident on the device (resident.py), the parameters' device tensors are used
+themselves (a unit's leaves are new leaves over their storage) and their gradients stay there, in the store's
+pending gradients; only buffers are copied. A kept forward (``keep=True``) leaves its graph on the device so its
+backward needs no recompute; an offloading one (``offload=True``) sends its saved activations to host memory
+until its backward.
 
 Rules for what a forward changes besides its output, so that each change happens once per forward as in the plain
 loop: buffers changed in place (BatchNorm's statistics) or assigned a new tensor (``self.ema = 0.9 * self.ema +
@@ -24,6 +27,7 @@ autograd being on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -50,8 +54,10 @@ def _is_float(t: object) -> bool:
 class ShardExec:
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
-    def __init__(self, index: int, stages: Sequence[Stage], autocast: torch.dtype | None = None) -> None:
+    def __init__(self, index: int, stages: Sequence[Stage], autocast: torch.dtype | None = None,
+                 home: Any = None) -> None:
         self.index = index
+        self.home = home  # the task's StateHome (resident.py): where its state is; None: always host memory
         self.stages = tuple(stages)
         self.autocast = autocast  # bf16/fp16 mixed precision: forwards (and the loss) run under torch.autocast
         self.names = tuple(s.name for s in stages)
@@ -69,29 +75,42 @@ class ShardExec:
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
 
     # -- copies ---------------------------------------------------------------------------------------------
-    def versions(self) -> tuple[tuple[int, int], ...]:
-        """Identity and version of every host tensor: a device copy made at equal versions is still exact."""
+    def resident(self, device: Device) -> bool:
+        """Whether the shard's parameters, gradients and optimizer state are on ``device`` (resident.py)."""
+        return self.home is not None and self.home.where(self.index) is device
+
+    def moving(self, device: Device) -> dict[int, torch.Tensor]:
+        """What a unit on ``device`` copies in: the parameters and buffers, only the buffers when resident."""
+        return self.buffers if self.resident(device) else self.tensors
+
+    def versions(self, device: Device) -> tuple[tuple[int, int], ...]:
+        """Identity and version of every host tensor a unit on ``device`` copies in: a device copy made at equal
+        versions is still exact."""
         # ``_version`` is torch's in-place counter of a tensor: there is no public accessor
-        return tuple((t.data_ptr(), t._version) for t in self.tensors.values())
+        return tuple((t.data_ptr(), t._version) for t in self.moving(device).values())
 
     def copy_in(self, device: Device) -> dict[int, torch.Tensor]:
-        """Fresh device copies of the shard's parameters and buffers (no autograd flags)."""
-        return {key: device.copier.to_device(t) for key, t in self.tensors.items()}
+        """Fresh device copies of what a unit copies in (``moving``), no autograd flags."""
+        return {key: device.copier.to_device(t, "buffers" if key in self.buffers else "state")
+                for key, t in self.moving(device).items()}
 
     def load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None,
              cache: bool = True) -> dict[int, torch.Tensor]:
         """The shard's state on ``device``: the resident copies when they are still exact, else fresh copies
-        (left resident for the next unit of this shard). With ``grad``, trainable parameters are new leaves
-        over the same storage, so their ``.grad`` starts empty."""
-        resident: ShardCache | None = device.resident if cache and not buffers else None
-        copies = resident.take(self) if resident is not None else None
+        (left resident for the next unit of this shard); a resident shard's parameters are their device tensors
+        themselves. With ``grad``, trainable parameters are new leaves over the same storage, so their ``.grad``
+        starts empty."""
+        cached: ShardCache | None = device.resident if cache and not buffers else None
+        copies = cached.take(self, device) if cached is not None else None
         if copies is None:
             copies = self.copy_in(device)
             if buffers:
                 for key, value in buffers.items():
-                    copies[key] = device.copier.to_device(value)
-            elif resident is not None:
-                resident.put(self, dict(copies))  # ``run`` rebinds buffers a forward assigns in ``copies``
+                    copies[key] = device.copier.to_device(value, "buffers")
+            elif cached is not None:
+                cached.put(self, device, dict(copies))  # ``run`` rebinds buffers a forward assigns in ``copies``
+        if self.resident(device):
+            copies.update({id(p): p.detach() for p in self.params})
         if grad:
             copies = {key: c.detach().requires_grad_(True)
                       if isinstance(self.tensors[key], nn.Parameter) and self.tensors[key].requires_grad else c
@@ -130,7 +149,7 @@ class ShardExec:
 
     def loss(self, device: Device, loss_fn: LossFn | None, out: Any, batch: Any) -> torch.Tensor:
         with self.precision(device):
-            return model_loss(loss_fn, out, self.to_device(device, batch))
+            return model_loss(loss_fn, out, self.to_device(device, batch, "batches"))
 
     def _write_back_buffers(self, copies: dict[int, torch.Tensor], device: Device, store: HostStore,
                             mode: Any, recompute: bool = False) -> None:
@@ -143,7 +162,7 @@ class ShardExec:
         with paused_accounting(mode):
             # Compare values: kernels that update an argument in place (batch_norm's running stats) do not
             # always bump its version counter.
-            back = {k: device.copier.to_host(copies[k]) for k in self.buffers}
+            back = {k: device.copier.to_host(copies[k], what="buffers") for k in self.buffers}
             changed = [k for k, t in back.items() if not torch.equal(t, self.buffers[k])]
             if recompute and changed:
                 store.buffers[self.index] = {k: self.buffers[k].clone() for k in changed}
@@ -165,7 +184,7 @@ class ShardExec:
         finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
             changed = before.changed()
             if changed:
-                before.settle(device.copier.to_host)
+                before.settle(functools.partial(device.copier.to_host, what="buffers"))
                 store.note_state(before)
         if replay and changed:
             lost = before.inplace()
@@ -213,7 +232,7 @@ class ShardExec:
                 return
             with device.unit_scope(rng) as mode, torch.no_grad():
                 copies = self.load(device, grad=False)
-                carry = self.to_device(device, store.carries[self.index])
+                carry = self.to_device(device, store.carries[self.index], self.carry_kind)
                 out = self.run(carry, copies, device)
                 self._write_back_buffers(copies, device, store, mode, recompute=train)
                 with paused_accounting(mode):
@@ -224,6 +243,7 @@ class ShardExec:
     def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG, offload: bool) -> None:
         with device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
+            resident = self.resident(device)
             if device.resident is not None:
                 device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
@@ -236,15 +256,16 @@ class ShardExec:
             with paused_accounting(mode):
                 store.carries[self.index + 1] = tree_map(
                     lambda t: device.copier.to_host(t.detach()) if isinstance(t, torch.Tensor) else t, out)
-            for p in self.params:
-                device.copier.release(copies[id(p)])
+            if not resident:  # a resident shard's parameter bytes are its state: they stay
+                for p in self.params:
+                    device.copier.release(copies[id(p)])
             if offload:
                 # Every activation the backward reads is on the host now: the output and input tensors are only
                 # the graph's ends (shapes and .grad), so their bytes go too.
                 for t in {id(t): t for t in tree_flatten(out)[0] + leaves if isinstance(t, torch.Tensor)
                           and t.untyped_storage().nbytes() > 0}.values():
                     device.copier.release(t)
-        store.kept[self.index] = Kept(out, leaves, copies)
+        store.kept[self.index] = Kept(out, leaves, copies, filled=resident)
 
     def refill(self, device: Device, kept: Kept) -> int:
         """Give a kept forward's released parameter copies their values back (the prefetch of a kept B); returns
@@ -262,10 +283,10 @@ class ShardExec:
         """The last shard in eval: forward and loss, no autograd; returns the loss value."""
         with self._python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
-            carry = self.to_device(device, store.carries[self.index])
+            carry = self.to_device(device, store.carries[self.index], self.carry_kind)
             out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, store, mode)
-            return float(self.loss(device, loss_fn, out, store.batch).item())
+            return device.copier.read(self.loss(device, loss_fn, out, store.batch))
 
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
@@ -282,7 +303,7 @@ class ShardExec:
             scaled.backward()
             self._write_back_buffers(copies, device, store, mode)
             self._grads_out(device, store, copies, leaves, mode)
-            return float(loss.detach().item())
+            return device.copier.read(loss)
 
     def backward(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
         """B: backward through the kept graph, or recompute the forward from the saved input with the saved RNG
@@ -316,22 +337,29 @@ class ShardExec:
 
     def prefetch(self, device: Device, store: HostStore, kind: str) -> int:
         """Prepare this shard on ``device`` ahead of its ``kind`` unit (run by the device's copy thread); returns
-        the bytes copied (0 when it was already resident)."""
+        the bytes copied (0 when it was already resident, or its state is on another device: the segment's start
+        brings it back first, and a copy made now would read the other device's tensors)."""
         kept = store.kept.get(self.index) if kind == "B" else None
         if kept is not None:
             return self.refill(device, kept)
-        if device.resident is not None and not (kind == "B" and self.index in store.buffers):
+        elsewhere = self.home is not None and self.home.where(self.index) not in (None, device)
+        if device.resident is not None and not elsewhere and not (kind == "B" and self.index in store.buffers):
             return device.resident.prefetch(self, device)
         return 0
 
     # -- copies and inputs (also used by profile.py) -----------------------------------------------------
     @staticmethod
-    def to_device(device: Device, tree: Any) -> Any:
-        return tree_map(lambda t: device.copier.to_device(t) if isinstance(t, torch.Tensor) else t, tree)
+    def to_device(device: Device, tree: Any, what: str = "activations") -> Any:
+        return tree_map(lambda t: device.copier.to_device(t, what) if isinstance(t, torch.Tensor) else t, tree)
+
+    @property
+    def carry_kind(self) -> str:
+        """What the input carry is, for the copy counters: the first shard's is the batch."""
+        return "batches" if self.index == 0 else "activations"
 
     def grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, list[Any]]:
         """Device copy of the input carry whose floating tensors are leaves that collect input gradients."""
-        carry = self.to_device(device, host_carry)
+        carry = self.to_device(device, host_carry, self.carry_kind)
         leaves = tree_flatten(carry)[0]
         if self.index > 0:
             for t in leaves:
@@ -341,11 +369,12 @@ class ShardExec:
 
     def _grads_out(self, device: Device, store: HostStore, copies: dict[int, torch.Tensor], leaves: list[Any],
                    mode: Any) -> None:
+        resident = self.resident(device)
         with paused_accounting(mode):
             for p in self.params:
                 g = copies[id(p)].grad
-                if g is not None:
-                    store.add_grad(p, device.copier.to_host(g))
+                if g is not None:  # a resident shard's gradient stays on the device, in the pending gradients
+                    store.add_grad(p, g if resident else device.copier.to_host(g, what="state"))
             if self.index > 0:
                 store.out_grads[self.index - 1] = [
                     device.copier.to_host(t.grad) if _is_float(t) and t.grad is not None else None for t in leaves]

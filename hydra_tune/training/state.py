@@ -4,6 +4,7 @@
     for segment in state.segments(emit=print):                   # the training loop as segments (loop.py)
         for unit in segment.units: unit.run(device)
     state.remaining(), state.held_bytes                          # for the scheduler and host-memory admission
+    state.home.where(i)                                          # where shard i's parameters and optimizer state are
 
 Rules: build in the submitting thread (factory errors raise there); the loop's thread alone touches the tensors
 (``host_bytes()``), other threads read ``held_bytes`` and the progress numbers; checkpoints and snapshots are
@@ -31,6 +32,7 @@ from .checkpoint import AsBuilt, Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
 from .profile import measure_costs
+from .resident import StateHome
 from .segments import Segment
 from .shard import ShardExec
 from .store import HostStore
@@ -49,10 +51,13 @@ class TaskState:
         self.cut, self.plan, self.rng = cut, plan, rng
         self.costs = costs  # the measured stage costs a re-plan after a device out-of-memory starts from
         self.autocast = AUTOCAST_DTYPES[task.precision]
-        self.execs = self._execs(plan)
-        # fp16: dynamic loss scaling by torch's own GradScaler over the host gradients (the optimizer is there)
-        self.scaler = torch.amp.GradScaler("cpu") if task.precision == "fp16" else None
         self.store = HostStore()
+        # where its parameters, gradients and optimizer state are: host memory, or a device (resident.py)
+        self.home = StateHome(task.name, optimizer, self.store, task.grad_accumulation, task.precision == "fp16")
+        self.execs = self._execs(plan)
+        # fp16: dynamic loss scaling by torch's own GradScaler over the gradients, wherever they are (a "cpu"
+        # scaler unscales device gradients too: its scale is copied to each gradient's device)
+        self.scaler = torch.amp.GradScaler("cpu") if task.precision == "fp16" else None
         # Progress, written by the training loop (loop.py) only
         self.steps = 0
         self.epoch = 0
@@ -128,13 +133,17 @@ class TaskState:
         return self._loop.retry(plan)
 
     def reshard(self, plan: Plan) -> None:
-        """Cut the model along ``plan`` from now on (a re-plan); counted in ``replans``."""
+        """Cut the model along ``plan`` from now on (a re-plan); counted in ``replans``. Its state goes back to
+        host memory first (the new shards are different entries)."""
+        self.home.release()
         self.plan = plan
         self.execs = self._execs(plan)
         self.replans += 1
 
     def _execs(self, plan: Plan) -> list[ShardExec]:
-        return [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast) for s in plan.shards]
+        execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast, self.home) for s in plan.shards]
+        self.home.reshard(execs)
+        return execs
 
     # -- checkpoints and snapshots (boundary.py) ------------------------------------------------------------
     def request_checkpoint(self, path: str) -> BoundaryRequest:
@@ -161,7 +170,9 @@ class TaskState:
         self._requests.leave(self)
 
     def finish_requests(self) -> None:
-        """The loop trains no more: waiting checkpoints fail, snapshots (now and later) get the final model."""
+        """The loop trains no more: its state goes back to host memory; waiting checkpoints fail, snapshots (now
+        and later) get the final model."""
+        self.home.release()
         self._requests.finish(self.model, Boundary(None, self.epoch, self.steps, True))
 
     # -- what it holds and what is left --------------------------------------------------------------------
@@ -181,18 +192,20 @@ class TaskState:
         return {"F": batches * (n_sh - 1), "L": batches, "B": batches * (n_sh - 1), "E": evals}
 
     def host_bytes(self) -> int:
-        """Host bytes this task holds: parameters, gradients, buffers, optimizer state, minibatch in flight. Only
-        for the thread that runs the task's host work (or when it is not running): other threads read
-        ``held_bytes``."""
+        """Host bytes this task holds: parameters, gradients, buffers, optimizer state, minibatch in flight (state
+        resident on a device: the host tensors kept for it instead). Only for the thread that runs the task's
+        host work (or when it is not running): other threads read ``held_bytes``."""
         seen: dict[int, int] = {}
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         for st in self.optimizer.state.values():
             tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        on_device = self.home.device_storages()
         for t in tensors:
             s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values()) + self.store.nbytes()
+            if s.data_ptr() not in on_device:
+                seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values()) + self.home.home_bytes() + self.store.nbytes()
 
     def measure_held_bytes(self) -> None:
         """Update ``held_bytes`` from ``host_bytes()``; called by the loop before each optimizer step, in its

@@ -4,12 +4,14 @@
     store.carries[1] = host_carry            # input of shard 1, written by F0, read by F1 and B1
     store.add_grad(param, g); store.flush_grads()   # param.grad gets what autograd would have given it
 
-Parameters, their ``.grad`` and the optimizer state live in the task's own model and optimizer (host memory);
-this store only holds what one minibatch needs while its units run, and what its forwards changed besides
-(buffers, Python state) as it was before them, so that a retried minibatch starts from there.
+Parameters, their ``.grad`` and the optimizer state live in the task's own model and optimizer (in host memory,
+or on a device while the task is resident there: resident.py); this store only holds what one minibatch needs
+while its units run (its gradients too: on the device for a resident shard), and what its forwards changed
+besides (buffers, Python state) as it was before them, so that a retried minibatch starts from there.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +54,10 @@ class HostStore:
             self._pending[key][1].add_(grad)
         else:
             self._pending[key] = (param, grad)
+
+    def move_pending(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every gradient in flight by ``move(grad)`` (the task's state moves between host and device)."""
+        self._pending = {key: (param, move(grad)) for key, (param, grad) in self._pending.items()}
 
     def flush_grads(self) -> None:
         """Accumulate this minibatch's summed contributions into ``.grad``, as AccumulateGrad does."""

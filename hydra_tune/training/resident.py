@@ -1,0 +1,333 @@
+"""A task's state kept on a device: its parameters, their gradients and its optimizer state, stepped there.
+
+    home = StateHome("trial-3", optimizer, store, grad_accumulation=1); home.reshard(execs)  # TaskState.home
+    cache.begin(home, peak=plan.peak)   # state_cache.py, one per device: room made, the task's state moved in
+    with home.stepping() as device: optimizer.step()   # the task's host thread: over device tensors if resident
+    home.where(shard)                   # the device holding that shard's state; None: host memory
+    with home.on_host(): capture(...)   # checkpoints and snapshots read host tensors
+    home.release()                      # written back to host memory, device bytes freed (end, cancel, re-plan)
+
+Mechanism: while a task is resident, the model's own ``nn.Parameter`` objects point at device storage (``p.data``),
+their ``.grad`` is there, and so are the tensors of ``optimizer.state[p]`` (all but the ``step`` counters of an
+optimizer that is neither capturable nor fused: torch keeps those in host memory, as ``load_state_dict`` places
+them). The user's own clipping, optimizer, GradScaler and LR scheduler then run over device tensors, as in the
+user's GPU loop: on CUDA from the task's host thread, on the device's default stream like its units. The host
+tensors the state came from stay as its "home" (page-locked on CUDA): writing back allocates nothing for the
+parameters, and the host footprint admission charged (parameters, gradients, optimizer state) is unchanged.
+
+Rules:
+* All or nothing per task (state_cache.py ``StateCache.begin``): at the start of a segment on a device, every
+  shard's state moves in when the task's predicted state bytes (``state_bytes``: parameters, gradients (twice
+  with grad_accumulation > 1: a minibatch's next to the accumulated ones), optimizer state, and the step's
+  temporaries: one more copy of the trainable parameters) fit next to its plan's peak within the device budget
+  (and the room an out-of-memory re-plan left it), after evicting other tasks' state; otherwise none does, and
+  the task runs as before (state in host memory, copied in per unit, stepped on the host). A task's state lives
+  on one device: a segment on another device first writes it back.
+* Units of a resident shard use the state itself: the parameter's device tensor is the unit's leaf (a new leaf
+  over the same storage), and the gradients go into the minibatch's pending gradients on the device; the task's
+  host thread adds them into ``.grad`` after the segment (HostStore.flush_grads), so a failed attempt (out of
+  memory) adds nothing, as before. Buffers are no part of an entry: they keep the copy-in / write-back path (a
+  retried or recomputed unit needs their values from before the minibatch); unchanged ones stay in the device's
+  ShardCache.
+* Eviction (state_cache.py) writes a task's state back to host memory (``release``) while holding its lock, so
+  it never overlaps the task's host thread's flush, step or checkpoint; pending gradients move with it.
+* Seam for a per-shard step: ``where(shard)`` says where shard i's state is; ``stepping()`` steps the whole task
+  where its state is (on the device only when every shard is there).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from ..device.counts import CopyCounts
+from ..device.devices import Device
+
+if TYPE_CHECKING:
+    from .shard import ShardExec
+    from .state_cache import StateCache
+    from .store import HostStore
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _moves_in(group: dict[str, Any] | None, key: str) -> bool:
+    """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
+    that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
+    return key != "step" or bool(group and (group.get("capturable") or group.get("fused")))
+
+
+@dataclass
+class _Slot:
+    """One parameter held on a device, and the host tensors its values go back into."""
+
+    param: nn.Parameter
+    home: torch.Tensor                                   # the host tensor ``param.data`` was
+    state_homes: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer state key -> host tensor
+
+
+class StateHome:
+    """Where one task's parameters, gradients and optimizer state are, and the moves between host and a device
+    (see the module docstring). ``lock`` is held by the task's host thread around its flush, step and
+    checkpoints, and by whoever moves the state."""
+
+    def __init__(self, name: str, optimizer: torch.optim.Optimizer, store: HostStore,
+                 grad_accumulation: int = 1, scaled: bool = False) -> None:
+        self.name, self.optimizer, self.store = name, optimizer, store
+        self.scaled = scaled  # fp16: a GradScaler (host memory) unscales and steps its gradients
+        self.lock = threading.RLock()
+        self.counts = CopyCounts()          # this task's copies and waits, on every device
+        self.cache: StateCache | None = None   # the device cache holding its entries; None: host memory
+        self.enabled = True
+        self.why = "its state is in host memory until its first segment runs"
+        self.room: int | None = None        # device bytes an out-of-memory re-plan left it (units and state)
+        self.state_bytes = 0                # predicted device bytes of its state, every shard resident
+        self.device_bytes = 0               # measured bytes of its state on the device (last move or step)
+        self.steps_on_device = 0
+        self.steps_on_host = 0
+        self.evictions = 0
+        self._state_at_first_step: int | None = None
+        self._state_since_first_step: int | None = None  # state bytes moved from its first step to its last
+        self._grad_accumulation = grad_accumulation
+        self._optimizer_bytes: int | None = None
+        self._shards: list[list[nn.Parameter]] = []
+        self._slots: dict[int, list[_Slot]] = {}
+        self._groups: dict[int, dict[str, Any]] = {}
+
+    # -- the task's shards and their predicted bytes ---------------------------------------------------------
+    def reshard(self, execs: Sequence[ShardExec]) -> None:
+        """The task's shards from now on; its state must be in host memory (``release`` first). A parameter
+        shared by several shards belongs to the first."""
+        if self.cache is not None:
+            raise RuntimeError(f"task {self.name!r} re-cut while its state is on {self.cache.device.name}")
+        seen: set[int] = set()
+        self._shards = []
+        for ex in execs:
+            own = [p for p in ex.params if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            self._shards.append(own)
+        self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        self._predict()
+
+    def set_optimizer_bytes(self, nbytes: int) -> None:
+        """The optimizer state's bytes as measured for host admission (training/footprint.py)."""
+        self._optimizer_bytes = nbytes
+        self._predict()
+
+    def _predict(self) -> None:
+        params = [p for shard in self._shards for p in shard]
+        trainable = sum(_nbytes(p) for p in params if p.requires_grad and id(p) in self._groups)
+        grads = sum(_nbytes(p) for p in params if p.requires_grad) * (2 if self._grad_accumulation > 1 else 1)
+        optimizer = self._optimizer_bytes if self._optimizer_bytes is not None else 2 * trainable
+        self.state_bytes = sum(_nbytes(p) for p in params) + grads + optimizer + trainable
+
+    def disable(self, why: str) -> None:
+        """Keep this task's state in host memory (``why`` goes into its stats)."""
+        self.enabled, self.why = False, why
+
+    # -- where it is -----------------------------------------------------------------------------------------
+    def where(self, shard: int) -> Device | None:
+        """The device holding shard ``shard``'s parameters, gradients and optimizer state; None: host memory."""
+        cache = self.cache
+        return cache.device if cache is not None and shard in self._slots else None
+
+    def step_device(self) -> Device | None:
+        """The device the whole optimizer step runs on: the one holding every shard's state, else None (host)."""
+        cache = self.cache
+        if cache is None or len(self._slots) < len(self._shards):
+            return None
+        return cache.device
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The task's host thread changes its state inside (flush of gradients): no move meanwhile."""
+        with self.lock:
+            yield
+            self._hold()
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[Device | None]:
+        """Around the task's optimizer step (clipping, step, scheduler, zero_grad), in its host thread: no move
+        meanwhile; yields the device its state is on (None: host memory) and counts the step there."""
+        with self.lock:
+            device = self.step_device()
+            with device.step_scope() if device is not None else contextlib.nullcontext():
+                yield device
+            if device is not None:
+                self.steps_on_device += 1
+                self._hold()
+            else:
+                self.steps_on_host += 1
+            if self._state_at_first_step is None:
+                self._state_at_first_step = self.counts.state_bytes()
+            self._state_since_first_step = self.counts.state_bytes() - self._state_at_first_step
+
+    def _hold(self) -> None:
+        """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
+        cache = self.cache
+        if cache is None:
+            return
+        tensors = [t for slots in self._slots.values() for s in slots for t in self._device_tensors(s)]
+        cache.device.hold(tensors)
+        self.device_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+
+    def _device_tensors(self, slot: _Slot) -> list[torch.Tensor]:
+        p = slot.param
+        out = [p.data] + ([p.grad] if p.grad is not None else [])
+        return out + [v for _, v in self._moved_state(p, back=True)]
+
+    def _moved_state(self, p: nn.Parameter, back: bool) -> list[tuple[str, torch.Tensor]]:
+        """``p``'s optimizer state tensors that move with it (``back``: going home, also any it made off the
+        host, e.g. a counter an optimizer makes on the parameter's device)."""
+        if p not in self.optimizer.state:  # the state is a defaultdict: a lookup would add an entry
+            return []
+        group = self._groups.get(id(p))
+        return [(k, v) for k, v in self.optimizer.state[p].items() if isinstance(v, torch.Tensor)
+                and (_moves_in(group, k) or (back and v.device.type != "cpu"))]
+
+    # -- moves -----------------------------------------------------------------------------------------------
+    def move_in(self, cache: StateCache) -> None:
+        """Copy every shard's state onto ``cache``'s device and point the model and optimizer at it. Raises
+        (out of memory) with everything back in host memory."""
+        device = cache.device
+        with self.lock, device.copier.charged_to(self.counts):
+            moved: list[tuple[_Slot, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = []
+            with device.copy_scope():  # CPU devices: the copies count as the device's memory
+                for shard in self._shards:
+                    for p in shard:
+                        state = self._moved_state(p, back=False)
+                        moved.append((_Slot(p, p.data, dict(state)), device.copier.to_device(p.data, "state"),
+                                      None if p.grad is None else device.copier.to_device(p.grad, "state"),
+                                      {k: device.copier.to_device(v, "state") for k, v in state}))
+                self.store.move_pending(lambda g: device.copier.to_device(g, "state"))
+            # Nothing points at the copies before all of them exist: an out-of-memory above leaves the host state
+            for slot, data, grad, state in moved:
+                self._point(slot.param, data, grad, state)
+            cut = iter(moved)
+            self._slots = {i: [next(cut)[0] for _ in shard] for i, shard in enumerate(self._shards)}
+            self.cache = cache
+            cache.add(self)
+            self._hold()
+
+    def release(self, why: str | None = None, wait: float | None = None) -> int:
+        """Write the state back into host memory and free its device bytes (the task ends, is re-planned or is
+        evicted: ``why``); returns the bytes written back (0: it was in host memory). ``wait``: at most that many
+        seconds for the task's host thread to leave its lock (its step), else nothing is done and -1 returned."""
+        if not self.lock.acquire(timeout=-1 if wait is None else wait):
+            return -1
+        try:
+            return self._release(why)
+        finally:
+            self.lock.release()
+
+    def _release(self, why: str | None) -> int:
+        """(the lock held)"""
+        cache = self.cache
+        if cache is None:
+            return 0
+        copier = cache.device.copier
+        assign: list[Callable[[], None]] = []
+        written = 0
+        with copier.charged_to(self.counts):
+            for slots in self._slots.values():
+                for slot in slots:
+                    written += self._write_back(slot, copier, assign)
+            self.store.move_pending(lambda g: self._copy_home(copier, g))
+            copier.wait_written()
+        for step in assign:  # after the wait: the host tensors hold their values
+            step()
+        self._slots = {}
+        self.cache = None
+        self.device_bytes = 0
+        if why is not None:
+            self.why = why
+        cache.remove(self)
+        return written
+
+    @staticmethod
+    def _copy_home(copier: Any, t: torch.Tensor, home: torch.Tensor | None = None) -> torch.Tensor:
+        if home is None or home.shape != t.shape or home.dtype != t.dtype:
+            home = copier.host_like(t)
+        copier.write_back(home, t)
+        return home
+
+    def _write_back(self, slot: _Slot, copier: Any, assign: list[Callable[[], None]]) -> int:
+        """Issue the copies of one parameter's state into host tensors; ``assign`` gets what points the model
+        and optimizer at them once the copies are done."""
+        p = slot.param
+        copier.write_back(slot.home, p.data)
+        grad = None if p.grad is None else self._copy_home(copier, p.grad)
+        state = {k: self._copy_home(copier, v, slot.state_homes.get(k)) for k, v in self._moved_state(p, back=True)}
+        slot.state_homes.update(state)
+
+        assign.append(lambda: self._point(p, slot.home, grad, state))
+        return _nbytes(p) + (0 if grad is None else _nbytes(grad)) + sum(_nbytes(v) for v in state.values())
+
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        """Inside, the model's parameters and the optimizer's state are host tensors holding the current values
+        (a checkpoint or snapshot reads them); the state stays resident and is pointed at again afterwards.
+        Gradients stay where they are (no checkpoint holds them)."""
+        with self.lock:
+            cache = self.cache
+            if cache is None:
+                yield
+                return
+            copier = cache.device.copier
+            swaps: list[tuple[_Slot, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = []
+            with copier.charged_to(self.counts):
+                for slots in self._slots.values():
+                    for slot in slots:
+                        p = slot.param
+                        copier.write_back(slot.home, p.data)
+                        state = dict(self._moved_state(p, back=True))
+                        slot.state_homes.update({k: self._copy_home(copier, v, slot.state_homes.get(k))
+                                                 for k, v in state.items()})
+                        swaps.append((slot, p.data, p.grad, state))
+                copier.wait_written()
+            try:
+                for slot, _, _, state in swaps:
+                    self._point(slot.param, slot.home, None, {k: slot.state_homes[k] for k in state})
+                yield
+            finally:
+                for slot, data, grad, state in swaps:
+                    self._point(slot.param, data, grad, state)
+
+    def _point(self, p: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None,
+               state: dict[str, torch.Tensor]) -> None:
+        """Make ``p`` (the model's own Parameter) and its optimizer state refer to these tensors."""
+        p.grad = None  # (CUDA: a gradient must be on its parameter's device when assigned)
+        p.data = data
+        p.grad = grad
+        if state:
+            self.optimizer.state[p].update(state)
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def device_storages(self) -> set[int]:
+        """Data pointers of the storages its state has on a device (none in host memory)."""
+        with self.lock:
+            return {t.untyped_storage().data_ptr() for slots in self._slots.values() for s in slots
+                    for t in self._device_tensors(s)}
+
+    def home_bytes(self) -> int:
+        """Host bytes kept for its state while it is on a device (the tensors it goes back into)."""
+        with self.lock:
+            return sum(t.untyped_storage().nbytes() for slots in self._slots.values() for s in slots
+                       for t in [s.home, *s.state_homes.values()])
+
+    def stats(self) -> dict[str, Any]:
+        """What ``Runtime.stats()`` reports for the task (plain reads: any thread)."""
+        cache = self.cache
+        copies, steps = self.counts.snapshot(), self.steps_on_device + self.steps_on_host
+        return {"state_on": None if cache is None else cache.device.name, "state_bytes": self.state_bytes,
+                "device_bytes": self.device_bytes, "steps_on_device": self.steps_on_device,
+                "steps_on_host": self.steps_on_host, "evictions": self.evictions, "why": self.why,
+                "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
+                "state_bytes_after_first_step": self._state_since_first_step}
