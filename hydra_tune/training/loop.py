@@ -356,7 +356,6 @@ class TrainingLoop:
                 self._update()
             if self._step_draws is None:
                 self._step_draws = bool(mode.seeded)
-        state.steps += 1
 
     def _update(self) -> None:
         state = self.state
