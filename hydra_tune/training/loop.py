@@ -5,15 +5,16 @@
         for unit in segment.units: unit.run(device)
 
 The chain does the host-side work between segments in the plain loop's order: fetch a batch (in the task's RNG
-stream; a data factory is called at the start of each pass over the data), hand out its segment, add the
-minibatch's gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and
-zero the gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step
-that only starts drawing later draws from torch's global generator); after each epoch it evaluates, steps a
-metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step
-boundary and epoch end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the model is unchanged until then); when
-it trains no more, snapshots get the final model (boundary.py). A resumed task repeats its epoch's data order
-from the checkpointed epoch-start RNG state and steps over the batches already trained on; one resumed from the end
-of its last epoch trains nothing: it emits that epoch's metrics again (the checkpoint holds them) and ends.
+stream; a data factory is called at the start of each pass over the data), hand out its segment, add the minibatch's
+gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and zero the
+gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step that only
+starts drawing later draws from torch's global generator); after each epoch it evaluates, steps a metric-driven
+scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step boundary and epoch
+end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the model
+is unchanged until then); when it trains no more, snapshots get the final model (boundary.py). A resumed task
+repeats its epoch's data order from the checkpointed epoch-start RNG state and steps over the batches already
+trained on; one resumed from the end of its last epoch trains nothing: it emits that epoch's metrics again (the
+checkpoint holds them) and ends.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
