@@ -56,13 +56,6 @@ def ok_fn(config: dict) -> None:
         tune.report(metrics)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_trial_error_keeps_the_tasks_own_type(local_ray, tmp_path):
     ex = ht.HydraExecutor(devices=["cpu"])
     results = tune.Tuner(ex.wrap(failing_fn), param_space={"kind": tune.grid_search(["nonfinite", "user", "lock"])},
