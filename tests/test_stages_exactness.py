@@ -84,7 +84,8 @@ class Once(TwoLayer):
     (TwoLayer, lambda m: [m.fc1, m.fc2], "between stage 0 (0:Linear) and stage 1 (1:Linear)"),
     (Framed, lambda m: [m.fc1, m.fc2], "between the batch and stage 0 (0:Linear)"),
     (Framed, lambda m: [nn.Sequential(nn.Identity()), m.fc1, m.fc2], "between stage 0 (0:Sequential) and stage 1"),
-    (Called, lambda m: [m.fc1, m.scale, m.fc2], "stage 1 (1:Scaled) gets 1 input, forward calls it with 2 args, 0 kwargs"),
+    (Called, lambda m: [m.fc1, m.scale, m.fc2],
+     "stage 1 (1:Scaled) gets 1 input, forward calls it with 2 args, 0 kwargs"),
     (Once, lambda m: [m.fc1, m.mid, m.mid, m.fc2], "between stage 2 (2:Linear) and stage 3 (3:Linear)"),
     (lambda: Twice(), lambda m: [m.inp, m.block, m.drop, m.out], "between stage 2 (2:Dropout) and stage 3 (3:Linear)"),
 ])
