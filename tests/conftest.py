@@ -53,3 +53,41 @@ def _quiet_transformers():
     except ImportError:
         return
     logging.set_verbosity_error()
+
+
+# -- one local Ray for every test that asks for it ------------------------------------------------------------
+# Starting a local Ray costs 5-14 s on 2 busy cores: the Ray tests of all modules share one, run one after another
+# (the collection hook below groups them), and it is shut down as soon as the last of them ends.
+_LAST_RAY_TEST = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)   # after -k/-m deselection: the last Ray test is one that runs
+def pytest_collection_modifyitems(config, items):
+    ray_tests = [item for item in items if "local_ray" in getattr(item, "fixturenames", ())]
+    if not ray_tests:
+        return
+    grouped = {id(item) for item in ray_tests}
+    first = next(i for i, item in enumerate(items) if id(item) in grouped)
+    rest = [item for item in items if id(item) not in grouped]
+    items[:] = rest[:first] + ray_tests + rest[first:]
+    config.stash[_LAST_RAY_TEST] = ray_tests[-1].nodeid
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    ray = pytest.importorskip("ray")
+    yield ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(_ray_session, request):
+    """A local Ray with 2 CPUs, started by the first test that needs it and shared by the next ones; started again
+    after a test that ran a cluster of its own (it shuts the shared one down first)."""
+    ray = _ray_session
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if request.node.nodeid == request.config.stash.get(_LAST_RAY_TEST, None):
+        ray.shutdown()

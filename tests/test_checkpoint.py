@@ -53,42 +53,44 @@ def test_resumed_task_ends_bit_identical(tmp_path):
             (m["epoch"], m["train_loss"], m["steps"]) for m in later]
 
 
+def _fp16_task(**kw) -> ht.ModelTask:
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 2, generator=g))
+    return ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 2)),
+                        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                        DataLoader(ds, batch_size=8, shuffle=True), epochs=3, seed=4, precision="fp16",
+                        loss=lambda out, b: F.mse_loss(out.float(), b[1]), name="child", **kw)
+
+
 _CHILD = """
-import sys, torch, torch.nn as nn, torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+import sys, torch
+torch.set_num_threads(1)   # as the test session runs (conftest)
+from test_checkpoint import _fp16_task
 import hydra_tune as ht
-g = torch.Generator().manual_seed(0)
-ds = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 2, generator=g))
-task = ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.2), nn.ReLU(), nn.Linear(32, 2)),
-                    lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                    DataLoader(ds, batch_size=8, shuffle=True), epochs=3, seed=4, precision="fp16",
-                    loss=lambda out, b: F.mse_loss(out.float(), b[1]), name="child",
-                    resume_from=sys.argv[2] if sys.argv[1] == "resume" else None)
 with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-    h = rt.submit(task)
-    if sys.argv[1] == "checkpoint":
-        h.checkpoint(sys.argv[2], timeout=60)
-        h.cancel()
-    else:
-        h.result()
-        torch.save(h.model().state_dict(), sys.argv[3])
+    h = rt.submit(_fp16_task(resume_from=sys.argv[1]))
+    h.result()
+    torch.save(h.model().state_dict(), sys.argv[2])
 """
 
 
 def test_resume_in_a_new_process(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD)
-
-    def run(*args: str) -> None:
-        subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-
-    ckpt, whole, resumed = tmp_path / "c.pt", tmp_path / "whole.pt", tmp_path / "resumed.pt"
-    run("whole", "-", str(whole))
-    run("checkpoint", str(ckpt))
-    run("resume", str(ckpt), str(resumed))
-    a, b = torch.load(whole), torch.load(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    """Trained whole, and checkpointed then cancelled, in this process (each in a runtime of its own); resumed by a
+    new process, it ends with the whole run's weights. One child process: an interpreter and `import torch` cost
+    seconds on 2 busy cores, and only the resume needs to be elsewhere."""
+    ckpt, resumed = tmp_path / "c.pt", tmp_path / "resumed.pt"
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        whole = trained(rt.submit(_fp16_task()))
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h = rt.submit(_fp16_task())
+        h.checkpoint(ckpt, timeout=60)
+        h.cancel()
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(ckpt), str(resumed)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = whole.state_dict(), torch.load(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert oct(os.stat(ckpt).st_mode & 0o777) == "0o600"  # private file
 
 

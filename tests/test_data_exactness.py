@@ -1,11 +1,9 @@
 """Data loading is the plain loop's: DataLoader workers, loaders with their own generator, samplers, random
-augmentation and collate functions, data factories called once per epoch; the sample batch at submit touches none
-of the user's data (CPU fp32: max abs parameter difference 0.0)."""
+augmentation and collate functions; the sample batch at submit touches none of the user's data (CPU fp32: max abs
+parameter difference 0.0). Data factories: test_data_factories.py; resumed data order: test_data_resume.py."""
 from __future__ import annotations
 
-import itertools
 import random
-import threading
 
 import numpy as np
 import pytest
@@ -75,6 +73,53 @@ def _diff(make_task) -> float:
     """Max parameter difference between the plain loop and hydra_tune, each on a task made fresh."""
     plain, _ = plain_train(make_task())
     return max_param_diff(plain, _hydra(make_task()))
+
+
+def _plain_with_eval(task: ht.ModelTask) -> nn.Module:
+    """The plain loop with an evaluation after every epoch; a data factory is called at each pass."""
+    def each(data):
+        return data() if callable(data) and not hasattr(data, "__iter__") else data
+
+    torch.manual_seed(task.seed)
+    model = task.model()
+    opt = task.optimizer(model)
+    for _ in range(task.epochs):
+        for batch in each(task.train_data):
+            task.loss(model(batch[0]), batch).backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            for batch in each(task.eval_data):
+                task.loss(model(batch[0]), batch)
+        model.train()
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _persistent_workers_end_with_their_test(monkeypatch):
+    """Every DataLoader iterator with persistent workers made during a test is shut down when the test ends.
+
+    Why: a task's loader clone ends in a reference cycle, so its iterator is freed by the garbage collector, in
+    whichever later test it happens to run: the collector first runs the index queues' finalizers (their feeder
+    threads stop), then the iterator's ``__del__`` asks its workers to exit through those queues, which no longer
+    deliver, and PyTorch kills each worker after a 5 s join timeout (10-15 s lost per test). Shut down here, while
+    the queues work, the workers exit at once. The training under test is over by then: nothing it checks changes.
+    """
+    from torch.utils.data import dataloader
+
+    made = []
+    init = dataloader._MultiProcessingDataLoaderIter.__init__
+
+    def recording(self, loader):
+        init(self, loader)
+        if self._persistent_workers:
+            made.append(self)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "__init__", recording)
+    yield
+    for it in made:
+        it._shutdown_workers()
 
 
 # -- DataLoader workers (case 1) ------------------------------------------------------------------------------
@@ -227,72 +272,6 @@ def test_footprint_estimate_leaves_the_loader_untouched():
     assert torch.equal(g.get_state(), before)
 
 
-# -- data factories, called once per epoch (case 3) -----------------------------------------------------------
-def _plain_with_eval(task: ht.ModelTask) -> nn.Module:
-    """The plain loop with an evaluation after every epoch; a data factory is called at each pass."""
-    def each(data):
-        return data() if callable(data) and not hasattr(data, "__iter__") else data
-
-    torch.manual_seed(task.seed)
-    model = task.model()
-    opt = task.optimizer(model)
-    for _ in range(task.epochs):
-        for batch in each(task.train_data):
-            task.loss(model(batch[0]), batch).backward()
-            opt.step()
-            opt.zero_grad()
-        model.eval()
-        with torch.no_grad():
-            for batch in each(task.eval_data):
-                task.loss(model(batch[0]), batch)
-        model.train()
-    return model
-
-
-def _shuffled_stream(dataset: Dataset, cap: int):
-    """A transformed, capped stream: a fresh random order each call (torch.randperm, the task's stream)."""
-    for i in torch.randperm(len(dataset))[:cap].tolist():
-        x, y = dataset[i]
-        yield x.unsqueeze(0), y.unsqueeze(0)
-
-
-@pytest.mark.parametrize("kind", ["generator", "loader"])
-def test_data_factories_are_called_once_per_epoch_like_plain(kind):
-    ds = _Points()
-    if kind == "generator":
-        train, held_out = (lambda: _shuffled_stream(ds, 10)), (lambda: _shuffled_stream(ds, 3))
-    else:
-        train = lambda: DataLoader(ds, batch_size=4, shuffle=True)  # noqa: E731
-        held_out = lambda: DataLoader(ds, batch_size=8, shuffle=True)  # noqa: E731
-    calls = []
-
-    def counted():
-        calls.append(threading.current_thread() is threading.main_thread())
-        return train()
-
-    plain = _plain_with_eval(_task(train, epochs=3, eval_data=held_out))
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
-        got = trained(rt.submit(_task(counted, epochs=3, eval_data=held_out)))
-    assert max_param_diff(plain, got) == 0.0
-    assert calls.count(False) == 3 and calls.count(True) >= 1  # once per epoch; at submit for the sample batch
-
-
-def test_factory_handing_out_slices_of_one_shared_iterator_is_refused():
-    ds = _Points()
-    shared = iter([(ds.x[i:i + 4], ds.y[i:i + 4]) for i in range(0, N, 4)] * 10)
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt, \
-            pytest.raises(ValueError, match=r"the `train_data` factory returns a fresh iterable on every call .* "
-                                            r"but got \(task='shared', data='train_data', returned='islice'\)"):
-        rt.submit(_task(lambda: itertools.islice(shared, 3), name="shared"))
-
-
-def test_factory_returning_something_not_iterable_is_refused():
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt, \
-            pytest.raises(TypeError, match=r"the `train_data` factory returns an iterable must hold, but got "
-                                           r"\(task='int', returned='int'\)"):
-        rt.submit(_task(lambda: 3, name="int"))
-
-
 # -- other random consumers in data loading (part 2) ----------------------------------------------------------
 def _collate_with_randperm(items):
     """A collate_fn that shuffles inside the batch with torch.randperm (the task's stream)."""
@@ -350,95 +329,3 @@ def test_global_python_or_numpy_random_in_this_process_is_refused(aug):
                                             rf"`{module}` in this process .* but got \(task='g', data='train_data', "
                                             rf"module='{module}'\)\. Fix: draw with torch"):
         rt.submit(_task(DataLoader(_Points(aug), batch_size=4), name="g"))
-
-
-# -- checkpoints repeat the data order (part 2) ---------------------------------------------------------------
-_ASK: dict = {}  # the running handle, where to write, when, and the request made (module-level: samplers copy)
-
-
-class _AskingSampler(RandomSampler):
-    """A RandomSampler that, when the training thread starts a pass over it at the chosen point, asks the running
-    task for a checkpoint (served at its next step boundary): at epoch 2's start ("train"), or at epoch 1's
-    evaluation ("eval": the epoch boundary)."""
-
-    def __init__(self, n: int, role: str, generator: torch.Generator | None = None) -> None:
-        super().__init__(range(n), generator=generator)
-        self.role = role
-
-    def __iter__(self):
-        if threading.current_thread() is not threading.main_thread() and "request" not in _ASK:
-            _ASK["ready"].wait(30)
-            state = _ASK["handle"]._state
-            if self.role == _ASK["when"] and state.epoch == {"train": 2, "eval": 1}[self.role]:
-                _ASK["request"] = state.request_checkpoint(_ASK["path"])
-        return super().__iter__()
-
-
-def _asking_loader(g: torch.Generator | None, **kw) -> DataLoader:
-    return DataLoader(_Points(), batch_size=4, sampler=_AskingSampler(N, "train", g), generator=g, **kw)
-
-
-RESUMED = {
-    "shuffle": lambda: _asking_loader(None),
-    "workers": lambda: _asking_loader(None, num_workers=2),
-    "sampler-generator": lambda: DataLoader(_Points(), batch_size=4,
-                                            sampler=_AskingSampler(N, "train", torch.Generator().manual_seed(4))),
-    "loader-generator": lambda: _asking_loader(torch.Generator().manual_seed(4)),
-    "factory-generator": lambda: (lambda g: lambda: _asking_loader(g))(torch.Generator().manual_seed(4)),
-}
-
-
-def _checkpointed(make_data, when: str, path) -> tuple[nn.Module, dict]:
-    """Train a 3-epoch task from ``make_data()``, checkpointed at ``when``; (its final model, the position)."""
-    from hydra_tune.training import checkpoint
-
-    held_out = DataLoader(_Points(None), batch_size=8, sampler=_AskingSampler(N, "eval"))
-    _ASK.clear()
-    _ASK.update(ready=threading.Event(), path=str(path), when=when)
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
-        handle = rt.submit(_task(make_data(), epochs=3, eval_data=held_out))
-        _ASK["handle"] = handle
-        _ASK["ready"].set()
-        full = trained(handle)
-    _ASK["request"].wait(30)
-    return full, checkpoint.load(path)["position"]
-
-
-@pytest.mark.parametrize("when", ["train", "eval"])
-@pytest.mark.parametrize("name", sorted(RESUMED))
-def test_resumed_in_epoch_two_repeats_the_data_order(name, when, tmp_path):
-    """The loader's own generators' states at the epoch's start are in the checkpoint. A request is served at the
-    boundary the task stands at, if it has not handed out its next minibatch yet: asked while epoch 1's evaluation
-    starts, that is epoch 1's last step (1, 6); asked while epoch 2's data starts, the epoch boundary (2, 0) — but a
-    data factory's next epoch has no data yet at an epoch boundary, so its checkpoint waits for the next step."""
-    make = RESUMED[name]
-    full, position = _checkpointed(make, when, tmp_path / "c.pt")
-    factory = name.startswith("factory")
-    expected = (1, 6) if when == "eval" else (2, 1) if factory else (2, 0)
-    assert (position["epoch"], position["batch_in_epoch"]) == expected
-    def held_out():
-        return DataLoader(_Points(None), batch_size=8, sampler=_AskingSampler(N, "eval"))
-
-    resumed = _hydra(_task(make(), epochs=3, eval_data=held_out(), resume_from=str(tmp_path / "c.pt")))
-    assert max_param_diff(full, resumed) == 0.0
-    assert max_param_diff(_plain_with_eval(_task(make(), epochs=3, eval_data=held_out())), full) == 0.0
-
-
-def test_resume_after_epoch_one_with_persistent_workers_is_refused(tmp_path):
-    _checkpointed(lambda: _asking_loader(None), "train", tmp_path / "c.pt")
-    task = _task(_asking_loader(None, num_workers=1, persistent_workers=True), epochs=3, name="persist",
-                 resume_from=str(tmp_path / "c.pt"))
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt, \
-            pytest.raises(ValueError, match=r"a task resumed after its first epoch has no DataLoader with persistent "
-                                            r"workers .* but got \(task='persist', data='train_data', epoch=2\)"):
-        rt.submit(task)
-
-
-def test_resume_with_other_data_generators_is_refused(tmp_path):
-    _checkpointed(lambda: _asking_loader(None), "train", tmp_path / "c.pt")
-    task = _task(_asking_loader(torch.Generator().manual_seed(4)), epochs=3, name="gens",
-                 resume_from=str(tmp_path / "c.pt"))
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt, \
-            pytest.raises(ValueError, match=r"the resumed task's train data has as many generators of its own as the "
-                                            r"checkpointed task's .* but got \(task='gens', checkpoint=0, data=1\)"):
-        rt.submit(task)

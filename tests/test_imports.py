@@ -6,30 +6,45 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("ray", "optuna", "transformers", "pynvml", "matplotlib")
 
-
-def test_import_pulls_no_optional_dependency():
-    code = ("import sys, hydra_tune; hydra_tune.ModelTask; hydra_tune.Runtime; hydra_tune.train; "
-            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"imported eagerly: {out.stdout.strip()}"
-
-
-def test_runtime_on_cpu_imports_no_optional_dependency():
-    code = ("import sys, torch, hydra_tune as ht\n"
-            "t = ht.ModelTask(torch.nn.Sequential(torch.nn.Linear(2, 2)), lambda m: torch.optim.SGD(m.parameters(),"
-            " lr=0.1), [(torch.ones(1, 2), torch.ones(1, 2))], loss=lambda o, b: o.sum())\n"
-            "with ht.Runtime(devices=['cpu']) as rt: rt.submit(t).result()\n"
-            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+_FRESH = (
+    "import sys, hydra_tune; hydra_tune.ModelTask; hydra_tune.Runtime; hydra_tune.train\n"
+    f"print('IMPORT=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    "import torch, hydra_tune as ht\n"
+    "t = ht.ModelTask(torch.nn.Sequential(torch.nn.Linear(2, 2)), lambda m: torch.optim.SGD(m.parameters(),"
+    " lr=0.1), [(torch.ones(1, 2), torch.ones(1, 2))], loss=lambda o, b: o.sum())\n"
+    "with ht.Runtime(devices=['cpu']) as rt: rt.submit(t).result()\n"
+    f"print('RUNTIME=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    "import hydra_tune.integrations as i; print('INTEGRATIONS=' + i.__name__)\n")
 
 
-def test_integrations_subpackage_is_installed():
-    out = subprocess.run([sys.executable, "-c", "import hydra_tune.integrations as i; print(i.__name__)"],
-                         capture_output=True, text=True, check=True, cwd="/")
-    assert out.stdout.strip() == "hydra_tune.integrations"
+@pytest.fixture(scope="module")
+def fresh() -> dict:
+    """What one fresh interpreter saw, step by step: the heavy modules loaded after `import hydra_tune`, then after
+    a task ran on a CPU runtime, then the name `import hydra_tune.integrations` gives. Its working directory is
+    "/": the installed package is imported, not this checkout's folder. One interpreter for the three tests: each
+    step only adds imports, so each sees what a fresh interpreter doing only its step would (an interpreter and
+    `import torch` cost seconds on 2 busy cores)."""
+    out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, cwd="/")
+    seen = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    return dict(seen, stderr=out.stderr[-3000:])   # a step that failed: its key is missing, its error here
+
+
+def test_import_pulls_no_optional_dependency(fresh):
+    assert "IMPORT" in fresh, fresh["stderr"]
+    assert fresh["IMPORT"] == "", f"imported eagerly: {fresh['IMPORT']}"
+
+
+def test_runtime_on_cpu_imports_no_optional_dependency(fresh):
+    assert "RUNTIME" in fresh, fresh["stderr"]
+    assert fresh["RUNTIME"] == ""
+
+
+def test_integrations_subpackage_is_installed(fresh):
+    assert fresh.get("INTEGRATIONS") == "hydra_tune.integrations", fresh["stderr"]
 
 
 # ----------------------------------------------------------------------------------------------- layer rules

@@ -65,11 +65,34 @@ def ckpt_fn(config: dict) -> None:
     torch.save(ht.current_handle().model().state_dict(), config["out"])
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+# First in the file: it runs a cluster of its own (shutting down any local Ray), so it comes before the tests
+# that share conftest's local Ray rather than stopping it between them.
+def test_multi_node_trials_train_on_their_own_node():
+    from ray.cluster_utils import Cluster
+
     ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        ex = ht.HydraExecutor(devices=["cpu"], proxy_cpus=1, report_proxy_modules=True)
+        results = tune.Tuner(ex.wrap(asha_fn), param_space={"lr": tune.grid_search([1e-2, 1e-3, 1e-4]),
+                                                            "epochs": 2, "nb": 8},
+                             tune_config=tune.TuneConfig(max_concurrent_trials=3),
+                             run_config=tune.RunConfig(callbacks=[ex], verbose=0,
+                                                       storage_path=tempfile.mkdtemp())).fit()
+        assert results.num_errors == 0, [r.error for r in results]
+        used = {r.metrics["runtime_node"] for r in results}
+        assert {w.node_id for w in workers} <= used, used
+        for r in results:   # the trial's proxy and the runtime that trained it share a node
+            assert r.metrics["runtime_node"] == r.metrics["proxy_node"]
+            stats = ex.final_stats[r.metrics["runtime_node"]]
+            assert stats["tasks"][r.metrics["trial_id"]]["state"] == "done"
+        assert len(ex.final_stats) == 3
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def _direct(config: dict) -> tuple[list[dict], dict]:
@@ -103,7 +126,8 @@ def test_asha_drop_in_cancels_stopped_trials_and_matches_direct_runs(local_ray, 
         assert list(df["epoch"]) == list(range(1, len(df) + 1))  # every report reached Tune
         expected = "done" if m["training_iteration"] == EPOCHS else "cancelled"
         assert tasks[m["trial_id"]]["state"] == expected, (m["trial_id"], tasks[m["trial_id"]])
-        direct, _ = _direct(r.config)                            # (b) same task straight on a Runtime
+        # (b) same task straight on a Runtime, for the epochs the trial ran (epoch k never depends on later ones)
+        direct, _ = _direct(dict(r.config, epochs=len(df)))
         assert [(d["epoch"], d["train_loss"], d["steps"]) for d in direct[: len(df)]] == list(
             zip(df["epoch"], df["train_loss"], df["steps"]))
     assert sum(t["state"] == "cancelled" for t in tasks.values()) == len(stopped)
@@ -179,34 +203,6 @@ def test_pbt_exploit_restores_other_trials_checkpoints(local_ray, tmp_path):
     assert all(r.metrics["lr"] == r.config["lr"] for r in results)  # ... and the explored lr applies
     tasks = next(iter(ex.final_stats.values()))["tasks"]
     assert len(tasks) > 2 and all(t["state"] in ("done", "cancelled") for t in tasks.values()), tasks
-
-
-def test_multi_node_trials_train_on_their_own_node():
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        ex = ht.HydraExecutor(devices=["cpu"], proxy_cpus=1, report_proxy_modules=True)
-        results = tune.Tuner(ex.wrap(asha_fn), param_space={"lr": tune.grid_search([1e-2, 1e-3, 1e-4]),
-                                                            "epochs": 2, "nb": 8},
-                             tune_config=tune.TuneConfig(max_concurrent_trials=3),
-                             run_config=tune.RunConfig(callbacks=[ex], verbose=0,
-                                                       storage_path=tempfile.mkdtemp())).fit()
-        assert results.num_errors == 0, [r.error for r in results]
-        used = {r.metrics["runtime_node"] for r in results}
-        assert {w.node_id for w in workers} <= used, used
-        for r in results:   # the trial's proxy and the runtime that trained it share a node
-            assert r.metrics["runtime_node"] == r.metrics["proxy_node"]
-            stats = ex.final_stats[r.metrics["runtime_node"]]
-            assert stats["tasks"][r.metrics["trial_id"]]["state"] == "done"
-        assert len(ex.final_stats) == 3
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_killed_runtime_actor_trials_resume_from_last_checkpoint(local_ray, tmp_path):

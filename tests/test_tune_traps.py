@@ -56,13 +56,6 @@ def ok_fn(config: dict) -> None:
         tune.report(metrics)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_trial_error_keeps_the_tasks_own_type(local_ray, tmp_path):
     ex = ht.HydraExecutor(devices=["cpu"])
     results = tune.Tuner(ex.wrap(failing_fn), param_space={"kind": tune.grid_search(["nonfinite", "user", "lock"])},
@@ -145,8 +138,7 @@ _SHADOWED_RUN = textwrap.dedent("""
     from ray import tune
     sys.path.insert(0, {tests!r})
     from test_tune_traps import ok_fn
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             runtime_env={{"env_vars": {{"PYTHONPATH": {shadow!r}}}}})
+    ray.init(address={address!r}, log_to_driver=False, runtime_env={{"env_vars": {{"PYTHONPATH": {shadow!r}}}}})
     ex = ht.HydraExecutor(devices=["cpu"])
     results = tune.Tuner(ex.wrap(ok_fn), run_config=tune.RunConfig(storage_path={store!r}, verbose=0)).fit()
     print("IMPORT-ERROR", isinstance(results[0].error, ImportError))
@@ -156,13 +148,15 @@ _SHADOWED_RUN = textwrap.dedent("""
 """)
 
 
-def test_shadowing_script_on_the_workers_path_is_named_in_the_trials_error(tmp_path):
+def test_shadowing_script_on_the_workers_path_is_named_in_the_trials_error(local_ray, tmp_path):
     """The user's hydra_tune.py first on the Ray workers' path (as the driver script's folder is): the trial fails
-    with an ImportError naming that file, not an ActorDiedError."""
+    with an ImportError naming that file, not an ActorDiedError. The script is a driver of its own, a job with
+    that path, on the shared local Ray (a Ray of its own would cost seconds to start)."""
     shadow = tmp_path / "experiments"
     shadow.mkdir()
     (shadow / "hydra_tune.py").write_text("raise SystemExit('this is the user script, not the package')\n")
-    code = _SHADOWED_RUN.format(tests=os.path.dirname(__file__), shadow=str(shadow), store=str(tmp_path / "store"))
+    code = _SHADOWED_RUN.format(tests=os.path.dirname(__file__), shadow=str(shadow), store=str(tmp_path / "store"),
+                                address=ray.get_runtime_context().gcs_address)
     # cwd: Ray puts the driver's folder (here the working directory) first on its workers' paths
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert "IMPORT-ERROR True" in out.stdout, out.stdout + out.stderr[-3000:]
