@@ -227,6 +227,20 @@ def task_data(data: Any) -> Any:
     return loader_clone(data) if isinstance(data, DataLoader) else data
 
 
+def close_workers(data: Any) -> None:
+    """Shut down the persistent workers of a task's own DataLoader copy (``task_data``) when the task ends: left to
+    the garbage collector, they live on and their shutdown pauses some later allocation for seconds per worker."""
+    from torch.utils.data import DataLoader
+
+    it = getattr(data, "_iterator", None) if isinstance(data, DataLoader) else None
+    if it is None:
+        return
+    vars(data)["_iterator"] = None
+    shutdown = getattr(it, "_shutdown_workers", None)  # torch's own iterator method: there is no public one
+    if shutdown is not None:
+        shutdown()
+
+
 def loader_clone(loader: Any) -> Any:
     """A shallow copy of ``loader`` with deep copies of its sampler, batch sampler and generator (sharing among
     them preserved; the dataset shared, not copied) and no live iterator: it iterates as ``loader`` would now."""

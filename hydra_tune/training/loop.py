@@ -40,7 +40,7 @@ from ..policy.partition import Plan
 from ..task import check_batch
 from .boundary import task_work
 from .checkpoint import Position, put_entries
-from .data import data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
+from .data import close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -106,6 +106,8 @@ class TrainingLoop:
             yield from self._epochs(emit)
         finally:
             self.state.home.release()
+            for data in (self.state.train_iterable, self.state.eval_iterable):
+                close_workers(data)
 
     def _epochs(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         state, task = self.state, self.state.task
