@@ -41,6 +41,7 @@ from ..task import check_batch
 from .boundary import task_work
 from .checkpoint import Position, put_entries
 from .data import close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
+from .optstep import OptimizerStep
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -94,9 +95,7 @@ class TrainingLoop:
         self._data_due: tuple[Any, Any] | None = None  # a resumed epoch's (generator states, sampler entries)
         # the train data's samplers as built (a factory's are made anew each epoch: none); see data.sampler_state
         self._samplers = None if is_factory(state.train_iterable) else sampler_state(state.train_iterable)
-        # whether the optimizer step (clip, step, schedule) draws random numbers: the first one runs in the task's
-        # RNG mode and tells; later ones do only if it did (None: not known yet)
-        self._step_draws: bool | None = None
+        self._optimizer_step = OptimizerStep(state)
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing. However it
@@ -342,39 +341,7 @@ class TrainingLoop:
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
-        """The plain loop's step, over the tensors where the task's state is: on the device it is resident on
-        (exactly the user's GPU loop; on CUDA launched from this thread on the device's default stream, behind
-        the units that made the gradients), else in host memory. Its state does not move meanwhile (the lock)."""
-        with self.state.home.stepping():
-            self._plain_step()
-        self.state.steps += 1
-
-    def _plain_step(self) -> None:
-        state = self.state
-        state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
-        if self._step_draws is False:  # the first step drew no random numbers: no routing (full speed)
-            self._update()
-        else:  # a noisy optimizer's draws come from the task's stream, as the plain loop's from the global one
-            with UnitMode(state.rng.cpu) as mode, seeding_to(state.rng):
-                self._update()
-            if self._step_draws is None:
-                self._step_draws = bool(mode.seeded)
-
-    def _update(self) -> None:
-        state = self.state
-        scaler, optimizer = state.scaler, state.optimizer
-        if state.task.grad_clip_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
-        if scaler is not None:
-            scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
-            scaler.update()
-        else:
-            optimizer.step()
-        if state.scheduler is not None and state.task.lr_scheduler_metric is None:
-            state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch: _epoch_schedule
-        optimizer.zero_grad()
+        self._optimizer_step()  # optstep.py: over the tensors where the task's state is
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
         """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven

@@ -1,0 +1,60 @@
+"""The plain loop's optimizer step for one task, over the tensors wherever its state is.
+
+    step = OptimizerStep(state)      # TrainingLoop makes one per task
+    step()                           # every ``grad_accumulation`` minibatches: clip, step, schedule, zero_grad
+
+Rules: the step runs in the task's host thread, over the device tensors when its state is resident (exactly the
+user's GPU loop; on CUDA launched on the device's default stream, behind the units that made the gradients), else
+in host memory; its state does not move meanwhile (``home.stepping()``). An optimizer step that draws random
+numbers (gradient noise) draws from the task's stream: the first step runs in the task's RNG mode and tells
+whether later ones must; one that only starts drawing later draws from torch's global generator.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..device.dispatch import UnitMode
+from ..device.seeding import seeding_to
+
+if TYPE_CHECKING:
+    from .state import TaskState
+
+
+class OptimizerStep:
+    """One task's step: ``__call__`` clips, steps the optimizer (through the GradScaler under fp16), steps a
+    per-step LR scheduler, zeroes the gradients and counts the step."""
+
+    def __init__(self, state: TaskState) -> None:
+        self.state = state
+        self._draws: bool | None = None  # whether the step draws random numbers (None: not known yet)
+
+    def __call__(self) -> None:
+        state = self.state
+        with state.home.stepping():
+            state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+            if self._draws is False:  # the first step drew no random numbers: no routing (full speed)
+                self._update()
+            else:  # a noisy optimizer's draws come from the task's stream, as the plain loop's from the global one
+                with UnitMode(state.rng.cpu) as mode, seeding_to(state.rng):
+                    self._update()
+                if self._draws is None:
+                    self._draws = bool(mode.seeded)
+        state.steps += 1
+
+    def _update(self) -> None:
+        state = self.state
+        scaler, optimizer = state.scaler, state.optimizer
+        if state.task.grad_clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(state.model.parameters(), state.task.grad_clip_norm)
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped when a gradient is inf/nan; then update() lowers the scale
+            scaler.update()
+        else:
+            optimizer.step()
+        if state.scheduler is not None and state.task.lr_scheduler_metric is None:
+            state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch, after evaluation
+        optimizer.zero_grad()
