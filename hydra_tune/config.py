@@ -95,12 +95,18 @@ class RuntimeConfig:
     ``["cpu", "cpu"]``: CPU stand-ins). ``device_memory``: each device's budget (None: CUDA's free memory less a
     margin; unlimited on CPU). ``host_memory``: what admitted tasks' host state may take (None: measured at every
     admission). ``policy``: the schedule, "lrtf" (Sharded-LRTF with affinity), "fifo" or "round_robin".
+    ``history``: how many ended tasks keep their record in ``stats()["tasks"]``; ``trace_events``: how many unit
+    and copy events ``trace()`` keeps. Both are bounded so that a runtime (a node server) running for weeks does
+    not grow: past them the oldest go first, and ``stats()["history"]`` counts what was dropped. Set them with
+    ``config=RuntimeConfig(..., history=..., trace_events=...)`` (0 keeps none).
     """
 
     devices: Any = "auto"
     device_memory: int | str | None = None
     host_memory: int | str | None = None
     policy: str = "lrtf"
+    history: int = 1000          # ended tasks' stats records (a few KiB each)
+    trace_events: int = 200_000  # trace events (~0.3 KiB each: ~60 MiB at most)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _device_names(self.devices))
@@ -108,6 +114,11 @@ class RuntimeConfig:
         object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
         if self.policy not in POLICIES:
             raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=self.policy)
+        for name in ("history", "trace_events"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise rule_error(f"`{name}` is an int >= 0 (how many to keep; past it the oldest are dropped)",
+                                 f"pass e.g. {name}={_DEFAULTS[name]} (the default)", **{name: value})
 
     @classmethod
     def of(cls, config: "RuntimeConfig | None" = None, **settings: Any) -> "RuntimeConfig":
