@@ -4,6 +4,7 @@ of client processes through the node server leaves its RSS, open files and threa
 the long run is ``--tasks 2000``)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -77,3 +78,23 @@ def test_zero_keeps_none():
         stats = rt.stats()
         assert stats["tasks"] == {} and rt.trace().events == []
         assert stats["history"]["ended_dropped"] == 1 and stats["history"]["trace_dropped"] > 0
+
+
+def test_node_server_churn_keeps_rss_fds_and_threads_flat(tmp_path):
+    """benchmarks/node_churn.py --quick in its own process: rounds of 3 client processes (4 tasks each: finished,
+    cancelled running, cancelled at once, left running at a disconnect) through one node server whose history bound
+    is reached; its fds and threads back to baseline, RSS within tolerance, every task counted."""
+    sys.path.insert(0, BENCH)
+    import node_churn
+
+    path = tmp_path / "churn.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "node_churn.py"), "--quick", "--json", str(path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(path.read_text())
+    assert node_churn.failures(r) == [] and proc.returncode == 0, proc.stdout[-3000:]
+    hist = r["after"]["history"]
+    assert hist["ended_dropped"] > 0 and hist["ended_kept"] == node_churn.QUICK_HISTORY  # the bound was reached
+    assert hist["trace_dropped"] > 0 and r["after"]["fds"] == r["baseline"]["fds"]
+    assert r["tasks_counted"] == r["tasks_total"] == 36
