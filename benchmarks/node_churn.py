@@ -179,12 +179,16 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=3, help="client processes at a time")
     p.add_argument("--per-client", type=int, default=None, help="tasks per client process (default 10, --quick 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--history", type=int, default=None, help=f"the server's history bound (default {HISTORY})")
+    p.add_argument("--trace-events", type=int, default=None, help=f"its trace bound (default {TRACE_EVENTS})")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     per = args.per_client or (4 if args.quick else 10)
     n = args.tasks or (24 if args.quick else 2000)
     if args.quick:
         CONFIG["history"] = QUICK_HISTORY   # before the forkserver starts: its clients connect with this config
+    CONFIG["history"] = args.history if args.history is not None else CONFIG["history"]
+    CONFIG["trace_events"] = args.trace_events if args.trace_events is not None else CONFIG["trace_events"]
     print(f"node churn: {n} tasks, {args.clients} client processes at a time, {per} tasks each, server history "
           f"{CONFIG['history']}, trace_events {CONFIG['trace_events']}, seed {args.seed}")
     r = soak(n, args.clients, per, args.seed)
