@@ -74,12 +74,12 @@ def worker(storage: str, name: str, n_trials: int) -> None:
 
 # -- the driver -----------------------------------------------------------------------------------------------------
 class Worker:
-    """A worker process and what it printed: its running trial (number, task name in the server)."""
+    """A worker process and what it printed: its running trials (several: Optuna runs trials in threads)."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.running: tuple[int, str] | None = None
+        self.running: dict[int, str] = {}    # its trials training now: number -> task name in the server
         self.server: int | None = None
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -91,13 +91,30 @@ class Worker:
             if kind == "SERVER":
                 self.server = int(rest[0])
             elif kind == "TRIAL":
-                self.running = (int(rest[0]), rest[1])
+                self.running[int(rest[0])] = rest[1]
             elif kind == "DONE":
-                self.running = None
+                self.running.pop(int(rest[0]), None)
 
 
 def _task_state(observer: Any, name: str) -> dict[str, Any] | None:
     return observer.stats()["tasks"].get(name)
+
+
+def _after_kill(observer: Any, running: dict[int, str], units: dict[str, int], t_kill: float) -> list[dict]:
+    """Wait (up to 30 s) until the server ended each task of the killed worker; what it ran after the kill."""
+    out = []
+    for number, task in running.items():
+        deadline = t_kill + 30
+        while time.perf_counter() < deadline:
+            st = _task_state(observer, task)
+            if st is not None and st["state"] in ("cancelled", "done", "failed"):
+                break
+            time.sleep(0.02)
+        st = _task_state(observer, task) or {}
+        out.append({"trial": number, "task": task, "state": st.get("state"),
+                    "units_after_kill": st.get("units", 0) - units[task],
+                    "segment_units": 3 * len(st.get("shards", [1])), "cancel_s": time.perf_counter() - t_kill})
+    return out
 
 
 def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
@@ -119,30 +136,23 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
     observer = node.connect(devices=DEVICES, device_memory=BUDGET)   # reads the server's stats (same config)
     server_pid, t0 = observer.pid, time.perf_counter()
     pool = [Worker([storage, name, str(trials)], env) for _ in range(workers)]
-    killed: list[dict[str, Any]] = []
+    killed: list[dict[str, Any]] = []   # one entry per trial running in a killed worker
+    kills_done = 0
     try:
-        while len(killed) < kills and any(w.proc.poll() is None for w in pool):
+        while kills_done < kills and any(w.proc.poll() is None for w in pool):
             time.sleep(rng.uniform(0.5, 2.5))
-            busy = [w for w in pool if w.proc.poll() is None and w.running is not None]
+            busy = [w for w in pool if w.proc.poll() is None and w.running]
             if not busy:
                 continue
             victim = rng.choice(busy)
-            number, task = victim.running
-            units = (_task_state(observer, task) or {}).get("units", 0)
+            running = dict(victim.running)
+            units = {task: (_task_state(observer, task) or {}).get("units", 0) for task in running.values()}
             victim.proc.send_signal(signal.SIGKILL)
             t_kill = time.perf_counter()
             victim.proc.wait()
             pool[pool.index(victim)] = Worker([storage, name, str(trials)], env)
-            deadline = t_kill + 30
-            while time.perf_counter() < deadline:
-                st = _task_state(observer, task)
-                if st is not None and st["state"] in ("cancelled", "done", "failed"):
-                    break
-                time.sleep(0.02)
-            st = _task_state(observer, task) or {}
-            killed.append({"trial": number, "task": task, "state": st.get("state"),
-                           "units_after_kill": st.get("units", 0) - units, "segment_units": 3 * len(st.get("shards", [1])),
-                           "cancel_s": time.perf_counter() - t_kill})
+            killed += _after_kill(observer, running, units, t_kill)
+            kills_done += 1
         for w in pool:
             w.proc.wait(timeout=600)
         errors = [("".join(w.err))[-1500:] for w in pool if w.proc.returncode != 0]
@@ -152,19 +162,7 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
                 w.proc.kill()
         observer.close()
     wall = time.perf_counter() - t0
-    heartbeat = optuna.storages.RDBStorage(storage, heartbeat_interval=1)
-    study = optuna.load_study(study_name=name, storage=heartbeat)
-    deadline = time.monotonic() + 30   # stale after 2 x heartbeat_interval without a heartbeat
-    while time.monotonic() < deadline:
-        optuna.storages.fail_stale_trials(study)
-        if not any(t.state == optuna.trial.TrialState.RUNNING for t in study.trials):
-            break
-        time.sleep(0.5)
-    states = {t.number: t.state.name for t in study.trials}
-    import sqlite3  # which trials left RUNNING never recorded a heartbeat (fail_stale_trials cannot see those)
-    with sqlite3.connect(f"{base}/study.db") as db:
-        beats = {row[0] for row in db.execute("SELECT trial_id FROM trial_heartbeats")}
-    no_beat = [t.number for t in study.trials if t.state.name == "RUNNING" and t._trial_id not in beats]
+    states, no_beat = _study_end(storage, name, f"{base}/study.db")
     deadline = time.monotonic() + LINGER + 20
     while time.monotonic() < deadline and _alive(server_pid):
         time.sleep(0.2)
@@ -172,11 +170,35 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
     if server_left:
         os.kill(server_pid, signal.SIGTERM)
     shutil.rmtree(base, ignore_errors=True)
-    return {"trials": trials, "workers": workers, "kills": len(killed), "seed": seed, "killed": killed,
+    return {"trials": trials, "workers": workers, "kills": kills_done, "seed": seed, "killed": killed,
             "states": states, "complete": sum(s == "COMPLETE" for s in states.values()),
             "running_left": sum(s == "RUNNING" for s in states.values()),
-            "killed_failed": sum(states.get(k["trial"]) == "FAIL" for k in killed),
-            "running_without_heartbeat": no_beat, "server_left": server_left, "worker_errors": errors, "wall_s": wall}
+            "killed_trials": len(killed), "failed": sum(s == "FAIL" for s in states.values()),
+            "killed_failed": sum(states.get(str(k["trial"])) == "FAIL" for k in killed),
+            "running_without_heartbeat": no_beat, "server_left": server_left, "worker_errors": errors,
+            "wall_s": wall}
+
+
+def _study_end(storage: str, name: str, db_path: str) -> tuple[dict[str, str], list[int]]:
+    """Fail the stale trials as Optuna does (heartbeat grace: 2 x 1 s); every trial's state (str keys: the same
+    after a JSON round trip), and the RUNNING ones that never recorded a heartbeat (fail_stale_trials cannot see
+    those)."""
+    import sqlite3
+
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=optuna.storages.RDBStorage(storage, heartbeat_interval=1))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        optuna.storages.fail_stale_trials(study)
+        if not any(t.state == optuna.trial.TrialState.RUNNING for t in study.trials):
+            break
+        time.sleep(0.5)
+    with sqlite3.connect(db_path) as db:
+        beats = {row[0] for row in db.execute("SELECT trial_id FROM trial_heartbeats")}
+    trials = study.trials
+    return ({str(t.number): t.state.name for t in trials},
+            [t.number for t in trials if t.state.name == "RUNNING" and t._trial_id not in beats])
 
 
 def _alive(pid: int) -> bool:
@@ -190,8 +212,8 @@ def _alive(pid: int) -> bool:
 def failures(r: dict[str, Any]) -> list[str]:
     out = [f"{r['complete']} complete trials < {r['trials']}"] if r["complete"] < r["trials"] else []
     out += [f"{r['running_left']} trials left RUNNING"] if r["running_left"] else []
-    out += [f"killed trial {k['trial']} is {r['states'].get(k['trial'])}, not FAIL" for k in r["killed"]
-            if r["states"].get(k["trial"]) != "FAIL"]
+    out += [f"killed trial {k['trial']} is {r['states'].get(str(k['trial']))}, not FAIL" for k in r["killed"]
+            if r["states"].get(str(k["trial"])) != "FAIL"]
     # "done": the kill landed after its last unit (before the worker printed DONE): nothing was left to cancel
     out += [f"killed trial {k['trial']}'s task is {k['state']} in the server, not cancelled" for k in r["killed"]
             if k["state"] not in ("cancelled", "done")]
@@ -202,8 +224,8 @@ def failures(r: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=None, help="complete trials the study needs (default 24, --quick 6)")
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--trials", type=int, default=None, help="complete trials the study needs (default 24, --quick 4)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes at a time (default 3, --quick 2)")
     p.add_argument("--kills", type=int, default=None, help="worker processes SIGKILLed (default 6, --quick 2)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -213,15 +235,18 @@ def main() -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1], int(args.worker[2]))
         return 0
-    trials, kills = args.trials or (6 if args.quick else 24), args.kills or (2 if args.quick else 6)
-    print(f"optuna chaos: {trials} trials, {args.workers} worker processes on SQLite, {kills} SIGKILLs, seed {args.seed}")
+    trials, kills = args.trials or (4 if args.quick else 24), args.kills or (2 if args.quick else 6)
+    args.workers = args.workers or (2 if args.quick else 3)
+    print(f"optuna chaos: {trials} trials, {args.workers} worker processes on SQLite, {kills} SIGKILLs, "
+          f"seed {args.seed}")
     r = chaos(trials, args.workers, kills, args.seed)
     for k in r["killed"]:
-        print(f"  killed trial {k['trial']} ({k['task']}): study {r['states'].get(k['trial'])}, server {k['state']} "
-              f"after {k['cancel_s']:.2f} s, units run after the kill {k['units_after_kill']} (segment "
+        print(f"  killed trial {k['trial']} ({k['task']}): study {r['states'].get(str(k['trial']))}, server "
+              f"{k['state']} after {k['cancel_s']:.2f} s, units run after the kill {k['units_after_kill']} (segment "
               f"{k['segment_units']})")
     print(f"faults: SIGKILL x {r['kills']}; complete {r['complete']} (needed {trials}), killed trials failed "
-          f"{r['killed_failed']}/{r['kills']}, left RUNNING {r['running_left']} (never beat: "
+          f"{r['killed_failed']}/{r['killed_trials']} (failed in all: {r['failed']}: every trial running in a killed "
+          f"worker), left RUNNING {r['running_left']} (never beat: "
           f"{r['running_without_heartbeat']}), server left behind "
           f"{r['server_left']}, wall {r['wall_s']:.1f} s")
     bad = failures(r)

@@ -155,7 +155,8 @@ def soak(tasks: int, clients: int, per_client: int, seed: int) -> dict[str, Any]
     return {"tasks": tasks, "clients": clients, "per_client": per_client, "rounds": rounds, "seed": seed,
             "baseline": baseline, "after": after, "series": series, "tasks_counted": counted,
             "tasks_total": done, "failed_clients": failed_clients, "wall_s": time.perf_counter() - t0,
-            "rss_delta": after["rss"] - baseline["rss"], "rss_max_delta": max(s["rss"] for s in series) - baseline["rss"]}
+            "rss_delta": after["rss"] - baseline["rss"],
+            "rss_max_delta": max(s["rss"] for s in series) - baseline["rss"]}
 
 
 def failures(r: dict[str, Any]) -> list[str]:
