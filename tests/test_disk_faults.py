@@ -9,6 +9,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import pickle
 import re
 import subprocess
 import time
@@ -104,6 +105,8 @@ def test_read_only_file_system_fails_the_checkpoint_and_the_task_goes_on(tmp_pat
                                r"Fix: make it writable") as info:
                 h.checkpoint(path, timeout=60)
             assert info.value.errno == errno.EROFS
+            again = pickle.loads(pickle.dumps(info.value))   # how a node server's error reaches its client
+            assert type(again) is CheckpointNotWritten and again.errno == errno.EROFS and str(again) == str(info.value)
             assert _digest(path) == before and h.status == "running"
         _finishes_exactly(rt, h)
 

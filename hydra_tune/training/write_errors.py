@@ -33,7 +33,17 @@ _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 class CheckpointNotWritten(HydraError, OSError):
     """A checkpoint could not be written (full file system, unwritable path); the previous file at its path, if
-    any, is left whole, and the task goes on."""
+    any, is left whole, and the task goes on. ``errno`` is the OS error's (kept through pickling: a node server's
+    error reaches its client whole)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (str(self), self.errno)
+
+
+def _rebuild(message: str, code: int | None) -> CheckpointNotWritten:
+    err = CheckpointNotWritten(message)
+    err.errno = code
+    return err
 
 
 class _Counter:
