@@ -5,12 +5,12 @@ Optuna chaos study: worker processes share one study through SQLite storage (hea
 server. At seeded random moments the driver SIGKILLs a worker whose trial is training, and starts a new worker in its
 place, until it killed ``--kills`` of them; the workers stop once the study has ``--trials`` complete trials.
 Figures: kills, complete trials (goal >= --trials), every killed trial failed (heartbeat + fail_stale_trials; goal
-all), trials left RUNNING (goal 0; a trial killed before its first heartbeat is an Optuna limitation: its
-heartbeat thread records the first beat after the trial was created, and fail_stale_trials never sees a trial
-without one; those are listed, not failed, here), the killed worker's task cancelled in the server (or done already), how many
-units the server ran of it after the kill and how long the cancel took (figures: seen by polling the server's
-stats(), so they include the polling's delay), whether the node server outlived its clients
-(goal: it lingers out), wall time. Exit status 1 when a goal is missed.
+all), trials left RUNNING (goal 0; a trial killed before its first heartbeat is an Optuna limitation: its heartbeat
+thread records the first beat after the trial was created, and fail_stale_trials never sees a trial without one;
+those are listed, not counted, here), the killed worker's tasks cancelled in the server (or done already), how
+many units the server ran of them after the kill and how long the cancel took (seen by polling the server's
+stats(), so they include the polling's delay), whether the node server outlived its clients (goal: it lingers
+out), wall time. Exit status 1 when a goal is missed.
 
     .venv/bin/python benchmarks/chaos_optuna.py                 # 24 trials, 3 workers, 6 kills
     .venv/bin/python benchmarks/chaos_optuna.py --quick         # what tests/test_chaos.py runs

@@ -1,6 +1,6 @@
 """Faults at search scale, short versions of the chaos benchmarks: an Optuna study on SQLite whose worker processes
-are SIGKILLed mid-trial and restarted reaches its trials; every killed trial that recorded a heartbeat is failed (one killed before its first heartbeat stays RUNNING: an
-Optuna limitation the benchmark lists), the
+are SIGKILLed mid-trial and restarted reaches its trials; every killed trial that recorded a heartbeat is failed
+(one killed before its first heartbeat stays RUNNING: an Optuna limitation the benchmark lists), the
 node server cancels the dead worker's task and lingers out after the last client (benchmarks/chaos_optuna.py)."""
 from __future__ import annotations
 
