@@ -305,7 +305,9 @@ def soak(tasks: int, seed: int = 0) -> dict[str, Any]:
     t_start = time.perf_counter()
     outcomes: list[dict] = []
     series: list[list[int]] = []
-    with ht.Runtime(devices=["cpu", "cpu"], device_memory=BUDGET) as rt:
+    # every task's record is read at the end (its shards): the history bound (RuntimeConfig) keeps them all
+    config = ht.RuntimeConfig(devices=["cpu", "cpu"], device_memory=BUDGET, history=max(1000, tasks + 64))
+    with ht.Runtime(config=config) as rt:
         warm = []  # a task of each action and of each family, so one-off caches fill before the baseline
         while {c["action"] for _, c in warm} != set(ACTIONS) or len({c["desc"][:3] for _, c in warm}) < 2:
             task, ctl = make_task(10_000 + len(warm), rng, [])

@@ -99,6 +99,10 @@ class RuntimeConfig:
     ``residency``: "auto" (a task's parameters, gradients and optimizer state stay on the device it runs on while
     they fit beside its units, and its optimizer steps there; training/resident.py) or "off" (always in host
     memory, copied in per unit, stepped on the host: device memory only for the running units).
+    ``history``: how many ended tasks keep their record in ``stats()["tasks"]``; ``trace_events``: how many unit
+    and copy events ``trace()`` keeps. Both are bounded so that a runtime (a node server) running for weeks does
+    not grow: past them the oldest go first, and ``stats()["history"]`` counts what was dropped. Set them with
+    ``config=RuntimeConfig(..., history=..., trace_events=...)`` (0 keeps none).
     """
 
     devices: Any = "auto"
@@ -106,6 +110,8 @@ class RuntimeConfig:
     host_memory: int | str | None = None
     policy: str = "lrtf"
     residency: str = "auto"
+    history: int = 1000          # ended tasks' stats records (a few KiB each)
+    trace_events: int = 200_000  # trace events (~0.3 KiB each: ~60 MiB at most)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _device_names(self.devices))
@@ -116,6 +122,11 @@ class RuntimeConfig:
         if self.residency not in RESIDENCY:
             raise rule_error(f"`residency` in {list(RESIDENCY)}", "pass 'auto' (state stays on the device while it "
                              "fits) or 'off' (state in host memory, stepped there)", residency=self.residency)
+        for name in ("history", "trace_events"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise rule_error(f"`{name}` is an int >= 0 (how many to keep; past it the oldest are dropped)",
+                                 f"pass e.g. {name}={_DEFAULTS[name]} (the default)", **{name: value})
 
     @classmethod
     def of(cls, config: "RuntimeConfig | None" = None, **settings: Any) -> "RuntimeConfig":

@@ -60,8 +60,8 @@ class Runtime:
         self.devices: list[Device] = resolve_devices(self.config.devices, self.config.device_memory)
         self._set_threads()
         self.policy = self.config.policy
-        self.scheduler = Scheduler(self.policy, self._release)
-        self._recorder = Recorder([d.name for d in self.devices], time.perf_counter())
+        self.scheduler = Scheduler(self.policy, self._release, history=self.config.history)
+        self._recorder = Recorder([d.name for d in self.devices], time.perf_counter(), limit=self.config.trace_events)
         self._start_devices()
         self._gate = HostGate(self.config.host_memory, self._plan,
                               GateHooks(self._new_handle, self.scheduler.held_bytes, self._start))
@@ -136,13 +136,16 @@ class Runtime:
         memory: state "queued", ``waiting_for_host_memory``), and ``residency``: where its state is
         (``state_on``), steps taken on the device and on the host and why, evictions, its ``copies`` and
         ``state_bytes_after_first_step`` (moved from its first optimizer step to its last: 0 while it stays
-        resident). ``host``: what ``host_memory()`` returns."""
+        resident); ended tasks: the newest ``config.history``. ``host``: what ``host_memory()`` returns.
+        ``history``: ended tasks' records kept and dropped, trace events kept and dropped (both bounded:
+        ``RuntimeConfig(history=..., trace_events=...)``)."""
         tasks = self.scheduler.task_stats()
         devices = [dict(name=w.device.name, budget=w.device.budget, overhead_bytes=w.device.overhead,
                         peak_bytes=w.device.peak_bytes(), current_bytes=w.device.current_bytes(), **w.stats())
                    for w in self._workers]
         tasks.update(self._gate.waiting_stats())
-        return {"devices": devices, "tasks": tasks, "policy": self.policy, "host": self.host_memory()}
+        return {"devices": devices, "tasks": tasks, "policy": self.policy, "host": self.host_memory(),
+                "history": self._history()}
 
     def trace(self) -> Trace:
         """Every unit and prefetch copy so far: ``.save("trace.json")`` for Perfetto, or ``plot_timeline``."""
@@ -185,6 +188,13 @@ class Runtime:
         self.close()
 
     # -- inside -------------------------------------------------------------------------------------------
+    def _history(self) -> dict[str, Any]:
+        """What the bounded buffers hold and have dropped (the oldest go first)."""
+        counts, events = self.scheduler.counts(), self._recorder.counts()
+        return {"ended_kept": counts["finished"], "ended_dropped": counts["finished_dropped"],
+                "ended_limit": self.config.history, "trace_events": events["kept"],
+                "trace_dropped": events["dropped"], "trace_limit": events["limit"]}
+
     def _plan_args(self) -> tuple[int | None, float | None, bool]:
         """What every task is planned with: the smallest planner budget and copy rate of the devices, and whether
         forwards may keep or offload activations (see Device.releases_graphs)."""

@@ -87,8 +87,10 @@ EndHook = Callable[[Admitted, str, "BaseException | None"], None]
 class Scheduler:
     """Admitted tasks and the ready queue of one runtime (see the module docstring)."""
 
-    def __init__(self, policy: str, on_end: EndHook) -> None:
+    def __init__(self, policy: str, on_end: EndHook, history: int | None = None) -> None:
         self.policy = policy
+        self._history = history      # ended tasks' records kept (the newest; None: all)
+        self._dropped = 0            # records dropped past it
         self._pick = POLICIES[policy]
         self._on_end = on_end
         self.cond = threading.Condition()
@@ -141,7 +143,8 @@ class Scheduler:
                 return  # already ended (e.g. finished while the runtime was closing)
             del self._tasks[task.name]
             self._ready = [(q, a) for q, a in self._ready if a is not task]
-            record = self._finished[task.name] = dict(task.stats(), state=status)
+            record = dict(task.stats(), state=status)
+            self._keep_record(task.name, record)
             self._estimator.forget(task.name)
             self._left = [h for h in self._left if h.alive] + [task.host]
             self.cond.notify_all()  # a device waiting for its next segment stops waiting
@@ -153,6 +156,14 @@ class Scheduler:
             free = not task.opening  # else its host thread lets it go when its work returns
         if free:
             self._let_go(task)
+
+    def _keep_record(self, name: str, record: dict[str, Any]) -> None:
+        """Under the lock: keep an ended task's record, the newest ``history`` only (a node server runs for weeks)."""
+        self._finished.pop(name, None)  # a reused name moves to the newest end
+        self._finished[name] = record
+        while self._history is not None and len(self._finished) > self._history:
+            del self._finished[next(iter(self._finished))]
+            self._dropped += 1
 
     def cancel(self, handle: TaskHandle) -> Admitted | None:
         """Mark ``handle``'s task cancelled; if it waits in the ready queue or its host thread is opening its next
@@ -286,6 +297,7 @@ class Scheduler:
             opening = sum(t.opening for t in self._tasks.values())
             return {"admitted": len(self._tasks), "ready": len(self._ready), "opening": opening,
                     "host_busy": opening + sum(h.alive for h in self._left), "finished": len(self._finished),
+                    "finished_dropped": self._dropped,
                     "idle_devices": len(self._idle)}
 
     def run_order(self) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -120,24 +121,41 @@ class Trace:
 
 
 class Recorder:
-    """Thread-safe event sink the runtime writes to; ``snapshot`` gives a Trace."""
+    """Thread-safe event sink the runtime writes to; ``snapshot`` gives a Trace.
 
-    def __init__(self, devices: Sequence[str], origin: float) -> None:
+        rec = Recorder(["cpu:0"], time.perf_counter(), limit=200_000)
+        rec.add(0, "a", 0, "F", t0, t1); rec.snapshot(); rec.counts()   # {"kept": 1, "dropped": 0, "limit": ...}
+
+    Rule: it keeps the newest ``limit`` events (a runtime that runs for weeks must not grow without bound); older
+    ones are dropped, and ``counts()["dropped"]`` says how many.
+    """
+
+    def __init__(self, devices: Sequence[str], origin: float, limit: int | None = None) -> None:
         self.devices = list(devices)
         self.origin = origin
         self._lock = threading.Lock()
-        self._events: list[Event] = []
+        self._events: deque[Event] = deque(maxlen=limit)
+        self._added = 0
 
     def add(self, device: int, task: str, shard: int, kind: str, start: float, end: float, nbytes: int = 0,
             lane: str = COMPUTE, segment: int = -1) -> None:
         e = Event(device, task, shard, kind, start - self.origin, end - self.origin, nbytes, lane, segment)
         with self._lock:
             self._events.append(e)
+            self._added += 1
 
     def extend(self, events: Iterable[Event]) -> None:
+        events = list(events)
         with self._lock:
             self._events.extend(events)
+            self._added += len(events)
 
     def snapshot(self) -> Trace:
         with self._lock:
             return Trace(list(self.devices), list(self._events))
+
+    def counts(self) -> dict[str, int | None]:
+        """Events kept now, dropped so far (the oldest, past ``limit``), and the limit (None: unbounded)."""
+        with self._lock:
+            return {"kept": len(self._events), "dropped": self._added - len(self._events),
+                    "limit": self._events.maxlen}

@@ -44,6 +44,7 @@ import torch.nn as nn
 from ..errors import rule_error
 from .data import data_generators, is_factory, restore_generators, sampler_state
 from .pystate import Change, ModuleState
+from .write_errors import encoded_size, write_error
 
 if TYPE_CHECKING:
     from .state import TaskState
@@ -297,21 +298,32 @@ def put_entries(base: ModuleState, entries: list[dict[str, Any]], task: str, wha
 
 def save(data: dict[str, Any], path: str | os.PathLike[str]) -> str:
     """Write ``data`` to ``path`` atomically (private temp file in the same directory, fsync, rename, fsync of the
-    directory); first remove the temp files dead writers on this host left there."""
+    directory); first remove the temp files dead writers on this host left there. A full file system or an
+    unwritable directory raises ``CheckpointNotWritten`` naming the path (and the bytes needed); the file already
+    at ``path`` is left whole."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP}{os.getpid()}-", dir=directory)  # mode 0600
+    try:
+        os.makedirs(directory, exist_ok=True)
+        _remove_stale(directory)
+        fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP}{os.getpid()}-", dir=directory)  # mode 0600
+    except OSError as exc:  # an unwritable directory: say so plainly (write_errors.py)
+        clear = write_error(exc, path, lambda: encoded_size(data))
+        if clear is not None:
+            raise clear from exc
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(data, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
-            os.unlink(tmp)
+            os.unlink(tmp)  # first: the space it took is free again, the previous checkpoint was never touched
+        clear = write_error(exc, path, lambda: encoded_size(data))
+        if clear is not None:
+            raise clear from exc
         raise
     with contextlib.suppress(OSError):  # the rename itself survives a power loss (not every filesystem can)
         dir_fd = os.open(directory, os.O_RDONLY)
