@@ -24,7 +24,7 @@ autograd being on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -258,14 +258,21 @@ class ShardExec:
         kept.filled = True
         return sum(p.numel() * p.element_size() for p in self.params)
 
-    def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None) -> float:
-        """The last shard in eval: forward and loss, no autograd; returns the loss value."""
+    def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
+                 measure: Callable[[Any, Any], None] | None = None) -> float:
+        """The last shard in eval: forward and loss, no autograd; returns the loss value. ``measure(outputs,
+        batch)`` (the task's metrics, training/metrics.py) then runs here, on the device's outputs and batch."""
         with self._python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index])
             out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, store, mode)
-            return float(self.loss(device, loss_fn, out, store.batch).item())
+            batch = self.to_device(device, store.batch)
+            with self.precision(device):
+                loss = float(model_loss(loss_fn, out, batch).item())
+            if measure is not None:
+                measure(out, batch)
+            return loss
 
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:

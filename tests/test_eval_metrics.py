@@ -1,0 +1,194 @@
+"""Evaluation metrics (``metrics=``), ``eval_every=`` and ``epochs=None`` against a plain PyTorch loop that
+evaluates the same model on the same eval data at the same points: every reported value equal exactly, the trained
+parameters bit-identical; and the refusals at construction and at submit."""
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import max_param_diff, trained
+
+import hydra_tune as ht
+
+
+def _data(n: int, size: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 16, generator=g), torch.randint(0, 4, (size,), generator=g)) for _ in range(n)]
+
+
+TRAIN, EVAL = _data(5, 8, 0), _data(3, 7, 1)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _ce(out, batch):
+    return F.cross_entropy(out, batch[1])
+
+
+def accuracy(out, batch):
+    return (out.argmax(-1) == batch[1]).sum(), batch[1].numel()
+
+
+def wrong(out, batch):
+    return (out.argmax(-1) != batch[1]).sum()
+
+
+def _task(**kw) -> ht.ModelTask:
+    kw.setdefault("eval_data", EVAL)
+    kw.setdefault("metrics", {"accuracy": accuracy, "wrong": wrong})
+    kw.setdefault("epochs", 2)
+    return ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.3), TRAIN, loss=_ce, seed=3, **kw)
+
+
+def plain(task: ht.ModelTask, every: int | None = None) -> tuple[nn.Module, list[dict]]:
+    """The user's own loop: evaluate after every epoch (or every ``every`` steps and after the last), reporting
+    eval_loss (mean of batch losses), accuracy = correct / total and the summed number wrong."""
+    torch.manual_seed(task.seed)
+    model = task.model()
+    opt = task.optimizer(model)
+    steps, reports = 0, []
+
+    def evaluate(epoch: int) -> None:
+        model.eval()
+        losses, correct, total, n_wrong = [], 0, 0, 0
+        with torch.no_grad():
+            for x, y in task.eval_data:
+                out = model(x)
+                losses.append(F.cross_entropy(out, y).item())
+                correct += (out.argmax(-1) == y).sum().item()
+                total += y.numel()
+                n_wrong += (out.argmax(-1) != y).sum().item()
+        model.train()
+        reports.append({"epoch": epoch, "steps": steps, "eval_loss": sum(losses) / len(losses),
+                        "accuracy": correct / total, "wrong": n_wrong})
+
+    epoch = 0
+    while task.epochs is None or epoch < task.epochs:
+        epoch += 1
+        for x, y in task.train_data:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            if every is not None and steps % every == 0:
+                evaluate(epoch)
+            if task.max_steps is not None and steps >= task.max_steps:
+                break
+        last = epoch == task.epochs or (task.max_steps is not None and steps >= task.max_steps)
+        if every is None or (last and reports[-1]["steps"] != steps):
+            evaluate(epoch)
+        if last:
+            break
+    return model, reports
+
+
+def _run(task: ht.ModelTask) -> tuple[list[dict], nn.Module]:
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="20KiB") as rt:
+        h = rt.submit(task)
+        metrics, model = list(h.metrics()), trained(h)
+        assert len(rt.stats()["tasks"][task.name]["shards"]) == 3   # eval units E, E, E: the last one measures
+        return metrics, model
+
+
+KEYS = ("epoch", "steps", "eval_loss", "accuracy", "wrong")
+
+
+def test_accuracy_per_epoch_equals_the_plain_loops_correct_over_total():
+    task = _task()
+    got, model = _run(task)
+    ref_model, ref = plain(task)
+    assert [{k: m[k] for k in KEYS} for m in got] == ref
+    assert isinstance(got[0]["wrong"], int) and 0 < got[-1]["accuracy"] < 1
+    assert max_param_diff(model, ref_model) == 0.0
+
+
+def test_eval_every_n_steps_reports_after_every_nth_step_and_the_last():
+    task = _task(eval_every=3)                      # 5 batches x 2 epochs: steps 3, 6, 9 and the last, 10
+    got, model = _run(task)
+    ref_model, ref = plain(task, every=3)
+    assert [m["steps"] for m in got] == [3, 6, 9, 10] and [m["epoch"] for m in got] == [1, 2, 2, 2]
+    assert [{k: m[k] for k in KEYS} for m in got] == ref
+    assert max_param_diff(model, ref_model) == 0.0
+
+
+def test_epochs_none_trains_until_max_steps():
+    task = _task(epochs=None, max_steps=12, eval_every=4)
+    got, model = _run(task)
+    ref_model, ref = plain(task, every=4)
+    assert [m["steps"] for m in got] == [4, 8, 12] and got[-1]["epoch"] == 3
+    assert [{k: m[k] for k in KEYS} for m in got] == ref
+    assert max_param_diff(model, ref_model) == 0.0
+
+
+def test_epochs_none_trains_until_the_consumer_stops():
+    task = _task(epochs=None, eval_every=5)
+    seen = []
+    with ht.Runtime(devices=["cpu"]) as rt:
+        for m in ht.train(task, rt):
+            seen.append(m)
+            if m["accuracy"] >= 1.0 or len(seen) == 6:   # a stop rule on accuracy, as Tune's stop= applies it
+                break
+        handle = ht.current_handle()
+        assert handle.wait(timeout=30) and handle.status == "cancelled", handle.status
+    _, ref = plain(_task(epochs=len(seen), eval_every=5), every=5)
+    assert [{k: m[k] for k in KEYS} for m in seen] == ref[: len(seen)]
+
+
+@pytest.mark.parametrize("kw, rule", [
+    ({"metrics": [accuracy]}, "`metrics` is None or a non-empty dict"),
+    ({"metrics": {}}, "`metrics` is None or a non-empty dict"),
+    ({"metrics": {"eval_loss": accuracy}}, "not already reported"),
+    ({"metrics": {"acc": 3}}, "each metric is callable(outputs, batch)"),
+    ({"metrics": {"acc": lambda out: out}}, "each metric is callable(outputs, batch)"),
+    ({"metrics": {"acc": accuracy}, "eval_data": None}, "`metrics` are given with `eval_data`"),
+    ({"eval_every": 0}, "`eval_every >= 1`"),
+    ({"eval_every": 2.0}, "`eval_every >= 1`"),
+    ({"epochs": 0}, "`epochs >= 1`"),
+    ({"eval_every": 2, "lr_scheduler": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),
+      "lr_scheduler_metric": "eval_loss"}, "not combined with `eval_every`"),
+])
+def test_bad_metric_settings_are_refused_at_construction(kw, rule):
+    with pytest.raises((ValueError, TypeError)) as info:
+        _task(**kw)
+    assert rule in str(info.value) and "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("fn, rule", [
+    (lambda out, b: out.argmax(-1) == b[1], "a metric returns (sum, count) or one value"),        # a vector
+    (lambda out, b: (1, 2, 3), "a metric returns (sum, count) or one value"),
+    (lambda out, b: "high", "a metric returns (sum, count) or one value"),
+    (lambda out, b: out.logits.sum(), "each metric runs on the task's outputs and a batch"),  # raises
+])
+def test_a_metric_that_breaks_its_contract_fails_at_submit_naming_it(fn, rule):
+    task = _task(metrics={"acc": fn})
+    with ht.Runtime(devices=["cpu"]) as rt:
+        with pytest.raises((ValueError, TypeError)) as info:
+            rt.submit(task)
+    assert rule in str(info.value) and "acc" in str(info.value)
+
+
+def test_a_metric_whose_counts_sum_to_zero_is_nan_and_other_tasks_train_on():
+    task = _task(metrics={"none": lambda out, b: (0, 0)}, epochs=1)
+    other = _task(epochs=1)
+    with ht.Runtime(devices=["cpu"]) as rt:
+        h, h2 = rt.submit(task), rt.submit(other)
+        assert math.isnan(h.result()["none"]) and h2.result()["accuracy"] == plain(other)[1][-1]["accuracy"]
+
+
+def test_metrics_run_in_the_device_unit_not_in_the_caller():
+    threads = []
+
+    def spy(out, batch):
+        threads.append(threading.current_thread().name)
+        return accuracy(out, batch)
+
+    with ht.Runtime(devices=["cpu"]) as rt:
+        rt.submit(_task(metrics={"accuracy": spy}, epochs=1)).result()
+    caller = threading.current_thread().name
+    assert len(threads) == 1 + len(EVAL) and all(t != caller for t in threads[1:]), threads
