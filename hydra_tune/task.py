@@ -168,9 +168,8 @@ def _check_metrics(metrics: object, eval_data: object) -> None:
 
 def _check_schedule(epochs: object, eval_every: object, lr_scheduler_metric: object) -> None:
     """``epochs`` (None: until stopped) and ``eval_every`` (None: per epoch; N: every N optimizer steps)."""
-    _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier), or pass None "
-               "to train until max_steps or until the task is stopped (Tune's stop/scheduler, an Optuna pruner)",
-               allow_none=True)
+    # (None, no limit, is in the docstring: this message is the one users of the int form know)
+    _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier)", allow_none=True)
     _check_int("eval_every", eval_every, 1, "pass None to evaluate and report after every epoch, or N to do it "
                "after every N optimizer steps", allow_none=True)
     if eval_every is not None and lr_scheduler_metric is not None:

@@ -192,3 +192,17 @@ def test_metrics_run_in_the_device_unit_not_in_the_caller():
         rt.submit(_task(metrics={"accuracy": spy}, epochs=1)).result()
     caller = threading.current_thread().name
     assert len(threads) == 1 + len(EVAL) and all(t != caller for t in threads[1:]), threads
+
+
+@pytest.mark.parametrize("after", [3, 4, 10])   # at a reporting step, between two, at the last (report follows)
+def test_a_task_resumed_with_eval_every_reports_what_the_uninterrupted_one_does(tmp_path, after):
+    from test_resume_exactness import _run as run_here
+
+    keys = ("epoch", "steps", "train_loss", "eval_loss", "accuracy", "wrong")
+    whole, metrics, requests = run_here(_task(eval_every=3), ask_after=(after,), path=tmp_path)
+    path = requests[0].wait(0)
+    resumed, resumed_metrics, _ = run_here(_task(eval_every=3, resume_from=path))
+    # served at the boundary of step `after`: after that step's eval_every report, before the last one
+    due = [m for m in metrics if m["steps"] > after or (m["steps"] == after and after % 3)]
+    assert due and [[m[k] for k in keys] for m in resumed_metrics] == [[m[k] for k in keys] for m in due]
+    assert max_param_diff(whole.model, resumed.model) == 0.0
