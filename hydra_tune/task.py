@@ -124,11 +124,14 @@ def _check_hooks(loss: object, stages: object, lr_scheduler: object) -> None:
 _SCHEDULER_METRICS = ("train_loss", "eval_loss")
 
 
-def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: object) -> None:
-    """``lr_scheduler_metric`` names a loss this task reports after every epoch, for a scheduler to follow."""
+def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: object, metrics: object) -> None:
+    """``lr_scheduler_metric`` names a loss or metric this task reports after every epoch, for a scheduler to
+    follow (``ReduceLROnPlateau(opt, mode="max")`` on an accuracy)."""
     if metric is None:
         return
     reported = [m for m in _SCHEDULER_METRICS if m != "eval_loss" or eval_data is not None]
+    if isinstance(metrics, dict) and eval_data is not None:
+        reported += [name for name in metrics if isinstance(name, str)]
     if not isinstance(metric, str) or metric not in reported:
         fix = f"name one of {reported}"
         if metric == "eval_loss":
@@ -296,7 +299,7 @@ class ModelTask:
         if eval_data is not None:
             _check_data("eval_data", eval_data)
         _check_hooks(loss, stages, lr_scheduler)
-        _check_scheduler_metric(lr_scheduler, lr_scheduler_metric, eval_data)
+        _check_scheduler_metric(lr_scheduler, lr_scheduler_metric, eval_data, metrics)
         _check_schedule(epochs, eval_every, lr_scheduler_metric)
         _check_metrics(metrics, eval_data)
         _check_loop(epochs, max_steps, grad_accumulation, grad_clip_norm, seed, name)

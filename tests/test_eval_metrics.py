@@ -206,3 +206,29 @@ def test_a_task_resumed_with_eval_every_reports_what_the_uninterrupted_one_does(
     due = [m for m in metrics if m["steps"] > after or (m["steps"] == after and after % 3)]
     assert due and [[m[k] for k in keys] for m in resumed_metrics] == [[m[k] for k in keys] for m in due]
     assert max_param_diff(whole.model, resumed.model) == 0.0
+
+
+def test_reduce_lr_on_plateau_follows_accuracy_as_the_plain_loop_does():
+    def sched(opt):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0)
+
+    task = _task(epochs=4, lr_scheduler=sched, lr_scheduler_metric="accuracy")
+    got, model = _run(task)
+    torch.manual_seed(task.seed)   # the plain loop: scheduler.step(accuracy) after each epoch's evaluation
+    ref = task.model()
+    opt = task.optimizer(ref)
+    plateau, lrs, accs = sched(opt), [], []
+    for _ in range(task.epochs):
+        for x, y in TRAIN:
+            F.cross_entropy(ref(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        ref.eval()
+        with torch.no_grad():
+            correct = sum((ref(x).argmax(-1) == y).sum().item() for x, y in EVAL)
+        ref.train()
+        accs.append(correct / sum(y.numel() for _, y in EVAL))
+        plateau.step(accs[-1])
+        lrs.append(opt.param_groups[0]["lr"])
+    assert [m["accuracy"] for m in got] == accs and [m["lr"] for m in got] == lrs and len(set(lrs)) > 1
+    assert max_param_diff(model, ref) == 0.0
