@@ -8,8 +8,11 @@ The chain does the host-side work between segments in the plain loop's order: fe
 stream; a data factory is called at the start of each pass over the data), hand out its segment, add the
 minibatch's gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and
 zero the gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step
-that only starts drawing later draws from torch's global generator); after each epoch it evaluates, steps a
-metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step boundary and epoch end it serves the checkpoints and
+that only starts drawing later draws from torch's global generator); after each epoch it evaluates (eval_loss and
+the task's metrics, summed in the last shard's eval units: metrics.py), steps a metric-driven scheduler
+(ReduceLROnPlateau) with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and
+emits after every N-th step and after the last one instead, before that step's boundary (a checkpoint there
+resumes after the report). ``epochs=None``: epochs go on until ``max_steps`` or until the task is cancelled. At each step boundary and epoch end it serves the checkpoints and
 snapshots asked, and those asked before it hands out its next minibatch (the model is unchanged until then); when
 it trains no more, snapshots get the final model (boundary.py). A resumed task repeats its epoch's data order
 from the checkpointed epoch-start RNG state and steps over the batches already trained on; one resumed from the end
