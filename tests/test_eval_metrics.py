@@ -232,3 +232,17 @@ def test_reduce_lr_on_plateau_follows_accuracy_as_the_plain_loop_does():
         lrs.append(opt.param_groups[0]["lr"])
     assert [m["accuracy"] for m in got] == accs and [m["lr"] for m in got] == lrs and len(set(lrs)) > 1
     assert max_param_diff(model, ref) == 0.0
+
+
+def test_a_model_that_cannot_be_copied_warns_and_its_metrics_are_checked_as_they_run():
+    class NoCopy(nn.Sequential):
+        def __deepcopy__(self, memo):
+            raise TypeError("holds a handle")
+
+    task = ht.ModelTask(lambda: NoCopy(nn.Linear(16, 4)), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), TRAIN,
+                        eval_data=EVAL, loss=_ce, metrics={"acc": lambda out, b: out.argmax(-1) == b[1]})
+    with ht.Runtime(devices=["cpu"]) as rt:
+        with pytest.warns(UserWarning, match="could not try the metrics"):
+            h = rt.submit(task)
+        with pytest.raises(TypeError, match="a metric returns"):
+            h.result()

@@ -81,14 +81,24 @@ class MetricSums:
 def check_metrics_run(task: Any, model: torch.nn.Module, batch: Any, route: Callable[[Any], Any]) -> None:
     """At build: every metric runs once on the sample batch, over the outputs of a copy of the model in eval mode
     (no autograd, a scratch random stream routed by ``route``), and returns what the contract allows; a metric
-    that raises fails the task here, naming it, instead of at its first evaluation."""
+    that raises fails the task here, naming it, instead of at its first evaluation. Cost: one eval forward and,
+    while it runs, a second copy of the model in host memory (a model that cannot be copied: a warning, no check).
+    """
     if not task.metrics:
         return
     import copy
 
     from ..stages.base import call_with_batch
 
-    copied = copy.deepcopy(model).eval()  # the task's model is left as it is (a forward may change its state)
+    try:  # the task's model is left as it is (a forward may change its state); the copy lasts this check only
+        copied = copy.deepcopy(model).eval()
+    except Exception as exc:  # noqa: BLE001 - any copy failure: say so; the metrics are then checked as they run
+        import warnings
+
+        warnings.warn(f"hydra_tune could not try the metrics of task {task.name!r} at submit: the model cannot be "
+                      f"deep-copied ({type(exc).__name__}: {exc}); a metric that breaks its contract fails the "
+                      "task at its first evaluation instead.", stacklevel=3)
+        return
     with torch.no_grad(), route(torch.Generator().manual_seed(task.seed)):
         outputs = call_with_batch(copied, batch)
         for name, fn in task.metrics.items():
