@@ -145,7 +145,8 @@ def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: obj
 
 
 # What every report holds already: a metric may not take one of these names.
-_REPORTED = ("epoch", "steps", "samples", "lr", "seconds", "train_loss", "eval_loss", "skipped_batches", "loss_scale")
+_REPORTED = ("epoch", "steps", "samples", "lr", "seconds", "train_loss", "eval_loss", "skipped_batches", "loss_scale",
+             "task")
 
 
 def _check_metrics(metrics: object, eval_data: object) -> None:

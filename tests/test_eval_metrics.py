@@ -144,6 +144,7 @@ def test_epochs_none_trains_until_the_consumer_stops():
     ({"metrics": [accuracy]}, "`metrics` is None or a non-empty dict"),
     ({"metrics": {}}, "`metrics` is None or a non-empty dict"),
     ({"metrics": {"eval_loss": accuracy}}, "not already reported"),
+    ({"metrics": {"task": accuracy}}, "not already reported"),      # the handle labels every report with it
     ({"metrics": {"acc": 3}}, "each metric is callable(outputs, batch)"),
     ({"metrics": {"acc": lambda out: out}}, "each metric is callable(outputs, batch)"),
     ({"metrics": {"acc": accuracy}, "eval_data": None}, "`metrics` are given with `eval_data`"),
@@ -246,3 +247,27 @@ def test_a_model_that_cannot_be_copied_warns_and_its_metrics_are_checked_as_they
             h = rt.submit(task)
         with pytest.raises(TypeError, match="a metric returns"):
             h.result()
+
+
+def test_eval_every_without_eval_data_reports_training_every_n_steps():
+    task = _task(eval_data=None, metrics=None, eval_every=2, grad_accumulation=2)   # 5 batches: 3 steps an epoch
+    got, model = _run(task)
+    torch.manual_seed(task.seed)
+    ref = task.model()
+    opt = task.optimizer(ref)
+    steps, reports = 0, []
+    for epoch in (1, 2):
+        losses = []
+        for i, (x, y) in enumerate(TRAIN):
+            loss = F.cross_entropy(ref(x), y)
+            (loss / 2).backward()
+            losses.append(loss.item())
+            if i % 2 == 1 or i == len(TRAIN) - 1:
+                opt.step()
+                opt.zero_grad()
+                steps += 1
+                if steps % 2 == 0 or (epoch == 2 and i == len(TRAIN) - 1):
+                    reports.append((epoch, steps, sum(losses) / len(losses)))
+    assert [(m["epoch"], m["steps"], m["train_loss"]) for m in got] == reports
+    assert [m["steps"] for m in got] == [2, 4, 6] and "eval_loss" not in got[0]
+    assert max_param_diff(model, ref) == 0.0
