@@ -271,3 +271,18 @@ def test_eval_every_without_eval_data_reports_training_every_n_steps():
     assert [(m["epoch"], m["steps"], m["train_loss"]) for m in got] == reports
     assert [m["steps"] for m in got] == [2, 4, 6] and "eval_loss" not in got[0]
     assert max_param_diff(model, ref) == 0.0
+
+
+@pytest.mark.parametrize("kw, evals", [
+    ({"eval_every": 3}, 4),                                   # reports at steps 3, 6, 9 and the last, 10
+    ({"epochs": None, "max_steps": 12, "eval_every": 4}, 3),  # 4, 8, 12
+    ({"epochs": 3}, 3),                                       # one per epoch
+])
+def test_the_units_left_count_every_evaluation_the_task_will_run(kw, evals):
+    from hydra_tune.training.state import TaskState
+
+    task = _task(**kw)
+    state = TaskState.build(task, None)
+    left = state.remaining()
+    assert left["E"] == evals * len(EVAL) * len(state.execs)
+    assert left["L"] == (task.max_steps or len(TRAIN) * task.epochs)
