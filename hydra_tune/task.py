@@ -124,11 +124,14 @@ def _check_hooks(loss: object, stages: object, lr_scheduler: object) -> None:
 _SCHEDULER_METRICS = ("train_loss", "eval_loss")
 
 
-def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: object) -> None:
-    """``lr_scheduler_metric`` names a loss this task reports after every epoch, for a scheduler to follow."""
+def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: object, metrics: object) -> None:
+    """``lr_scheduler_metric`` names a loss or metric this task reports after every epoch, for a scheduler to
+    follow (``ReduceLROnPlateau(opt, mode="max")`` on an accuracy)."""
     if metric is None:
         return
     reported = [m for m in _SCHEDULER_METRICS if m != "eval_loss" or eval_data is not None]
+    if isinstance(metrics, dict) and eval_data is not None:
+        reported += [name for name in metrics if isinstance(name, str)]
     if not isinstance(metric, str) or metric not in reported:
         fix = f"name one of {reported}"
         if metric == "eval_loss":
@@ -141,10 +144,48 @@ def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: obj
                          "lr_scheduler_metric", lr_scheduler_metric=metric, lr_scheduler=None)
 
 
+# What every report holds already: a metric may not take one of these names.
+_REPORTED = ("epoch", "steps", "samples", "lr", "seconds", "train_loss", "eval_loss", "skipped_batches", "loss_scale",
+             "task")
+
+
+def _check_metrics(metrics: object, eval_data: object) -> None:
+    """``metrics`` is None or a dict of new names to ``fn(outputs, batch)``, evaluated on eval_data."""
+    if metrics is None:
+        return
+    fix = "pass e.g. metrics={'accuracy': lambda out, b: ((out.argmax(-1) == b[1]).sum(), b[1].numel())}"
+    if not isinstance(metrics, dict) or not metrics:
+        raise rule_error("`metrics` is None or a non-empty dict of name -> fn(outputs, batch)", fix,
+                         kind=TypeError, metrics=type(metrics).__name__ if not isinstance(metrics, dict) else metrics)
+    for name, fn in metrics.items():
+        if not isinstance(name, str) or not name or name in _REPORTED:
+            raise rule_error("each metric's name is a non-empty str that is not already reported", "rename it; "
+                             f"reported already: {list(_REPORTED)}", metric=name)
+        if not callable(fn):
+            raise rule_error("each metric is callable(outputs, batch)", fix, kind=TypeError, metric=name,
+                             fn=type(fn).__name__)
+        _check_call(f"metrics[{name!r}]", fn, 2, "each metric is callable(outputs, batch)", fix)
+    if eval_data is None:
+        raise rule_error("`metrics` are given with `eval_data` (they are computed over the eval set)",
+                         "pass eval_data=..., or drop metrics", metrics=list(metrics), eval_data=None)
+
+
+def _check_schedule(epochs: object, eval_every: object, lr_scheduler_metric: object) -> None:
+    """``epochs`` (None: until stopped) and ``eval_every`` (None: per epoch; N: every N optimizer steps)."""
+    # (None, no limit, is in the docstring: this message is the one users of the int form know)
+    _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier)", allow_none=True)
+    _check_int("eval_every", eval_every, 1, "pass None to evaluate and report after every epoch, or N to do it "
+               "after every N optimizer steps", allow_none=True)
+    if eval_every is not None and lr_scheduler_metric is not None:
+        raise rule_error("`lr_scheduler_metric` (a scheduler stepped once per epoch on the epoch's evaluation) is "
+                         "not combined with `eval_every` (evaluations every N steps, none per epoch)",
+                         "drop eval_every to evaluate once per epoch, or use a scheduler stepped per optimizer "
+                         "step", eval_every=eval_every, lr_scheduler_metric=lr_scheduler_metric)
+
+
 def _check_loop(epochs: object, max_steps: object, grad_accumulation: object, grad_clip_norm: object,
                 seed: object, name: object) -> None:
     """The training loop's settings: counts, the clip norm, the seed and the name."""
-    _check_int("epochs", epochs, 1, "train for at least one epoch (use max_steps to stop earlier)")
     _check_int("max_steps", max_steps, 1, "pass None for no limit, or a positive number of optimizer steps",
                allow_none=True)
     _check_int("grad_accumulation", grad_accumulation, 1, "pass 1 for a step every batch, k for every k batches")
@@ -218,6 +259,16 @@ class ModelTask:
         without the check would. None (the default) is "fail", except under fp16, where it is "ignore": the
         GradScaler then skips a step whose gradients are inf/NaN and lowers the scale, as torch.amp does.
         Eval losses are reported as they are, never checked.
+      * ``metrics={"accuracy": fn}``: ``fn(outputs, batch)`` per eval batch, inside the last shard's eval unit,
+        returning ``(sum, count)`` (reported as Σsum / Σcount over the eval set: ``correct / total``) or one value
+        (reported as its sum); reported next to ``eval_loss``. Needs ``eval_data``; each metric is tried once on
+        the sample batch when the task is built (hydra_tune/training/metrics.py has the contract).
+      * ``eval_every=N``: evaluate (with eval_data) and report after every N-th optimizer step (counted over all
+        epochs) and after the last step, instead of after every epoch; ``train_loss`` is then the mean of the
+        epoch's minibatch losses so far. Not with ``lr_scheduler_metric`` (that steps per epoch).
+      * ``epochs=None``: no epoch limit: the task trains until ``max_steps``, or, without it, until it is stopped
+        (Tune's ``stop``/ASHA, an Optuna pruner, ``TaskHandle.cancel``, leaving the ``train()`` loop); its
+        ``result()`` never comes otherwise.
     """
 
     def __init__(
@@ -241,13 +292,17 @@ class ModelTask:
         resume_from: str | None = None,
         resume_hparams: str = "checkpoint",
         nonfinite_loss: str | None = None,
+        metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
+        eval_every: int | None = None,
     ) -> None:
         _check_factories(model, optimizer)
         _check_data("train_data", train_data)
         if eval_data is not None:
             _check_data("eval_data", eval_data)
         _check_hooks(loss, stages, lr_scheduler)
-        _check_scheduler_metric(lr_scheduler, lr_scheduler_metric, eval_data)
+        _check_scheduler_metric(lr_scheduler, lr_scheduler_metric, eval_data, metrics)
+        _check_schedule(epochs, eval_every, lr_scheduler_metric)
+        _check_metrics(metrics, eval_data)
         _check_loop(epochs, max_steps, grad_accumulation, grad_clip_norm, seed, name)
         _check_options(precision, resume_from, resume_hparams, nonfinite_loss)
         self.model = model
@@ -270,6 +325,8 @@ class ModelTask:
         # fp16 overflow (a batch beyond 65504 makes the loss inf or NaN) is torch.amp's GradScaler's to handle:
         # by default it skips that step and lowers the scale, as in the plain AMP loop.
         self.nonfinite_loss = nonfinite_loss or ("ignore" if precision == "fp16" else "fail")
+        self.metrics = dict(metrics) if metrics else {}
+        self.eval_every = eval_every
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "

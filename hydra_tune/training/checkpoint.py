@@ -75,9 +75,9 @@ class Position:
     # at an epoch end: the metrics that epoch emitted (a task resumed from its last epoch's end emits them again)
     metrics: dict[str, Any] | None = None
 
-    def is_final(self, epochs: int) -> bool:
-        """Whether this is the end of the last of ``epochs``: nothing is left to train."""
-        return self.epoch == epochs + 1 and self.batch_in_epoch == 0
+    def is_final(self, epochs: int | None) -> bool:
+        """Whether this is the end of the last of ``epochs``: nothing is left to train (never, with no limit)."""
+        return epochs is not None and self.epoch == epochs + 1 and self.batch_in_epoch == 0
 
 
 class AsBuilt:
@@ -153,7 +153,7 @@ def check_position(task: Any, position: Position) -> None:
              "checkpoint_batches_done": position.batch_in_epoch, "checkpoint_steps": position.steps,
              "epochs": task.epochs, "max_steps": task.max_steps}
     final = position.is_final(task.epochs)
-    if position.epoch > task.epochs and not (final and position.metrics is not None):
+    if task.epochs is not None and position.epoch > task.epochs and not (final and position.metrics is not None):
         done = position.epoch - 1 if position.batch_in_epoch == 0 else position.epoch
         raise rule_error("a resumed task has training left at its checkpoint, or the checkpoint is the end of its "
                          "last epoch and holds that epoch's metrics", f"resume with epochs >= {done + 1} to train "

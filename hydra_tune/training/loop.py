@@ -8,8 +8,11 @@ The chain does the host-side work between segments in the plain loop's order: fe
 stream; a data factory is called at the start of each pass over the data), hand out its segment, add the minibatch's
 gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and zero the
 gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step that only
-starts drawing later draws from torch's global generator); after each epoch it evaluates, steps a metric-driven
-scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics. At each step boundary and epoch
+starts drawing later draws from torch's global generator); after each epoch it evaluates (eval_loss and the task's
+metrics, summed in the last shard's eval units: metrics.py), steps a metric-driven scheduler (ReduceLROnPlateau)
+with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and emits after every N-th
+step and after the last one instead, before that step's boundary (a checkpoint there resumes after the report).
+``epochs=None``: epochs go on until ``max_steps`` or until the task is cancelled. At each step boundary and epoch
 end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the model
 is unchanged until then); when it trains no more, snapshots get the final model (boundary.py). A resumed task
 repeats its epoch's data order from the checkpointed epoch-start RNG state and steps over the batches already
@@ -23,6 +26,7 @@ reached the parameters (gradients are added, and the optimizer steps, only after
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -30,7 +34,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
+from torch.utils._pytree import (
+    tree_flatten,  # torch's own pytree walk: there is no public one
+)
 
 from ..device.devices import Device
 from ..device.dispatch import UnitMode
@@ -40,7 +46,16 @@ from ..policy.partition import Plan
 from ..task import check_batch
 from .boundary import task_work
 from .checkpoint import Position, put_entries
-from .data import close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
+from .data import (
+    close_workers,
+    data_generators,
+    epoch_data,
+    is_factory,
+    restore_generators,
+    sampler_state,
+    set_epoch,
+)
+from .metrics import MetricSums, measure
 from .optstep import OptimizerStep
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
@@ -96,6 +111,10 @@ class TrainingLoop:
         # the train data's samplers as built (a factory's are made anew each epoch: none); see data.sampler_state
         self._samplers = None if is_factory(state.train_iterable) else sampler_state(state.train_iterable)
         self._optimizer_step = OptimizerStep(state)
+        self._emit: Callable[[dict[str, Any]], None] = lambda m: None
+        self._start = 0.0
+        self._reported: dict[str, Any] | None = None  # the last metrics emitted, and at which step count
+        self._reported_at: int | None = None
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing. However it
@@ -114,19 +133,18 @@ class TrainingLoop:
         if final is not None and final.is_final(task.epochs) and final.metrics is not None:
             yield from self._resumed_at_the_end(final, final.metrics, emit)
             return
-        start = time.perf_counter()
+        self._emit, self._start = emit, time.perf_counter()
         samples = state.resume.samples if state.resume else 0
-        for epoch in range(state.resume.epoch if state.resume else 1, task.epochs + 1):
+        first = state.resume.epoch if state.resume else 1
+        for epoch in range(first, task.epochs + 1) if task.epochs is not None else itertools.count(first):
             run = yield from self._train_epoch(epoch, samples)
             samples = run.samples
-            metrics = self._epoch_metrics(epoch, run)
-            if state.eval_iterable is not None:
-                metrics["eval_loss"] = yield from self._evaluate()
-            self._epoch_schedule(metrics)
-            metrics["seconds"] = time.perf_counter() - start
-            emitted = dict(metrics)
-            emit(metrics)
-            if task.max_steps is not None and state.steps >= task.max_steps:
+            stop = task.max_steps is not None and state.steps >= task.max_steps
+            # eval_every=N reports every N steps (in _train_epoch) and once after the last step if that was not one
+            if task.eval_every is None or ((stop or epoch == task.epochs) and self._reported_at != state.steps):
+                yield from self._report(epoch, run)
+            emitted = self._reported
+            if stop:
                 break
             if not is_factory(state.train_iterable):  # a factory's next epoch has no data yet: the next step serves
                 snap = state.rng.snapshot()
@@ -198,6 +216,7 @@ class TrainingLoop:
             if run.pending == task.grad_accumulation:
                 self._step()
                 run.pending = 0
+                yield from self._report_due(epoch, run)  # before the boundary: a checkpoint there follows it
                 state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
                                               list(run.losses), epoch_rng, *rng.snapshot(), skipped=run.skipped,
                                               data_rng=self._data_rng, data_python=self._data_py),
@@ -207,7 +226,25 @@ class TrainingLoop:
         state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
         if run.pending:
             self._step()
+            yield from self._report_due(epoch, run)
         return run
+
+    def _report_due(self, epoch: int, run: _EpochRun) -> Generator[Segment, None, None]:
+        """``eval_every=N``: after every N-th optimizer step, evaluate and report."""
+        every = self.state.task.eval_every
+        if every is not None and self.state.steps % every == 0:
+            yield from self._report(epoch, run)
+
+    def _report(self, epoch: int, run: _EpochRun) -> Generator[Segment, None, None]:
+        """Evaluate (with eval_data), step a metric-driven scheduler, and emit the metrics."""
+        state = self.state
+        metrics = self._epoch_metrics(epoch, run)
+        if state.eval_iterable is not None:
+            metrics.update((yield from self._evaluate()))
+        self._epoch_schedule(metrics)
+        metrics["seconds"] = time.perf_counter() - self._start
+        self._reported, self._reported_at = dict(metrics), state.steps
+        self._emit(metrics)
 
     def _resume_epoch(self) -> tuple[list[float], int, int]:
         """The epoch's losses so far, the batches to step over and the minibatches skipped so far: a resumed task's
@@ -353,29 +390,40 @@ class TrainingLoop:
         state.scheduler.step(metrics[name])
         metrics["lr"] = state.optimizer.param_groups[0]["lr"]
 
-    def _evaluate(self) -> Generator[Segment, None, float]:
+    def _evaluate(self) -> Generator[Segment, None, dict[str, float]]:
+        """One pass over the eval data: ``eval_loss`` (the mean of the batches' losses) and the task's metrics."""
         state = self.state
         state.model.eval()
         losses: list[float] = []
+        sums = MetricSums(state.task.metrics)
         n = 0
         try:
             for batch in self._batches(state.eval_iterable, "eval_data"):
                 check_batch(batch, state.task.name, "eval_data", state.eval_in_epoch + 1)
                 state.eval_in_epoch += 1
                 state.leave_boundary()  # an evaluation forward may change what the model holds, too
-                yield self._begin(batch, losses, lambda: self._eval_units(losses))
+                measured: list[dict[str, Any]] = []  # a retried segment's measures are replaced, not added
+                yield self._begin(batch, losses, lambda: self._eval_units(losses, measured))
+                for m in measured[-1:]:
+                    sums.add(m)
                 state.store.clear()
                 n += 1
         finally:
             state.model.train()
         state.eval_batches = n
-        return sum(losses) / max(len(losses), 1)
+        return {"eval_loss": sum(losses) / max(len(losses), 1), **sums.values()}
 
-    def _eval_units(self, losses: list[float]) -> Segment:
+    def _eval_units(self, losses: list[float], measured: list[dict[str, Any]]) -> Segment:
         state = self.state
         store, rng, last, loss_fn = state.store, state.rng, state.execs[-1], state.task.loss
+        fns = state.task.metrics
         units: list[UnitSpec] = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False),
                                   lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in state.execs[:-1]]
-        units.append(("E", last, lambda d: losses.append(last.evaluate(d, store, rng, loss_fn)),
-                      lambda d: last.prefetch(d, store, "E")))
+
+        def run_last(d: Device) -> None:
+            def on_outputs(out: Any, batch: Any) -> None:  # on the device, inside the unit (metrics.py)
+                measured.append(measure(fns, out, batch))
+            losses.append(last.evaluate(d, store, rng, loss_fn, on_outputs if fns else None))
+
+        units.append(("E", last, run_last, lambda d: last.prefetch(d, store, "E")))
         return self._segment(units, False)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -279,14 +279,22 @@ class ShardExec:
         kept.filled = True
         return sum(p.numel() * p.element_size() for p in self.params)
 
-    def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None) -> float:
-        """The last shard in eval: forward and loss, no autograd; returns the loss value."""
+    def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
+                 measure: Callable[[Any, Any], None] | None = None) -> float:
+        """The last shard in eval: forward and loss, no autograd; returns the loss value. ``measure(outputs,
+        batch)`` (the task's metrics, training/metrics.py) then runs here, on the device's outputs and batch."""
         with self._python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index], self.carry_kind)
             out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, store, mode)
-            return device.copier.read(self.loss(device, loss_fn, out, store.batch))
+            batch = self.to_device(device, store.batch, "batches")
+            with self.precision(device):
+                loss = model_loss(loss_fn, out, batch)
+            value = device.copier.read(loss)
+            if measure is not None:
+                measure(out, batch)
+            return value
 
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:

@@ -31,6 +31,7 @@ from .build import AUTOCAST_DTYPES, build_part
 from .checkpoint import AsBuilt, Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
+from .metrics import check_metrics_run
 from .profile import measure_costs
 from .resident import StateHome
 from .segments import Segment
@@ -101,6 +102,7 @@ class TaskState:
         # declared stages must compute the model's own forward (on copies, a scratch stream: nothing changes)
         check_stages(model, cut, sample, UnitMode, task.seed, AUTOCAST_DTYPES[task.precision], task.name,
                      evaluate=task.eval_data is not None)
+        check_metrics_run(task, model, sample, UnitMode)  # each metric tried once, on a copy of the model
         costs = measure_costs(cut, sample, task.loss, task.seed, AUTOCAST_DTYPES[task.precision])
         try:
             plan = partition(costs, budget, bandwidth=bandwidth, keep=keep)
@@ -181,14 +183,20 @@ class TaskState:
         the first epoch's count; capped by ``max_steps``."""
         task, n_sh = self.task, len(self.execs)
         per_epoch = self.train_batches or data_length(self.train_iterable) or self.batch_in_epoch + 1
-        batches = max(per_epoch - self.batch_in_epoch, 0) + per_epoch * (task.epochs - max(self.epoch, 1))
+        # epochs=None: max_steps bounds it; with no bound either, say one more epoch (until it is stopped)
+        epochs = task.epochs if task.epochs is not None else max(self.epoch, 1) + (1 if task.max_steps is None
+                                                                                  else 1 << 20)
+        batches = max(per_epoch - self.batch_in_epoch, 0) + per_epoch * (epochs - max(self.epoch, 1))
         if task.max_steps is not None:
             batches = min(batches, max(task.max_steps - self.steps, 0) * task.grad_accumulation)
-        epochs_left = task.epochs - max(self.epoch, 1) + 1
+        epochs_left = epochs - max(self.epoch, 1) + 1
         evals = 0
         if self.eval_iterable is not None:
             per_eval = self.eval_batches or data_length(self.eval_iterable) or 1
-            evals = max(per_eval * epochs_left - self.eval_in_epoch, 0) * n_sh
+            if task.eval_every is None:
+                evals = max(per_eval * epochs_left - self.eval_in_epoch, 0) * n_sh
+            else:  # one pass every eval_every steps, and one after the last step if that is not one
+                evals = per_eval * -(-batches // (task.grad_accumulation * task.eval_every)) * n_sh
         return {"F": batches * (n_sh - 1), "L": batches, "B": batches * (n_sh - 1), "E": evals}
 
     def host_bytes(self) -> int:

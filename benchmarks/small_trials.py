@@ -1,0 +1,209 @@
+"""Usage: .venv/bin/python benchmarks/small_trials.py [--quick] [--json out.json] [--repeats N]
+
+Small and short trials (issue 15), three numbers, each hydra_tune against what a user would run without it:
+  1. Small-model search: ``--trials`` trials (default 40; --quick 8) of a ~117k-parameter MLP (64-256-256-128-10)
+     on sklearn's bundled 8x8 digits (offline: 1437 train / 360 eval images, batch 64), ``--epochs`` epochs each
+     (default 10; --quick 3) with an accuracy evaluation after every epoch (``metrics={"accuracy": ...}``).
+     hydra_tune: all trials submitted at once to one runtime with 2 CPU devices (wall counts runtime start, every
+     submit and every result). Plain: the same trials as plain PyTorch loops, 2 at a time (two threads, as Optuna's
+     ``n_jobs=2``). Ratio = plain wall / hydra wall (>= 1.0: hydra at least as fast; the issue's goal).
+  2. Short trials: 4 GPT-2 tasks (4 layers x 128) of 6 minibatches, 1 epoch, on 2 CPU devices vs 1, wall counting
+     submit (runtime start to the last result). Goal >= 1.6x.
+  3. Per-unit runtime overhead: one MLP trial alone on 1 device, traced. ``unit`` = (sum of its units' wall times -
+     the plain loop's time in the same computations: forward, loss, backward; eval forward, loss, accuracy) / units:
+     what running a unit costs beyond its compute; ``gap`` = (runtime wall from first to last unit - the whole plain
+     loop's time, optimizer steps and data included) / units: also the host work and hand-offs between units.
+     In microseconds; aim under 200 us on CPU (fastest of 3 plain runs: contention inflates only hydra's side).
+Every side uses one intra-op thread per device (torch.set_num_threads(1)). Prints the numbers, then one JSON line.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _common import Size, adamw, emit, gpt2_factory, setup, token_batches
+
+import hydra_tune as ht
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LRS = (0.3, 0.1, 0.03, 0.01, 0.003)
+SHORT = Size(4, 128, 4, 2048, 64, 8, batches=6, epochs=1)
+
+
+def digits(batch: int = 64) -> tuple[list[Batch], list[Batch]]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    cut = int(0.8 * len(y))
+
+    def batches(xs: torch.Tensor, ys: torch.Tensor) -> list[Batch]:
+        return [(xs[i:i + batch], ys[i:i + batch]) for i in range(0, len(ys), batch)]
+    return batches(x[:cut], y[:cut]), batches(x[cut:], y[cut:])
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def accuracy(out: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, int]:
+    return (out.argmax(-1) == batch[1]).sum(), batch[1].numel()
+
+
+def trial_task(i: int, train: list[Batch], val: list[Batch], epochs: int) -> ht.ModelTask:
+    lr = LRS[i % len(LRS)]
+    return ht.ModelTask(mlp, lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9), train, eval_data=val,
+                        loss=lambda out, b: F.cross_entropy(out, b[1]), metrics={"accuracy": accuracy},
+                        epochs=epochs, seed=i, name=f"t{i}")
+
+
+def plain_trial(task: ht.ModelTask, compute: list[float] | None = None) -> float:
+    """The user's loop: train, then accuracy over the eval set after every epoch; returns the last accuracy.
+    ``compute`` (a one-item list) adds up the seconds of what hydra's units run: forward, loss, backward (train)
+    and forward, loss, accuracy (eval); not the optimizer step or the data."""
+    clock = time.perf_counter
+    torch.manual_seed(task.seed)
+    model = task.model()
+    opt = task.optimizer(model)
+    acc = 0.0
+    for _ in range(task.epochs):
+        model.train()
+        for x, y in task.train_data:
+            t0 = clock()
+            F.cross_entropy(model(x), y).backward()
+            if compute is not None:
+                compute[0] += clock() - t0
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        correct = total = 0
+        with torch.no_grad():
+            for x, y in task.eval_data:
+                t0 = clock()
+                out = model(x)
+                F.cross_entropy(out, y).item()
+                correct += (out.argmax(-1) == y).sum().item()
+                if compute is not None:
+                    compute[0] += clock() - t0
+                total += y.numel()
+        acc = correct / total
+    return acc
+
+
+def plain_search(tasks: list[ht.ModelTask], threads: int = 2) -> tuple[float, list[float]]:
+    accs = [0.0] * len(tasks)
+
+    def work(idx: list[int]) -> None:
+        for i in idx:
+            accs[i] = plain_trial(tasks[i])
+    start = time.perf_counter()
+    pool = [threading.Thread(target=work, args=(list(range(t, len(tasks), threads)),)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return time.perf_counter() - start, accs
+
+
+def hydra_search(tasks: list[ht.ModelTask], devices: int = 2) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    with ht.Runtime(devices=["cpu"] * devices) as rt:
+        handles = [rt.submit(t) for t in tasks]
+        accs = [h.result()["accuracy"] for h in handles]
+    return time.perf_counter() - start, accs
+
+
+def unit_overhead(train: list[Batch], val: list[Batch], epochs: int) -> dict[str, Any]:
+    task = trial_task(0, train, val, epochs)
+    with ht.Runtime(devices=["cpu"]) as rt:
+        rt.submit(task).result()
+        units = rt.trace().units()
+    best: tuple[float, float] | None = None
+    for _ in range(3):   # the fastest of three plain runs: (units' compute, whole loop)
+        compute = [0.0]
+        start = time.perf_counter()
+        plain_trial(trial_task(0, train, val, epochs), compute)
+        run = (compute[0], time.perf_counter() - start)
+        best = run if best is None or run[1] < best[1] else best
+    assert best is not None
+    busy = sum(u.seconds for u in units)
+    span = max(u.end for u in units) - min(u.start for u in units)
+    n = len(units)
+    return {"units": n, "unit_busy_s": busy, "span_s": span, "plain_compute_s": best[0], "plain_s": best[1],
+            "unit_us": (busy - best[0]) / n * 1e6, "gap_us": (span - best[1]) / n * 1e6,
+            "plain_per_unit_us": best[0] / n * 1e6}
+
+
+def short_trials(repeats: int) -> dict[str, Any]:
+    def run(devices: int) -> float:
+        start = time.perf_counter()   # runtime start, each build/profile/plan (submit) and training
+        with ht.Runtime(devices=["cpu"] * devices) as rt:
+            handles = [rt.submit(ht.ModelTask(gpt2_factory(SHORT), adamw(1e-3), token_batches(SHORT, seed=i),
+                                              epochs=1, seed=i, name=f"s{i}")) for i in range(4)]
+            for h in handles:
+                h.result()
+        return time.perf_counter() - start
+
+    run(1)   # warm-up (transformers' import, first model build)
+    walls: dict[int, list[float]] = {1: [], 2: []}
+    for r in range(repeats):
+        for devices in ((1, 2) if r % 2 == 0 else (2, 1)):
+            walls[devices].append(run(devices))
+    one, two = statistics.median(walls[1]), statistics.median(walls[2])
+    return {"wall_1dev_s": one, "wall_2dev_s": two, "speedup": one / two, "walls": walls}
+
+
+def main() -> int:
+    t_start = time.perf_counter()
+
+    def extra(p: Any) -> None:
+        p.add_argument("--trials", type=int, default=None, help="MLP trials (default 40, --quick 8)")
+        p.add_argument("--epochs", type=int, default=None, help="epochs per MLP trial (default 10, --quick 3)")
+    args = setup(__doc__, extra)
+    n, epochs = args.trials or (8 if args.quick else 40), args.epochs or (3 if args.quick else 10)
+    train, val = digits()
+    params = sum(p.numel() for p in mlp().parameters())
+    print(f"1. {n} trials x {epochs} epochs of a {params}-parameter MLP on 8x8 digits ({len(train)} train / "
+          f"{len(val)} eval batches of 64), accuracy every epoch; {args.repeats} runs per side", flush=True)
+    hydra_search([trial_task(0, train, val, 1)], 2)   # warm-up of each side (imports, allocator)
+    plain_search([trial_task(0, train, val, 1)])
+    runs: dict[str, list[float]] = {"hydra": [], "plain": []}
+    accs: dict[str, list[float]] = {}
+    for r in range(args.repeats):
+        for side in (("hydra", "plain") if r % 2 == 0 else ("plain", "hydra")):
+            tasks = [trial_task(i, train, val, epochs) for i in range(n)]
+            wall, accs[side] = hydra_search(tasks) if side == "hydra" else plain_search(tasks)
+            runs[side].append(wall)
+            print(f"   {side:<6} run {r + 1}: {wall:6.2f} s", flush=True)
+    hydra, plain = statistics.median(runs["hydra"]), statistics.median(runs["plain"])
+    # (the plain threads share torch's global generator, so their dropout masks interleave: means, not equality)
+    mean = {side: sum(a) / len(a) for side, a in accs.items()}
+    print(f"   search ratio plain/hydra = {plain / hydra:.3f}x (hydra {hydra:.2f} s, plain 2 at a time {plain:.2f} s; "
+          f"goal >= 1.0x); mean final accuracy hydra {mean['hydra']:.3f}, plain {mean['plain']:.3f}", flush=True)
+
+    print("2. short trials: 4 GPT-2 4x128 tasks x 6 minibatches, 2 devices vs 1, counting submit", flush=True)
+    short = short_trials(args.repeats)
+    print(f"   2 devices vs 1 = {short['speedup']:.3f}x ({short['wall_1dev_s']:.2f} s vs {short['wall_2dev_s']:.2f} s; "
+          "goal >= 1.6x)", flush=True)
+
+    print("3. per-unit runtime overhead (one MLP trial alone, 1 device, traced)", flush=True)
+    over = unit_overhead(train, val, min(epochs, 3))
+    print(f"   {over['units']} units; unit overhead {over['unit_us']:.0f} us/unit, with hand-offs and host work "
+          f"{over['gap_us']:.0f} us/unit, plain compute {over['plain_per_unit_us']:.0f} us/unit (aim < 200 us)")
+    emit({"benchmark": "small_trials", "search_ratio": plain / hydra, "search": runs, "mean_accuracy": mean,
+          "short": short, "overhead": over, "trials": n, "epochs": epochs, "mlp_params": params}, args, t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
