@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=12, help="trials sampled (default 12)")
     p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_trials (default 4)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs for the local Ray (default 2)")
+    p.add_argument("--quiet", action="store_true", help="no Tune status table while it runs")
     p.add_argument("--trace", default="tune_trace.json", help="Chrome trace output ('' to skip)")
     p.add_argument("--timeline", default="tune_timeline.png", help="Gantt chart output ('' to skip)")
     return parse_search(p, argv)
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                     search_alg=tune.search.BasicVariantGenerator(        # max_concurrent here is
                                         random_state=0, max_concurrent=args.concurrent),  # max_concurrent_trials
                                     scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=2)),
-        run_config=tune.RunConfig(callbacks=[ex], storage_path=tempfile.mkdtemp(prefix="tune_gpt2_"), verbose=0))
+        run_config=tune.RunConfig(callbacks=[ex], storage_path=tempfile.mkdtemp(prefix="tune_gpt2_"),
+                                  verbose=0 if args.quiet else 1))   # 1: Tune's own status table while it runs
     t0 = time.perf_counter()
     results = tuner.fit()
     wall = time.perf_counter() - t0
