@@ -30,7 +30,7 @@ demo-optuna: venv
 	$(BIN)/python examples/optuna_gpt2.py
 
 # The version matrix (benchmarks/compat.sh): one fresh venv per combination at the ends of the supported ranges,
-# the integration and family tests in each, a markdown table at the end. About 30 minutes on 2 cores; not in `test`.
+# the integration and family tests in each, a markdown table at the end. 30-40 minutes on 2 cores; not in `test`.
 compat:
 	bash benchmarks/compat.sh
 
