@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: test demo demo-optuna venv clean
+.PHONY: test demo demo-optuna venv clean compat wheel
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,5 +29,14 @@ demo: venv
 demo-optuna: venv
 	$(BIN)/python examples/optuna_gpt2.py
 
+# The version matrix (benchmarks/compat.sh): one fresh venv per combination at the ends of the supported ranges,
+# the integration and family tests in each, a markdown table at the end. 30-40 minutes on 2 cores; not in `test`.
+compat:
+	bash benchmarks/compat.sh
+
+# The wheel, in dist/ (tests/test_wheel.py checks its file list; `make compat` installs it into a fresh venv).
+wheel: venv
+	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

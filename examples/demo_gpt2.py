@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3, help="epochs per task (default 3)")
     p.add_argument("--budget", default="10MiB", help="memory per device: 10MiB, 2000000 or none (default 10MiB)")
     p.add_argument("--devices", type=int, default=2, help="number of CPU stand-in devices (default 2)")
+    p.add_argument("--progress", type=float, default=10.0,
+                   help="seconds between status lines (tasks, devices busy, steps/s); 0: none (default 10)")
     p.add_argument("--train-batches", type=int, default=24, help="training batches per epoch (default 24)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches (default 4)")
     p.add_argument("--trace", default="demo_trace.json", help="Chrome trace output ('' to skip)")
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"corpus: {len(text):,} bytes of stdlib source; {len(train)} train + {len(held_out)} eval batches of "
           f"{BATCH}x{SEQ} bytes; {len(tasks)} tasks on {args.devices} CPU devices, budget {args.budget or 'none'} each")
     t0 = time.perf_counter()
-    with ht.Runtime(devices=["cpu"] * args.devices, device_memory=args.budget) as rt:
+    with ht.Runtime(devices=["cpu"] * args.devices, device_memory=args.budget,
+                    progress=args.progress or None) as rt:
         try:
             handles = [rt.submit(t) for t in tasks]
         except ht.PlanError as exc:  # the budget is below what one stage needs: the message says how much

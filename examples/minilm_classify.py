@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2, help="epochs per task (default 2)")
     p.add_argument("--budget", default="150MiB", help="memory per device: 150MiB, 2000000 or none (default 150MiB)")
     p.add_argument("--devices", type=int, default=2, help="number of CPU stand-in devices (default 2)")
+    p.add_argument("--progress", type=float, default=10.0,
+                   help="seconds between status lines (tasks, devices busy, steps/s); 0: none (default 10)")
     p.add_argument("--batch", type=int, default=16, help="sentences per batch (default 16)")
     args = p.parse_args(argv)
     args.budget = None if args.budget.lower() == "none" else int(args.budget) if args.budget.isdigit() else args.budget
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(data)} reviews: {len(train)} train + {len(held_out)} eval batches of up to {args.batch}; "
           f"{len(tasks)} tasks on {args.devices} CPU devices, budget {args.budget or 'none'} each")
     t0 = time.perf_counter()
-    with ht.Runtime(devices=["cpu"] * args.devices, device_memory=args.budget) as rt:
+    with ht.Runtime(devices=["cpu"] * args.devices, device_memory=args.budget,
+                    progress=args.progress or None) as rt:
         try:
             handles = [rt.submit(t) for t in tasks]
         except ht.PlanError as exc:  # the budget is below what one stage needs: the message says how much

@@ -48,6 +48,21 @@ def make_objective(args: argparse.Namespace):
     return objective
 
 
+def trial_line(total: int | None):
+    """An Optuna callback: one line per finished trial (state, value, epochs, params, how many done, best so far)."""
+    def report(study, trial) -> None:
+        ended = sum(t.state.is_finished() for t in study.trials)
+        value = "-" if trial.value is None else f"{trial.value:.4f}"
+        try:
+            best = f"best {study.best_value:.4f} (trial {study.best_trial.number})"
+        except ValueError:   # no completed trial yet
+            best = "no completed trial yet"
+        params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
+        print(f"[{ended}/{total or '?'}] trial {trial.number} {trial.state.name.lower()}: eval loss {value} after "
+              f"{trial.last_step or 0} epochs ({params}); {best}", flush=True)
+    return report
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = tune_gpt2.search_parser(__doc__, "max epochs per trial (default 6)")
     p.add_argument("--trials", type=int, default=16, help="trials (default 16)")
@@ -55,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: in memory)")
     p.add_argument("--study-name", default="optuna_gpt2", help="study name (with --storage: shared by processes)")
     p.add_argument("--out", default=".", help="folder for the plots and the trace (default: here)")
+    p.add_argument("--quiet", action="store_true", help="no line per finished trial")
+    p.add_argument("--progress", type=float, default=0.0,
+                   help="seconds between the runtime's status lines (tasks, devices busy, steps/s); 0: none")
     return tune_gpt2.parse_search(p, argv)
 
 
@@ -64,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.progress:   # the study's runtime reads it (hydra_tune/runtime/progress.py)
+        os.environ["HYDRA_TUNE_PROGRESS"] = str(args.progress)
     study = ht.optuna_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0),
                             pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),
                             storage=args.storage, study_name=args.study_name, load_if_exists=True,
                             devices=args.devices, device_memory=args.device_memory)
     t0 = time.perf_counter()
     with study:
-        study.optimize(make_objective(args), n_trials=args.trials, n_jobs=args.n_jobs)
+        study.optimize(make_objective(args), n_trials=args.trials, n_jobs=args.n_jobs,
+                       callbacks=[] if args.quiet else [trial_line(args.trials)])
         wall = time.perf_counter() - t0
         stats = study.runtime_stats()
         trace = study.runtime.trace()

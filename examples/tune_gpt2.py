@@ -72,11 +72,38 @@ def parse_search(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse
     return args
 
 
+def trial_lines(max_t: int) -> Any:
+    """A Tune callback printing one line per trial result and per trial end, with the trials' states so far."""
+    from ray import tune
+
+    class TrialLines(tune.Callback):
+        def _states(self, trials: list, ended: Any = None) -> str:
+            counts: dict[str, int] = {}
+            for t in trials:   # Tune calls on_trial_complete before it marks the trial terminated
+                status = "terminated" if t is ended else t.status.lower()
+                counts[status] = counts.get(status, 0) + 1
+            return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+        def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+            print(f"{time.strftime('%H:%M:%S')} trial {trial.trial_id} epoch {result.get('training_iteration')}/"
+                  f"{max_t}: eval loss {result.get('eval_loss', float('nan')):.4f} (train "
+                  f"{result.get('train_loss', float('nan')):.4f}) | {self._states(trials)}", flush=True)
+
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            done = trial.last_result.get("training_iteration", 0)
+            how = "finished" if done >= max_t else f"stopped by ASHA after {done} epochs"
+            print(f"{time.strftime('%H:%M:%S')} trial {trial.trial_id} {how} | {self._states(trials, trial)}", flush=True)
+
+    return TrialLines()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = search_parser(__doc__, "max epochs per trial = ASHA's max_t (default 6)")
     p.add_argument("--samples", type=int, default=12, help="trials sampled (default 12)")
     p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_trials (default 4)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs for the local Ray (default 2)")
+    p.add_argument("--progress", choices=("lines", "tune", "none"), default="lines",
+                   help="while it runs: one line per trial result (default), Tune's own status tables, or nothing")
     p.add_argument("--trace", default="tune_trace.json", help="Chrome trace output ('' to skip)")
     p.add_argument("--timeline", default="tune_timeline.png", help="Gantt chart output ('' to skip)")
     return parse_search(p, argv)
@@ -100,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                                     search_alg=tune.search.BasicVariantGenerator(        # max_concurrent here is
                                         random_state=0, max_concurrent=args.concurrent),  # max_concurrent_trials
                                     scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=2)),
-        run_config=tune.RunConfig(callbacks=[ex], storage_path=tempfile.mkdtemp(prefix="tune_gpt2_"), verbose=0))
+        run_config=tune.RunConfig(storage_path=tempfile.mkdtemp(prefix="tune_gpt2_"),
+                                  callbacks=[ex] + ([trial_lines(args.epochs)] if args.progress == "lines" else []),
+                                  verbose=1 if args.progress == "tune" else 0))
     t0 = time.perf_counter()
     results = tuner.fit()
     wall = time.perf_counter() - t0

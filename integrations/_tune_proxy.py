@@ -12,7 +12,8 @@ and become a ``RuntimeConfig`` again in the actor.
 
 How ``tune.report``/``tune.get_context`` keep working inside ``train_fn``: Ray's function API reads the
 process-wide ``ray.train._internal.session._session``. In the runtime actor that variable is replaced by a
-per-thread router, so each trial thread sees its own forwarding session.
+per-thread router (``route_sessions``, which checks the installed Ray still reads it), so each trial thread sees
+its own forwarding session.
 
 How ``hydra_tune.train`` inside ``train_fn`` reaches the node's runtime: each trial thread runs ``train_fn`` inside
 ``hydra_tune.api.bind``, whose submit records every handle on the trial's session, so cancelling the trial
@@ -162,18 +163,38 @@ class _ThreadRoutedSession:
         setattr(self._current(), name, value)
 
 
+def route_sessions(router: Any) -> None:
+    """Make ``router`` the session Ray's function API (``tune.report``, ``tune.get_checkpoint``,
+    ``tune.get_context``) reads in this process, and check that it does; RuntimeError naming Ray's version if not.
+
+    Third-party private, the one place hydra_tune touches Ray internals: Ray 2.41 to 2.60 keep the session in the
+    module variable ``ray.train._internal.session._session``, read by ``get_session()``, and offer no per-thread
+    hook. The check makes a Ray that moved it fail here, with its version, instead of in a trial's first report
+    ("`report` is meant to only be called inside a function that is executed by a Tuner")."""
+    try:
+        from ray.train._internal import session as module
+    except ImportError as exc:
+        raise RuntimeError(_moved(f"ray.train._internal.session does not import ({exc})")) from exc
+    if not hasattr(module, "_session") or not callable(getattr(module, "get_session", None)):
+        raise RuntimeError(_moved("ray.train._internal.session has no `_session` or `get_session`"))
+    module._session = router
+    if module.get_session() is not router:
+        raise RuntimeError(_moved("ray.train._internal.session.get_session() does not read `_session`"))
+
+
+def _moved(what: str) -> str:
+    return (f"Ray keeps Tune's function session in ray.train._internal.session._session must hold, but got ({what}, "
+            f"ray={ray.__version__}). Fix: install a supported Ray, pip install 'ray[tune]>=2.41,<2.61'.")
+
+
 class RuntimeActor:
     """The Ray actor of one node: owns the node's devices through the process's hydra_tune default runtime, made
     from ``config`` (a ``RuntimeConfig.as_dict()``), and runs every trial's ``train_fn`` in a thread of its own."""
 
     def __init__(self, config: dict[str, Any], origin: str) -> None:
-        # Third-party private: Ray's function API (tune.report, tune.get_context) reads this process-wide variable
-        # and offers no per-thread hook; replacing it is why ray is pinned (pyproject.toml).
-        from ray.train._internal import session as _session
-
         check_package()   # before the import: a shadowing hydra_tune.py would run as the package
         self.router = _ThreadRoutedSession()
-        _session._session = self.router
+        route_sessions(self.router)
         import hydra_tune
 
         hydra_tune.configure(config=hydra_tune.RuntimeConfig(**config))

@@ -47,6 +47,10 @@ from hydra_tune.errors import rule_error
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
 
+from ._versions import require
+
+require("optuna", optuna.__version__)   # a clear ImportError outside the tested range
+
 __all__ = ["optuna_study", "HydraStudy", "HydraSampler"]
 
 SHARE = ("auto", "process", "node")

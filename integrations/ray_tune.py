@@ -32,6 +32,9 @@ from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
 
 from . import _tune_proxy as _proxy
+from ._versions import require
+
+require("ray", ray.__version__)   # a clear ImportError outside the tested range, before Ray's privates are used
 
 __all__ = ["HydraExecutor"]
 
@@ -138,9 +141,12 @@ class HydraExecutor(tune.Callback):
     def _cancel(self, trial: Any, why: str) -> None:
         for nid in self._node_ids():
             try:
-                ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE).cancel.remote(trial.trial_id, why)
+                actor = ray.get_actor(_proxy.actor_name(nid), namespace=_proxy.NAMESPACE)
             except ValueError:
-                pass
+                continue
+            # held in a variable: Ray before 2.4x keeps only a weak reference from `actor.cancel` to the handle, so
+            # a handle used inline is collected first ("RuntimeError: Lost reference to actor")
+            actor.cancel.remote(trial.trial_id, why)
 
     # -- tune.Callback hooks ------------------------------------------------------------------------------
     def setup(self, **info: Any) -> None:

@@ -30,6 +30,7 @@ from ..training.shard import ShardExec
 from ..training.state import TaskState
 from .gate import GateHooks, HostGate
 from .handle import TaskHandle
+from .progress import ProgressLog, progress_seconds
 from .scheduler import Admitted, Scheduler
 from .trace import Recorder, Trace
 from .worker import DeviceWorker, WorkerHooks
@@ -50,13 +51,17 @@ class Runtime:
     ``host_memory``: what the admitted tasks' host state may take: None measures it (available memory less a
     reserve, sampled at every admission), a byte count or "64GiB" is a hard budget. A task that does not fit
     waits, a task that could never fit is rejected at submit (policy/admission.py; training/footprint.py).
+    ``progress``: seconds between one-line status logs (tasks running/queued, devices busy, steps/s) on the
+    ``hydra_tune.progress`` logger at INFO; None (the default) reads ``HYDRA_TUNE_PROGRESS``, unset means off
+    (runtime/progress.py).
     """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
                  *, policy: str = "lrtf", host_memory: int | str | None = None,
-                 config: RuntimeConfig | None = None) -> None:
+                 config: RuntimeConfig | None = None, progress: float | None = None) -> None:
         self.config = RuntimeConfig.of(config, devices=devices, device_memory=device_memory,
                                        host_memory=host_memory, policy=policy)
+        seconds = progress_seconds(progress)   # checked before any device starts
         self.devices: list[Device] = resolve_devices(self.config.devices, self.config.device_memory)
         self._set_threads()
         self.policy = self.config.policy
@@ -69,6 +74,7 @@ class Runtime:
             self.close()
             raise self._start_errors[0]
         self._gate.start()
+        self._progress = ProgressLog(self.stats, seconds) if seconds is not None else None
 
     def _set_threads(self) -> None:
         """Before the workers start (each thread takes torch's count at its first parallel op)."""
@@ -156,6 +162,8 @@ class Runtime:
         when a task's host work is stuck in its data iterator (or its build, in the gate's thread, is): that
         thread is left behind (it keeps the task's memory until the iterator returns) with a RuntimeWarning
         naming the task."""
+        if getattr(self, "_progress", None) is not None:
+            self._progress.stop()
         pending = self.scheduler.close()
         if pending is None:
             return  # closed already

@@ -69,6 +69,9 @@ def _known_cut(model: nn.Module, family: tuple[str, str] | None) -> ModelStages:
         return sequential_stages(model)
     import importlib
 
+    from .compat import check_family
+
+    check_family(family[0])   # a transformers release whose forward the family's stages repeat exactly
     module = importlib.import_module(f"{__name__}.{family[0]}")
     return getattr(module, family[1])(model)
 

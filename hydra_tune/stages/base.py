@@ -129,6 +129,9 @@ def build_mask(builder: Callable[..., Any], inputs_embeds: Any, attention_mask: 
     only matter to the builders without an attention mask, so meta ones are left out here."""
     import torch
 
+    from .compat import renamed
+
+    kwargs = renamed(builder, kwargs)   # keyword names of the installed transformers (stages/compat.py)
     meta = inputs_embeds.device.type == "meta"
     if not meta or attention_mask is None:
         return builder(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **kwargs)

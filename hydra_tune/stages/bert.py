@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .base import ModelStages, Stage, build_mask, token_batches
+from .compat import call_renamed
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
@@ -36,8 +37,8 @@ class _Embed(nn.Module):
 
         position_ids = batch.get("position_ids")
         # BertEmbeddings itself fills in the default position and token type ids from its buffers (cache_length 0)
-        hidden = self.embeddings(input_ids=batch["input_ids"], position_ids=position_ids,
-                                 token_type_ids=batch.get("token_type_ids"), inputs_embeds=None, cache_length=0)
+        hidden = call_renamed(self.embeddings, input_ids=batch["input_ids"], position_ids=position_ids,
+                              token_type_ids=batch.get("token_type_ids"), inputs_embeds=None, cache_length=0)
         # Encoder-only BertModel: bidirectional mask (None, bool or additive float, by attention implementation)
         mask = build_mask(create_bidirectional_mask, hidden, batch.get("attention_mask"), config=self.config)
         return {"hidden": hidden, "mask": mask, "position_ids": position_ids, "labels": batch.get("labels")}
@@ -50,8 +51,8 @@ class _Layer(nn.Module):
 
     def forward(self, carry: dict[str, Any]) -> dict[str, Any]:
         # Same call as BertEncoder: encoder_hidden_states positional (for gradient checkpointing), position_ids as kwarg
-        hidden = self.layer(carry["hidden"], carry["mask"], None, encoder_attention_mask=None, cache=None,
-                            position_ids=carry["position_ids"])
+        hidden = call_renamed(self.layer, carry["hidden"], carry["mask"], None, encoder_attention_mask=None,
+                              cache=None, position_ids=carry["position_ids"])
         return {**carry, "hidden": hidden}
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from .base import ModelStages, Stage, build_mask, token_batches
+from .compat import call_renamed, keep_all_positions
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 # Inputs the model's forward accepts but whose branch (generation cache, embeddings given directly, logits of a
@@ -89,9 +90,9 @@ class _Layer(nn.Module):
         # A fresh cache per layer is what the model's shared one is to this layer: each layer touches only its own
         # slot, and the cache's concatenation makes the keys/values contiguous exactly as in the model.
         cache = _fresh_cache(self.config)
-        hidden = self.layer(carry["hidden"], attention_mask=carry["masks"][self.kind],
-                            position_embeddings=(carry["cos"], carry["sin"]), position_ids=carry["position_ids"],
-                            cache=cache, use_cache=self.config.use_cache, **_layer_kwargs(self.config))
+        hidden = call_renamed(self.layer, carry["hidden"], attention_mask=carry["masks"][self.kind],
+                              position_embeddings=(carry["cos"], carry["sin"]), position_ids=carry["position_ids"],
+                              cache=cache, use_cache=self.config.use_cache, **_layer_kwargs(self.config))
         return {**carry, "hidden": hidden}
 
 
@@ -104,9 +105,8 @@ class _Head(nn.Module):
 
     def forward(self, carry: dict[str, Any]) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        from transformers.modeling_utils import slice_logits_to_keep
 
-        hidden = slice_logits_to_keep(self.norm(carry["hidden"]), 0)  # logits_to_keep=0: every position
+        hidden = keep_all_positions(self.norm(carry["hidden"]))  # logits_to_keep=0: every position
         logits = self.lm_head(hidden)
         labels = carry["labels"]
         loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
@@ -120,9 +120,11 @@ def llama_stages(model: nn.Module) -> ModelStages:
     # Checkpointing turns use_cache off inside the model only when grad is enabled, a branch the stages do not
     # repeat; it buys nothing here either, since the runtime recomputes each shard's forward in its backward.
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        # transformers 5.23 renamed gradient_checkpointing_disable (still there) to activation_checkpointing_disable
+        off = "activation" if hasattr(model, "activation_checkpointing_disable") else "gradient"
         raise ValueError(
             f"{type(model).__name__} cut into stages must have activation checkpointing off, but got "
-            "(gradient_checkpointing=True). Fix: call model.activation_checkpointing_disable() (the runtime already "
+            f"(gradient_checkpointing=True). Fix: call model.{off}_checkpointing_disable() (the runtime already "
             "recomputes each shard's forward in its backward), or train it unsharded.")
     kinds = _layer_types(model)
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from .base import ModelStages, Stage, build_mask, token_batches
+from .compat import call_renamed, keep_all_positions
 
 
 def _new_cache(decoder: nn.Module, training: bool) -> Any:
@@ -85,8 +86,8 @@ class _Layer(nn.Module):
 
     def forward(self, carry: dict[str, Any]) -> dict[str, Any]:
         cache = _new_cache(self._decoder[0], self.training)
-        hidden = self.layer(carry["hidden"], attention_mask=carry["mask"], position_ids=carry["position_ids"],
-                            cache=cache, use_cache=cache is not None)
+        hidden = call_renamed(self.layer, carry["hidden"], attention_mask=carry["mask"],
+                              position_ids=carry["position_ids"], cache=cache, use_cache=cache is not None)
         return {**carry, "hidden": hidden}
 
 
@@ -100,14 +101,13 @@ class _Head(nn.Module):
 
     def forward(self, carry: dict[str, Any]) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        from transformers.modeling_utils import slice_logits_to_keep
 
         hidden = carry["hidden"]
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:
             hidden = self.project_out(hidden)
-        hidden = slice_logits_to_keep(hidden, 0)  # the model's default: keep every position
+        hidden = keep_all_positions(hidden)  # the model's default: keep every position
         logits = self.lm_head(hidden).contiguous()
         labels = carry["labels"]
         loss = None if labels is None else self.loss_function(logits=logits, labels=labels,

@@ -1,0 +1,110 @@
+"""A one-line status of a runtime every N seconds, logged at INFO on the ``hydra_tune.progress`` logger.
+
+    rt = hydra_tune.Runtime(devices=["cpu", "cpu"], progress=30)    # or HYDRA_TUNE_PROGRESS=30 in the environment
+    # hydra_tune: tasks 2 running, 1 queued, 3 done | devices busy 2/2 (cpu0 97%, cpu1 88%) | 41.2 steps/s
+
+Rules: off by default (``progress=None`` and no ``HYDRA_TUNE_PROGRESS``); ``progress`` is a number of seconds > 0.
+Each line covers the interval since the previous one: a device's busy share is its compute time in that interval
+over the interval; steps/s counts the optimizer steps every task took in it (a step is one minibatch, or
+``grad_accum`` of them). Tasks are counted by state ("queued" includes those waiting for host memory). The lines
+go through ``logging``: when nothing is set up to receive them (no handler on the logger or its parents), one
+stderr handler is added to this logger, so that asking for progress always shows it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import rule_error
+
+__all__ = ["ProgressLog", "progress_seconds", "status_line"]
+
+LOGGER = logging.getLogger("hydra_tune.progress")
+ENV = "HYDRA_TUNE_PROGRESS"
+STATES = ("running", "queued", "done", "failed", "cancelled")
+
+
+def progress_seconds(progress: float | None) -> float | None:
+    """The interval asked for: ``progress`` itself, else ``HYDRA_TUNE_PROGRESS`` (seconds), else None (off)."""
+    source = "progress"
+    if progress is None:
+        text = os.environ.get(ENV, "").strip()
+        if not text or text == "0":
+            return None
+        source = ENV
+        try:
+            progress = float(text)
+        except ValueError:
+            raise rule_error(f"`{ENV}` is a number of seconds > 0 (or unset / 0: off)", f"set e.g. {ENV}=30",
+                             **{ENV: text}) from None
+    if isinstance(progress, bool) or not isinstance(progress, (int, float)) or not progress > 0 \
+            or progress == float("inf"):
+        raise rule_error(f"`{source}` is None (off) or a number of seconds > 0", "pass e.g. progress=30 to log a "
+                         "status line every 30 s", **{source: progress})
+    return float(progress)
+
+
+def status_line(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -> str:
+    """The line for ``now`` (a ``Runtime.stats()``) after ``before`` (the previous one, None at the start),
+    ``seconds`` apart."""
+    counts = {s: 0 for s in STATES}
+    for task in now["tasks"].values():
+        counts[task["state"]] = counts.get(task["state"], 0) + 1
+    tasks = ", ".join(f"{n} {s}" for s, n in counts.items() if n or s in ("running", "queued"))
+    prev_dev = {d["name"]: d for d in (before or {}).get("devices", [])}
+    shares = []
+    for d in now["devices"]:
+        busy = d["busy_seconds"] - prev_dev.get(d["name"], {}).get("busy_seconds", 0.0)
+        shares.append((d["name"], min(1.0, max(0.0, busy / seconds)) if seconds > 0 else 0.0))
+    busy_now = sum(share > 0 for _, share in shares)
+    devices = ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares)
+    prev_tasks = (before or {}).get("tasks", {})
+    steps = sum(max(0, t.get("steps", 0) - prev_tasks.get(name, {}).get("steps", 0))
+                for name, t in now["tasks"].items())
+    rate = steps / seconds if seconds > 0 else 0.0
+    return (f"hydra_tune: tasks {tasks} | devices busy {busy_now}/{len(shares)} ({devices}) | "
+            f"{rate:.1f} steps/s")
+
+
+class ProgressLog:
+    """Logs ``status_line`` of ``stats()`` every ``seconds`` from a daemon thread until ``stop()``.
+
+        log = ProgressLog(runtime.stats, 30)     # Runtime(progress=30) makes one; close() stops it
+        log.stop()
+    """
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], seconds: float,
+                 logger: logging.Logger = LOGGER) -> None:
+        self._stats, self.seconds, self.logger = stats, seconds, logger
+        self._stop = threading.Event()
+        if not logger.hasHandlers():   # asked for progress, nothing receives it: show it on stderr
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+            logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        self._thread = threading.Thread(target=self._run, name="hydra_tune-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        before, t0 = None, time.perf_counter()
+        while not self._stop.wait(self.seconds):
+            t1 = time.perf_counter()
+            try:
+                now = self._stats()
+            except Exception as exc:  # noqa: BLE001  (a status line never ends the runtime it watches)
+                self.logger.warning("hydra_tune: progress status unavailable (%s: %s)", type(exc).__name__, exc)
+                continue
+            self.logger.info(status_line(now, before, t1 - t0))
+            before, t0 = now, t1
+
+    def stop(self) -> None:
+        """Stop logging; returns once the thread has ended (at most one line later)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
