@@ -1,6 +1,7 @@
-"""Calling a task's factories, and the dtype each precision autocasts to.
+"""Calling a task's factories, checking what they built, and the dtype each precision autocasts to.
 
     model = build_part(task.model, "model")                  # a factory's error keeps its type and names the part
+    check_model(task, model); check_optimizer(task, model, optimizer); check_scheduler(task, scheduler)
     AUTOCAST_DTYPES[task.precision]                          # None (fp32), torch.bfloat16 or torch.float16
 
 Rules: factories run one at a time per process (``BUILD_LOCK``): trials submit from many threads (Tune's runtime
@@ -10,11 +11,14 @@ that calls a user factory outside ``build_part`` holds the lock too. Data factor
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import HydraError
+from ..errors import HydraError, rule_error
+
+if TYPE_CHECKING:
+    from ..task import ModelTask
 
 BUILD_LOCK = threading.RLock()
 
@@ -34,3 +38,86 @@ def build_part(factory: Any, what: str, *args: Any) -> Any:
         except Exception:  # an exception type with a different constructor
             wrapped = HydraError(message)
         raise wrapped from exc
+
+
+def check_model(task: ModelTask, model: Any) -> None:
+    """What the model factory built is a module with something to train."""
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise rule_error("the `model` factory returns an nn.Module", "return the model instance, e.g. `lambda: "
+                         "MyModel(config)` (not the class or a tuple)", kind=TypeError, task=task.name,
+                         returned=type(model).__name__)
+    from torch.nn.parameter import is_lazy
+
+    lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
+    if lazy:  # their shapes exist only after a first forward: nothing can be measured, cut or copied before
+        raise rule_error("the model's parameters and buffers are initialized (no LazyModule left uninitialized)",
+                         "initialize them in the factory with one forward on a sample input (`m = Net(); "
+                         "m(sample_x); return m`), or use the non-lazy module (nn.Linear(in, out))",
+                         task=task.name, uninitialized=lazy[:4] + (["..."] if len(lazy) > 4 else []))
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise rule_error("the model has at least one parameter to train (requires_grad=True)", "pass a model "
+                         "with parameters, and unfreeze the ones to train with `requires_grad_(True)`",
+                         task=task.name, model=type(model).__name__, parameters=len(params), trainable=0)
+
+
+def check_optimizer(task: ModelTask, model: Any, optimizer: Any) -> None:
+    """The optimizer must update the runtime's model: parameters of a model built elsewhere would be stepped
+    with no gradient ever reaching them. Leaving some of the model's parameters out is allowed, as in torch."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise rule_error("`optimizer(model)` returns a torch.optim.Optimizer", "return the optimizer itself, e.g. "
+                         "`lambda m: torch.optim.AdamW(m.parameters())`", kind=TypeError, task=task.name,
+                         returned=type(optimizer).__name__)
+    own = {id(p): p for p in model.parameters()}
+    given = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in given if id(p) not in own]
+    if foreign:
+        raise rule_error("the optimizer's parameters are all parameters of the model it is given",
+                         "build it from the factory's argument, `lambda model: torch.optim.AdamW(model.parameters()"
+                         ")`, not from a model made outside the factory", task=task.name, foreign=len(foreign),
+                         optimizer_params=len(given), first_foreign_shape=tuple(foreign[0].shape))
+    if not any(p.requires_grad for p in given):
+        raise rule_error("the optimizer updates at least one trainable parameter of the model", "pass the "
+                         "parameters to train, e.g. `model.parameters()`", task=task.name,
+                         optimizer_params=len(given), trainable=sum(p.requires_grad for p in own.values()))
+
+
+def check_scheduler(task: ModelTask, scheduler: Any) -> None:
+    """A scheduler whose ``step`` needs a metric (``ReduceLROnPlateau.step(metrics)``) is stepped once per epoch
+    with ``task.lr_scheduler_metric``, which must then be named; one whose ``step`` takes none is stepped after
+    every optimizer step, and a metric passed to it would be taken for an epoch number, so it must not be."""
+    if not callable(getattr(scheduler, "step", None)):
+        raise rule_error("`lr_scheduler(optimizer)` returns a scheduler with a `step` method", "return the "
+                         "scheduler itself, e.g. `lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)`",
+                         kind=TypeError, task=task.name, returned=type(scheduler).__name__)
+    needs = _step_needs_argument(scheduler)
+    if needs and task.lr_scheduler_metric is None:
+        raise rule_error("a scheduler whose `step` takes a metric (ReduceLROnPlateau) is given "
+                         "`lr_scheduler_metric`", "name the reported loss it follows, e.g. "
+                         "ModelTask(..., lr_scheduler_metric='eval_loss') (with eval_data) or 'train_loss': it is "
+                         "then stepped once per epoch, after the evaluation, with that value", task=task.name,
+                         scheduler=type(scheduler).__name__, lr_scheduler_metric=None)
+    if not needs and task.lr_scheduler_metric is not None:
+        raise rule_error("`lr_scheduler_metric` is given only for a scheduler whose `step` takes a metric "
+                         "(ReduceLROnPlateau)", "drop lr_scheduler_metric: this scheduler is stepped after every "
+                         "optimizer step", task=task.name, scheduler=type(scheduler).__name__,
+                         lr_scheduler_metric=task.lr_scheduler_metric)
+
+
+def _step_needs_argument(scheduler: Any) -> bool:
+    """``scheduler.step`` has a required positional parameter (the metric), as ReduceLROnPlateau's has."""
+    import inspect
+
+    import torch
+
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        params = inspect.signature(scheduler.step).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)

@@ -34,27 +34,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import (
-    tree_flatten,  # torch's own pytree walk: there is no public one
-)
+from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
 from ..device.dispatch import UnitMode
 from ..device.seeding import seeding_to
-from ..errors import NonFiniteLoss, rule_error
 from ..policy.partition import Plan
 from ..task import check_batch
 from .boundary import task_work
 from .checkpoint import Position, put_entries
-from .data import (
-    close_workers,
-    data_generators,
-    epoch_data,
-    is_factory,
-    restore_generators,
-    sampler_state,
-    set_epoch,
-)
+from .data import (close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state,
+                   set_epoch)
+from .loss import nonfinite_policy
 from .metrics import MetricSums, measure
 from .optstep import OptimizerStep
 from .segments import Segment, Unit, segment_key
@@ -360,21 +351,13 @@ class TrainingLoop:
         return self._segment(units, True)
 
     def _nonfinite(self, value: float) -> bool:
-        """The task's ``nonfinite_loss`` policy for a NaN/inf training loss: raise ("fail"), drop the minibatch
-        ("skip_step", False) or keep it (True)."""
+        """The task's ``nonfinite_loss`` policy for a NaN/inf training loss (loss.py): raise, drop the minibatch
+        (False) or keep it (True)."""
         state = self.state
-        policy = state.task.nonfinite_loss
-        if policy == "fail":
-            fix = ("lower the learning rate, clip gradients (grad_clip_norm=1.0), check that batch for inf/NaN "
-                   "inputs or labels that are all ignored (-100)")
-            if state.task.precision == "fp16":
-                fix += ", use precision='bf16' (fp16 overflows above 65504) or leave nonfinite_loss=None"
-            raise rule_error("the training loss is finite (nonfinite_loss='fail')", fix + ", or pass "
-                             "nonfinite_loss='skip_step' to drop such batches ('ignore' trains on them)",
-                             kind=NonFiniteLoss, task=state.task.name, epoch=state.epoch,
-                             batch_in_epoch=state.batch_in_epoch, steps_done=state.steps, loss=value)
-        self._skipping = policy == "skip_step"
-        return not self._skipping
+        keep = nonfinite_policy(state.task, value, epoch=state.epoch, batch_in_epoch=state.batch_in_epoch,
+                                steps_done=state.steps)
+        self._skipping = not keep
+        return keep
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:

@@ -42,3 +42,20 @@ def model_loss(loss_fn: LossFn | None, outputs: Any, batch: Any) -> torch.Tensor
                          "outputs, batch: ...) or include labels in the batch", outputs=type(outputs).__name__,
                          loss=None)
     return check_loss(loss, "the model's `outputs.loss`")
+
+
+def nonfinite_policy(task: Any, value: float, **where: Any) -> bool:
+    """What ``task.nonfinite_loss`` does with a NaN/inf training loss ``value``: raise ("fail", naming ``where``
+    it happened), drop the minibatch ("skip_step": False) or train on it ("ignore": True)."""
+    from ..errors import NonFiniteLoss
+
+    policy = task.nonfinite_loss
+    if policy == "fail":
+        fix = ("lower the learning rate, clip gradients (grad_clip_norm=1.0), check that batch for inf/NaN "
+               "inputs or labels that are all ignored (-100)")
+        if task.precision == "fp16":
+            fix += ", use precision='bf16' (fp16 overflows above 65504) or leave nonfinite_loss=None"
+        raise rule_error("the training loss is finite (nonfinite_loss='fail')", fix + ", or pass "
+                         "nonfinite_loss='skip_step' to drop such batches ('ignore' trains on them)",
+                         kind=NonFiniteLoss, task=task.name, **where, loss=value)
+    return policy != "skip_step"

@@ -25,9 +25,9 @@ from ..errors import PlanError, rule_error
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
 from ..stages.check import check_stages
-from ..task import ModelTask, check_batch, check_model, check_optimizer, check_scheduler
+from ..task import ModelTask, check_batch
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
-from .build import AUTOCAST_DTYPES, build_part
+from .build import AUTOCAST_DTYPES, build_part, check_model, check_optimizer, check_scheduler
 from .checkpoint import AsBuilt, Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .loop import TrainingLoop
