@@ -69,6 +69,20 @@ def test_resumed_from_its_final_checkpoint_the_task_reports_its_final_metrics_on
     assert max_param_diff(plain_train(_task())[0], resumed) == 0.0
 
 
+def test_a_final_checkpoint_resumed_with_new_hparams_reports_the_new_learning_rate(tmp_path):
+    """PBT's exploit at the last perturbation: the restored trial's final report carries the explored rate its
+    optimizer now holds (resume_hparams="task"), not the checkpointed trial's."""
+    path = tmp_path / "final.pt"
+    emitted, model = _checkpoint_at_epoch_end(_task(), 2, path)
+    explored = ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 2)),
+                            lambda m: torch.optim.SGD(m.parameters(), lr=0.005, momentum=0.9), _batches(3, 0),
+                            loss=lambda out, b: F.mse_loss(out, b[1]), epochs=2, seed=4, name="final",
+                            eval_data=_batches(2, 9), resume_from=str(path), resume_hparams="task")
+    metrics, _, resumed = _resume(explored)
+    assert emitted[-1]["lr"] == 0.05 and [m["lr"] for m in metrics] == [0.005]
+    assert max_param_diff(model, resumed) == 0.0
+
+
 def test_the_restored_trials_loop_body_runs_once_and_can_checkpoint_again(tmp_path):
     # The Tune pattern: for m in train(task): save_checkpoint(...); report(m). The body sees the final metrics
     # once; a checkpoint asked as they are emitted is the same final checkpoint again.

@@ -155,7 +155,8 @@ class TrainingLoop:
         state.resume = None
         state.rng.restore((resume.rng, resume.accel_rng))
         state.epoch, state.steps = resume.epoch - 1, resume.steps
-        emit(dict(metrics))
+        # the rate its optimizer holds now: PBT's explored one under resume_hparams="task" (else the same)
+        emit(dict(metrics, lr=state.optimizer.param_groups[0]["lr"]))
         state.reach_boundary(resume, epoch_end=True)
         state.finish_requests()
         yield from ()
