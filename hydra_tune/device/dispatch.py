@@ -95,6 +95,20 @@ def _is_seeded(func: Any) -> bool:
     return known
 
 
+_self_fills: dict[Any, bool] = {}
+
+
+def _fills_self(func: Any) -> bool:
+    """An in-place op on its first argument that returns it (``normal_``, ``uniform_``, ``bernoulli_``)."""
+    known = _self_fills.get(func)
+    if known is None:
+        args, rets = func._schema.arguments, func._schema.returns
+        first = args[0].alias_info if args else None
+        known = _self_fills[func] = bool(first is not None and first.is_write and len(rets) == 1
+                                         and rets[0].alias_info is not None and not func._schema.name.endswith("out"))
+    return known
+
+
 def _op_device(args: tuple, kwargs: dict) -> torch.device:
     dev = kwargs.get("device")
     if dev is not None:
@@ -117,9 +131,12 @@ class UnitMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if _is_seeded(func) and _op_device(args, kwargs).type == "cpu":
+        where = _op_device(args, kwargs).type if _is_seeded(func) else None
+        if where == "cpu":
             self.seeded.add(func._schema.name.split("::")[-1])
             out = self._seeded(func, args, dict(kwargs))
+        elif where == "meta" and _fills_self(func):
+            out = args[0]  # a meta tensor has no values to draw (a model's init on the meta device: no work)
         else:
             out = func(*args, **kwargs)
         if self.account is not None and not self.paused:

@@ -47,9 +47,12 @@ class HostCopier:
 
     def to_host(self, t: torch.Tensor, wait: bool = True) -> torch.Tensor:
         """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
-        waiting copy out, which every unit makes before it ends."""
+        waiting copy out or ``wait_copies_out()``, which every unit makes before it ends."""
         self._count(t)
         return t.detach().clone()
+
+    def wait_copies_out(self) -> None:
+        """Block until every ``to_host(wait=False)`` this thread issued has landed (CPU: they have)."""
 
     def release(self, t: torch.Tensor) -> None:
         """Free ``t``'s device bytes but keep the tensor (and autograd's references to it) for ``refill``."""
@@ -153,6 +156,12 @@ class CudaCopier(HostCopier):
         if wait:  # else the unit's last waiting copy out (its output carry) covers this one: same stream
             torch.cuda.current_stream(self.device).synchronize()
         return out
+
+    def wait_copies_out(self) -> None:
+        # One event behind the copies on the compute stream: the host waits for them, not for other streams
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
 
     def synchronize(self) -> None:
         self.stream.synchronize()
