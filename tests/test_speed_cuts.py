@@ -239,3 +239,28 @@ def test_gradients_leave_each_shard_behind_one_wait_and_train_exactly(budget):
     # 14 parameters: a wait per parameter would be 14 (or its shard's share) per L/B unit
     assert set(waits["L"]) == {1} and set(waits.get("B", [1])) == {1}, waits
     assert max_param_diff(plain_train(task)[0], state.model) == 0.0
+
+
+def test_the_random_router_intercepts_random_functions_on_the_cpu_only(monkeypatch):
+    import hydra_tune.device.dispatch as dispatch
+
+    pushed = []
+
+    class Spy(dispatch.UnitMode):
+        def __enter__(self):
+            pushed.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(dispatch, "UnitMode", Spy)
+    g = torch.Generator().manual_seed(0)
+    with dispatch.RandomRouter(g):
+        F.dropout(torch.ones(8, device="meta"), 0.5)  # a tensor off the CPU (CUDA's stand-in here)
+        assert pushed == []
+        F.dropout(torch.ones(8), 0.5)
+    assert len(pushed) == 1
+    # the CPU draw came from ``g``: the same mask as a plain dropout after manual_seed(0)
+    torch.manual_seed(0)
+    plain = F.dropout(torch.ones(8), 0.5)
+    with dispatch.RandomRouter(torch.Generator().manual_seed(0)):
+        routed = F.dropout(torch.ones(8), 0.5)
+    assert torch.equal(plain, routed)
