@@ -14,9 +14,12 @@ Sections (goals from issue 14 in brackets; they are reported, not asserted):
   (c) 4 and 8 tasks of 12x768 on the device at once, all resident, and with a budget that holds half of them
       [aggregate >= 0.95x of one plain task; the half-evicted case against the PCIe bound];
   (d) the same 4 and 8 tasks as separate plain processes sharing the device (Ray Tune's fractional GPUs).
+Every case alternates its sides (plain first, then A B B A ...): (a) and the 2-shard case twice per side by
+default, the others once (``--repeats`` caps them all). Cases run one of each section first and the heaviest last
+(8 tasks, GPT-2 XL), so that ``--time-budget`` (seconds) skips those first; skipped cases are named in the output.
 The runtime's counters (bytes moved per step, synchronisations, steps on the device or the host, evictions) are
-read from ``Runtime.stats()`` when this version reports them, and shown as "-" when it does not. ``--time-budget``
-skips what would not finish in time (named in the output). Exit status 0 unless a run raised.
+read from ``Runtime.stats()`` when this version reports them, and shown as "-" when it does not (state bytes per
+step then fall back to the device's prefetched bytes per step). Exit status 0 unless a case raised.
 """
 from __future__ import annotations
 

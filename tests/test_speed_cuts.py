@@ -159,6 +159,17 @@ def test_a_model_that_cannot_be_keyed_is_profiled_every_time(profiles):
     assert PROFILES.info()["unkeyable"] == 2
 
 
+def test_a_module_holding_much_data_is_profiled_every_time_not_walked(profiles):
+    def holding() -> nn.Module:
+        m = _mlp()
+        m[0].table = list(range(100_000))  # past the keyer's LIMIT: walking it would cost more than it saves
+        return m
+
+    TaskState.build(_mlp_task(model=holding), None)
+    TaskState.build(_mlp_task(model=holding, seed=1), None)
+    assert PROFILES.info()["unkeyable"] == 2 and PROFILES.info()["hits"] == 0
+
+
 def test_trials_of_one_architecture_in_one_runtime_profile_once_and_train_exactly(profiles):
     tasks = [_gpt2_task(seed=s) for s in (0, 1, 2)]
     with ht.Runtime(devices=["cpu"]) as rt:

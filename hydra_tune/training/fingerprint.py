@@ -14,8 +14,9 @@ torch's global handle numbers.
 
 Rules: equal keys only when every one of those is equal, so two models that differ in one layer width, one
 dropout rate, one frozen parameter or one hook get different keys. A value it cannot read exactly (an object
-without ``__dict__`` that is neither a known type nor hashable by value), or a walk past ``LIMIT`` values (a
-module holding a dataset), raises ``Unkeyable``: the caller then measures anew. Not seen: module-level globals
+without ``__dict__`` that is neither a known type nor hashable by value, an attribute that raises when read), a
+walk past ``LIMIT`` values (a module holding a dataset) or a tensor past ``DIGEST_LIMIT`` bytes to key by its
+values raises ``Unkeyable``: the caller then measures anew. Not seen: module-level globals
 that code reads at run time, and what a function's ``__globals__`` holds.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.nn as nn
 
 LIMIT = 50_000  # values walked per key; past it the key is given up (a module holding a dataset, a tokenizer)
+DIGEST_LIMIT = 16 << 20  # bytes of a tensor keyed by its values; a larger one gives the key up (hashing costs)
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _PLAIN_TYPES = frozenset(_PLAIN)  # exact types: the fast path (subclasses take the isinstance one)
@@ -65,7 +67,16 @@ class Keyer:
         self._left = limit
 
     def key(self, *values: Any) -> tuple[Any, ...]:
-        return tuple(self.value(v) for v in values)
+        """The key of ``values``; raises Unkeyable (also for anything that fails while it is read, a nesting
+        too deep for Python's recursion limit included)."""
+        try:
+            out = tuple(self.value(v) for v in values)
+            hash(out)
+            return out
+        except Unkeyable:
+            raise
+        except Exception as exc:  # noqa: BLE001  (an attribute that raises when read, an unhashable leaf)
+            raise Unkeyable(f"{type(exc).__name__}: {exc}") from None
 
     def position(self, tensor_id: int) -> int:
         """The place of the tensor with this ``id`` among the tensors walked (KeyError: not walked)."""
@@ -127,6 +138,8 @@ class Keyer:
         """A tensor attribute's or batch value's contents (none for meta tensors, which have no values)."""
         if t.device.type == "meta" or t.layout != torch.strided:
             return None
+        if t.numel() * t.element_size() > DIGEST_LIMIT:
+            raise Unkeyable(f"a tensor of {t.numel() * t.element_size()} bytes to key by its values")
         data = t.detach()
         if data.device.type != "cpu":
             data = data.cpu()

@@ -71,11 +71,11 @@ class ProfileCache:
             key = (_globals(keyer), keyer.key(cut.family, cut.prepare, cut.value_keys, loss_fn, autocast,
                                               [(s.name, s.module) for s in cut.stages]), _batch_key(cut, batch))
             places = keyer.positions()
+            ranges = _ranges(batch)
         except Unkeyable:
             with self._lock:
                 self.unkeyable += 1
             return Lookup(None)
-        ranges = _ranges(batch)
         with self._lock:
             for seen, costs in self._entries.get(key, ()):
                 if _within(ranges, seen):
@@ -120,16 +120,20 @@ def _batch_key(cut: ModelStages, batch: Any) -> Any:
     shapes = Keyer(values=False)
     if isinstance(batch, dict) and cut.value_keys:
         read = {k: v for k, v in batch.items() if k in cut.value_keys}
-        return shapes.value({k: v for k, v in batch.items() if k not in read}), Keyer().value(read)
-    return shapes.value(batch), None
+        return shapes.key({k: v for k, v in batch.items() if k not in read}), Keyer().key(read)
+    return shapes.key(batch), None
 
 
 def _ranges(batch: Any) -> Ranges:
+    """Per leaf of the batch: an integer or boolean tensor's (min, max), else None."""
     out: list[tuple[int, int] | None] = []
     for leaf in tree_flatten(batch)[0]:
         if (isinstance(leaf, torch.Tensor) and leaf.numel() and leaf.device.type != "meta"
                 and not leaf.is_floating_point() and not leaf.is_complex()):
-            lo, hi = torch.aminmax(leaf.detach().to(torch.int64) if leaf.dtype == torch.bool else leaf.detach())
+            try:
+                lo, hi = torch.aminmax(leaf.detach().to(torch.int64) if leaf.dtype == torch.bool else leaf.detach())
+            except RuntimeError as exc:  # a dtype aminmax does not take: measure this batch
+                raise Unkeyable(str(exc)) from None
             out.append((int(lo), int(hi)))
         else:
             out.append(None)
