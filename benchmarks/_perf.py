@@ -75,6 +75,10 @@ def gpt2_factory(size: Size, dropout: float) -> Callable[[], nn.Module]:
     return make
 
 
+def model_label(size: Size) -> str:
+    return f"GPT-2 {size.n_layer}x{size.n_embd} (vocab {size.vocab}), seq {size.seq}, batch {size.batch}"
+
+
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -234,7 +238,8 @@ def run_processes(case: Case, device: str, steps: Steps, n: int, seed: int = 0) 
         open(go, "w").close()
         outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
     stamps = [o["stamps"] for o in outs]
-    return {"steady_sps": steady_sps(stamps, steps.warm, case.size.batch), "peak": max(o["peak"] or 0 for o in outs),
+    peaks = [o["peak"] for o in outs if o["peak"] is not None]
+    return {"steady_sps": steady_sps(stamps, steps.warm, case.size.batch), "peak": max(peaks) if peaks else None,
             "per_process_sps": [steady_sps([s], steps.warm, case.size.batch) for s in stamps],
             "wall_s": time.perf_counter() - t0}
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 from _common import Size
-from _perf import Case, Result, Steps, batches, cuda, gpt2_factory, pick, run_hydra, run_plain, run_processes
+from _perf import Case, Result, Steps, batches, cuda, gpt2_factory, model_label, pick, run_hydra, run_plain, \
+    run_processes
 
 import hydra_tune as ht
 from hydra_tune.errors import PlanError, format_bytes
@@ -249,14 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(f"({section}) {case.name}")
             print(f"({section}) {case.name}: skipped (time budget)")
             continue
-        print(f"({section}) {case.name}", flush=True)
+        print(f"({section}) {case.name}: {model_label(case.size)}, {case.tasks} task(s), {case.precision}", flush=True)
         try:
             res = bench.measure(case, kind, repeats)
         except Exception as exc:  # noqa: BLE001  (reported; the other cases still run)
             failed.append(f"({section}) {case.name}: {type(exc).__name__}: {str(exc)[:300]}")
             print(f"  FAILED {failed[-1]}")
             continue
-        res["section"] = section
+        res["section"], res["model"] = section, model_label(case.size)
         res["goal"] = 0.90 if case.name.startswith("8x384") else GOALS.get(section)
         if kind == "half":
             res["pcie_bound_sps"] = pcie_bound(device, case, res)
