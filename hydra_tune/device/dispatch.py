@@ -40,7 +40,7 @@ class MemoryAccount:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[int, Any]] = {}  # storage identity -> (bytes, its finalizer)
+        self._live: dict[int, tuple[int, Any]] = {}  # storage identity -> (bytes, a weak reference to it)
         self.current = 0
         self.peak = 0
         self.limit: int | None = None  # test-only: exceeding it raises torch.OutOfMemoryError (CpuDevice)
@@ -59,7 +59,9 @@ class MemoryAccount:
             if enforce and self.limit is not None and self.current + nbytes > self.limit:
                 raise torch.OutOfMemoryError(f"CPU device out of memory (test limit): allocating {nbytes} bytes "
                                              f"with {self.current} in use would pass the limit of {self.limit}")
-            self._live[key] = (nbytes, weakref.finalize(storage, self._release, key))
+            # A weak reference whose callback runs when the storage is freed (cheaper than weakref.finalize,
+            # which this path pays once per new storage of every counted op)
+            self._live[key] = (nbytes, weakref.ref(storage, lambda ref, key=key: self._release(key, ref)))
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
@@ -69,12 +71,12 @@ class MemoryAccount:
             entry = self._live.pop(storage._cdata, None)
             if entry is not None:
                 self.current -= entry[0]
-                entry[1].detach()  # the key may be reused: the old finalizer must not release a new entry
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int, ref: Any) -> None:
         with self._lock:
-            entry = self._live.pop(key, None)
-            if entry is not None:
+            entry = self._live.get(key)
+            if entry is not None and entry[1] is ref:  # the key may have been reused since: only this storage's
+                del self._live[key]
                 self.current -= entry[0]
 
     def reset_peak(self) -> int:
@@ -99,6 +101,31 @@ def _is_seeded(func: Any) -> bool:
     known = _seeded_ops.get(func)
     if known is None:
         known = _seeded_ops[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return known
+
+
+_self_fills: dict[Any, bool] = {}
+_allocating: dict[Any, bool] = {}
+
+
+def _may_allocate(func: Any) -> bool:
+    """Whether an op's output may be a new storage: not when every output aliases an input by its schema (a
+    view, an in-place or an ``out=`` result), which is most ops of a training step."""
+    known = _allocating.get(func)
+    if known is None:
+        rets = func._schema.returns
+        known = _allocating[func] = not all(r.alias_info is not None for r in rets)
+    return known
+
+
+def _fills_self(func: Any) -> bool:
+    """An in-place op on its first argument that returns it (``normal_``, ``uniform_``, ``bernoulli_``)."""
+    known = _self_fills.get(func)
+    if known is None:
+        args, rets = func._schema.arguments, func._schema.returns
+        first = args[0].alias_info if args else None
+        known = _self_fills[func] = bool(first is not None and first.is_write and len(rets) == 1
+                                         and rets[0].alias_info is not None and not func._schema.name.endswith("out"))
     return known
 
 
@@ -147,12 +174,15 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if _is_seeded(func) and _op_device(args, kwargs).type == "cpu":
+        where = _op_device(args, kwargs).type if _is_seeded(func) else None
+        if where == "cpu":
             self.seeded.add(func._schema.name.split("::")[-1])
             out = self._seeded(func, args, dict(kwargs))
+        elif where == "meta" and _fills_self(func):
+            out = args[0]  # a meta tensor has no values to draw (a model's init on the meta device: no work)
         else:
             out = func(*args, **kwargs)
-        if self.account is not None and not self.paused:
+        if self.account is not None and not self.paused and _may_allocate(func):
             if isinstance(out, torch.Tensor):
                 self._count(out, args)
             elif isinstance(out, (tuple, list)):
@@ -224,9 +254,11 @@ _RANDOM_NAMES = frozenset((
 
 class RandomRouter(_SeedsGenerator, TorchFunctionMode):
     """A light stand-in for UnitMode on units whose memory need not be counted: only calls to functions that
-    may draw random numbers are intercepted (a handful per layer, not every aten op), and those run under
-    UnitMode. It is used for a task only after a UnitMode-measured segment of it saw nothing but ``ROUTED``
-    random aten ops (``UnitMode.seeded``), i.e. every random draw of its units comes from a function it knows."""
+    may draw random numbers on the CPU are intercepted (a handful per layer, not every aten op), and those run
+    under UnitMode; the same functions on accelerator tensors (dropout on CUDA) run as they are, since they draw
+    from the device's generator, which holds the task's stream for the unit. It is used for a task only after a
+    UnitMode-measured segment of it saw nothing but ``ROUTED`` random aten ops (``UnitMode.seeded``), i.e. every
+    random draw of its units comes from a function it knows (CUDA devices use it for every unit)."""
 
     def __init__(self, cpu_generator: torch.Generator) -> None:
         super().__init__()
@@ -235,7 +267,9 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _RANDOM_NAMES:
+        if getattr(func, "__name__", None) not in _RANDOM_NAMES or _op_device(args, kwargs).type != "cpu":
+            # not random, or on an accelerator: a GPU's draws come from its own generator, which the device sets
+            # to the task's stream for the unit (CudaDevice.unit_scope), so its ops need no interception
             return func(*args, **kwargs)
         # Its aten ops go through UnitMode: those with a generator argument (dropout's bernoulli_) get the task's
         # generator without any lock, so concurrent devices do not serialise on attention or dropout.

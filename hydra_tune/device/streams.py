@@ -77,7 +77,7 @@ class HostCopier:
 
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
-        waiting copy out, which every unit makes before it ends."""
+        waiting copy out or ``wait_copies_out()``, which every unit makes before it ends."""
         self._count(t, "d2h", what)
         if wait:
             self._waited()
@@ -101,6 +101,10 @@ class HostCopier:
 
     def wait_written(self) -> None:
         """Wait for the ``write_back`` copies issued by this thread (CPU: they are done)."""
+        self._waited()
+
+    def wait_copies_out(self) -> None:
+        """Block until every ``to_host(wait=False)`` this thread issued has landed (CPU: they have)."""
         self._waited()
 
     def release(self, t: torch.Tensor) -> None:
@@ -221,6 +225,13 @@ class CudaCopier(HostCopier):
     def wait_written(self) -> None:
         self._waited()
         torch.cuda.current_stream(self.device).synchronize()
+
+    def wait_copies_out(self) -> None:
+        # One event behind the copies on the compute stream: the host waits for them, not for other streams
+        self._waited()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
 
     def synchronize(self) -> None:
         self._waited()

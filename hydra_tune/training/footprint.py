@@ -54,6 +54,7 @@ from ..stages import extract_stages
 from ..task import ModelTask
 from .build import AUTOCAST_DTYPES, BUILD_LOCK
 from .data import NO_BATCH, sample_batch
+from .fingerprint import Keyer, Memo, Unkeyable
 from .profile import measure_costs
 
 if TYPE_CHECKING:
@@ -135,12 +136,18 @@ def footprint_of_state(state: "TaskState", optimizer: tuple[int, bool] | None = 
 
 def optimizer_state_bytes(task: ModelTask, meta_model: nn.Module) -> tuple[int, bool]:
     """Bytes of the state ``task.optimizer`` makes for ``meta_model`` at its first step, and True; or the
-    two-copies rule and False when the optimizer cannot be built or stepped on the meta device."""
+    two-copies rule and False when the optimizer cannot be built or stepped on the meta device. An optimizer equal
+    to one measured before (class, hooks, every group's options, over a model of equal layout) is not stepped
+    again: ``OPTIMIZER_BYTES`` remembers it."""
     try:
         with BUILD_LOCK:
             opt = task.optimizer(meta_model)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(type(opt).__name__)
+        key = _optimizer_key(meta_model, opt)
+        known = OPTIMIZER_BYTES.get(key) if key is not None else None
+        if known is not None:
+            return known, True
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -151,9 +158,45 @@ def optimizer_state_bytes(task: ModelTask, meta_model: nn.Module) -> tuple[int, 
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     seen[id(v)] = v.numel() * v.element_size()
+        if key is not None:
+            OPTIMIZER_BYTES.put(key, sum(seen.values()))
         return sum(seen.values()), True
     except Exception:  # fused kernels, closures, .item() on meta state: the documented rule instead
         return _optimizer_rule(meta_model), False
+
+
+OPTIMIZER_BYTES = Memo(64)  # optimizer key -> state bytes at the first step, for this process
+
+
+def _optimizer_key(meta_model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """The model's layout and the optimizer (class, every attribute: groups with their parameters' places, hooks),
+    or None when something in them cannot be keyed exactly (fingerprint.py). For torch's own optimizers a number
+    in a group counts only as zero or not (momentum 0 makes no buffer; no learning rate or beta changes what
+    state is made), so trials that differ in such hyper-parameters share the measurement."""
+    try:
+        if type(opt) not in _SIZE_BY_ZERO:
+            return Keyer().key(meta_model, opt)
+        attrs = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "defaults", "state")}
+        groups = [{k: v if k == "params" else _zero_or_not(v) for k, v in g.items()} for g in opt.param_groups]
+        return Keyer().key(meta_model, type(opt), attrs, groups, _zero_or_not(opt.defaults))
+    except Unkeyable:
+        return None
+
+
+def _zero_or_not(v: Any) -> Any:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return "number", v == 0
+    if isinstance(v, (tuple, list)):
+        return type(v).__name__, [_zero_or_not(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _zero_or_not(x) for k, x in v.items()}
+    return v
+
+
+# torch's optimizers whose state at the first step depends on the options only through which numbers are zero
+_SIZE_BY_ZERO = frozenset((torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                           torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta))
 
 
 def _optimizer_rule(model: nn.Module) -> int:

@@ -43,8 +43,7 @@ from ..policy.partition import Plan
 from ..task import check_batch
 from .boundary import task_work
 from .checkpoint import Position, put_entries
-from .data import (close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state,
-                   set_epoch)
+from .data import close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
 from .loss import nonfinite_policy
 from .metrics import MetricSums, measure
 from .optstep import OptimizerStep

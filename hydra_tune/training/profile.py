@@ -2,6 +2,11 @@
 
     costs = measure_costs(cut, sample_batch, loss_fn=None)      # list[StageCost], one per stage
     plan = partition(costs, budget)
+    PROFILES.info()                                             # {"hits": ..., "misses": ...}: reused profiles
+
+An architecture is measured once per process: a later call with an equal model, batch layout, loss and precision
+gets the stored costs with its own parameters (profile_cache.py says what "equal" holds and when it measures
+anyway).
 
 Each stage runs on a private CPU stand-in device whose accounting counts every storage the stage creates: once
 without autograd, once with autograd and backward. Errors in the model, the batch or the loss surface here, before
@@ -29,6 +34,7 @@ from ..device.devices import CpuDevice
 from ..device.rng import TaskRNG
 from ..policy.partition import StageCost
 from ..stages import ModelStages, Stage
+from .profile_cache import PROFILES
 from .pystate import ModuleState
 from .residency import offload_hooks
 from .shard import ShardExec
@@ -95,7 +101,16 @@ def _backward_peak(dev: CpuDevice, out: Any) -> int:
 
 def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int = 0,
                   autocast: torch.dtype | None = None) -> list[StageCost]:
-    """Per-stage StageCost for ``cut`` on ``batch`` (sizes scale with the batch shape: use a real batch)."""
+    """Per-stage StageCost for ``cut`` on ``batch`` (sizes scale with the batch shape: use a real batch); an
+    equal architecture's when one was measured before (PROFILES)."""
+    found = PROFILES.find(cut, batch, loss_fn, autocast)
+    if found.costs is not None:
+        return found.costs
+    return found.store(_measure(cut, batch, loss_fn, seed, autocast))
+
+
+def _measure(cut: ModelStages, batch: Any, loss_fn: Any, seed: int, autocast: torch.dtype | None
+             ) -> list[StageCost]:
     dev = CpuDevice("profile", None)
     rng = TaskRNG(seed)
     carry = cut.prepare(batch)
@@ -115,7 +130,7 @@ def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int =
     if lost and stages is cut.stages:
         warnings.warn(f"hydra_tune's cost profile changed tensor attributes of the model in place: {lost} (they "
                       "are not buffers, so it could not copy them). Register them as buffers or assign new tensors "
-                      "in forward.", RuntimeWarning, stacklevel=3)
+                      "in forward.", RuntimeWarning, stacklevel=4)
     return costs
 
 
@@ -156,5 +171,5 @@ def _scratch_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
     except Exception as exc:  # noqa: BLE001  (any object deepcopy refuses)
         warnings.warn(f"hydra_tune profiles the model's own modules: they cannot be deep-copied "
                       f"({type(exc).__name__}: {exc}); their Python attributes are put back afterwards (tensors "
-                      "changed in place and objects nested deeper are not).", RuntimeWarning, stacklevel=3)
+                      "changed in place and objects nested deeper are not).", RuntimeWarning, stacklevel=4)
         return stages

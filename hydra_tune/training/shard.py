@@ -378,12 +378,19 @@ class ShardExec:
     def _grads_out(self, device: Device, store: HostStore, copies: dict[int, torch.Tensor], leaves: list[Any],
                    mode: Any) -> None:
         resident = self.resident(device)
+        # Every copy out is issued first and waited for once (one event per shard, not a synchronise per
+        # parameter); only then are they read (add_grad sums a shared parameter's contributions in place). A
+        # resident shard's gradients stay on the device, in the pending gradients.
         with paused_accounting(mode):
-            for p in self.params:
-                g = copies[id(p)].grad
-                if g is not None:  # a resident shard's gradient stays on the device, in the pending gradients
-                    store.add_grad(p, g if resident else device.copier.to_host(g, what="state"))
+            copier = device.copier
+            grads = [(p, g if resident else copier.to_host(g, wait=False, what="state")) for p in self.params
+                     if (g := copies[id(p)].grad) is not None]
             if self.index > 0:
                 store.out_grads[self.index - 1] = [
-                    device.copier.to_host(t.grad) if _is_float(t) and t.grad is not None else None for t in leaves]
+                    copier.to_host(t.grad, wait=False) if _is_float(t) and t.grad is not None else None
+                    for t in leaves]
+            if self.index > 0 or (grads and not resident):  # something was copied out
+                copier.wait_copies_out()
+            for p, g in grads:
+                store.add_grad(p, g)
         store.carries.pop(self.index, None)
