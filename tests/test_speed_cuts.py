@@ -221,12 +221,13 @@ class _CountingCopier(HostCopier):
         super().__init__(device.torch_device, device.account)
         self.waits = 0
 
-    def to_host(self, t: torch.Tensor, wait: bool = True) -> torch.Tensor:
+    def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         self.waits += wait
-        return super().to_host(t, wait)
+        return super().to_host(t, wait, what)
 
     def wait_copies_out(self) -> None:
         self.waits += 1
+        super().wait_copies_out()
 
 
 def _deep_mlp() -> nn.Module:

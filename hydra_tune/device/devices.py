@@ -192,6 +192,7 @@ class CpuDevice(Device):
             if not _CPU_RATE:
                 _CPU_RATE.append(self._measure_bandwidth())
         self.copy_bandwidth = _CPU_RATE[0]
+        self.copier.counts.reset()  # the counters are the tasks' copies and waits, not this measurement's
 
 
 _CPU_RATE: list[float] = []  # the CPU stand-ins' copy rate, bytes/s, once measured
