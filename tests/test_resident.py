@@ -19,8 +19,8 @@ from test_transparency import _adamw_two_groups, _warmup
 import hydra_tune as ht
 from hydra_tune.device.devices import CpuDevice
 from hydra_tune.training import checkpoint
-from hydra_tune.training.state_cache import StateCache
 from hydra_tune.training.state import TaskState
+from hydra_tune.training.state_cache import StateCache
 
 
 def _gpt2_task(seed: int, name: str | None = None, **kw) -> ht.ModelTask:
