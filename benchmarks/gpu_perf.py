@@ -1,7 +1,7 @@
 """GPU speed of hydra_tune against plain PyTorch on one device, measured on the device: one command, both sides in
 one process, sides alternating (A B B A ...), >= 20 steady steps per run. Prints a table, then one JSON line.
 
-    python benchmarks/gpu_perf.py                      # one CUDA device; sized for ~4 min on one H200
+    python benchmarks/gpu_perf.py                      # one CUDA device (not yet run on one: see --time-budget)
     python benchmarks/gpu_perf.py --cpu                # dry run on a CPU stand-in, tiny sizes (< 2 min)
     python benchmarks/gpu_perf.py --sections a,c --repeats 3 --json perf.json
 

@@ -159,6 +159,37 @@ def test_a_model_that_cannot_be_keyed_is_profiled_every_time(profiles):
     assert PROFILES.info()["unkeyable"] == 2
 
 
+def test_the_profile_cache_keeps_nothing_of_a_task_alive(profiles):
+    import gc
+    import weakref
+
+    def factory():
+        table = torch.zeros(1000)  # reached only through the class's own method (a closure)
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(8, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.lin(x) + table[:2]
+
+        return Net(), weakref.ref(table)
+
+    made = []
+
+    def build():
+        model, ref = factory()
+        made.append(ref)
+        return model
+
+    state = TaskState.build(_mlp_task(model=build), None)
+    assert PROFILES.info()["entries"] == 1
+    del state
+    gc.collect()
+    assert made[0]() is None, "the cache keeps the task's class (and what its methods hold) alive"
+
+
 def test_a_module_holding_much_data_is_profiled_every_time_not_walked(profiles):
     def holding() -> nn.Module:
         m = _mlp()

@@ -125,7 +125,7 @@ def _fills_self(func: Any) -> bool:
         args, rets = func._schema.arguments, func._schema.returns
         first = args[0].alias_info if args else None
         known = _self_fills[func] = bool(first is not None and first.is_write and len(rets) == 1
-                                         and rets[0].alias_info is not None and not func._schema.name.endswith("out"))
+                                         and rets[0].alias_info is not None)
     return known
 
 

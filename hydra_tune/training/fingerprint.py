@@ -26,6 +26,7 @@ import functools
 import hashlib
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -38,9 +39,9 @@ DIGEST_LIMIT = 16 << 20  # bytes of a tensor keyed by its values; a larger one g
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _PLAIN_TYPES = frozenset(_PLAIN)  # exact types: the fast path (subclasses take the isinstance one)
 _CONTAINERS = frozenset((tuple, list, dict, set, frozenset))
-# Values that are themselves the key: long-lived objects compared by identity (classes, C functions and
-# descriptors, modules, enum members) or by value (torch's dtypes and devices)
-_BY_IDENTITY = (type, types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
+# Values that are themselves the key: long-lived objects compared by identity (C functions and descriptors,
+# modules, enum members) or by value (torch's dtypes and devices); classes go in by weak reference (_held)
+_BY_IDENTITY = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
                 types.MethodWrapperType, types.GetSetDescriptorType, types.MemberDescriptorType,
                 types.ClassMethodDescriptorType, types.ModuleType, types.CodeType, torch.dtype, torch.device,
                 torch.layout, torch.memory_format, enum.Enum, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
@@ -49,6 +50,12 @@ _MODULE_OWN = ("_parameters", "_buffers", "_modules")
 _TORCH_OWN = frozenset(nn.Module().__dict__) | frozenset(
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1).__dict__)
 _EMPTY_CELL = ("<empty cell>",)
+
+
+def _held(cls: type) -> Any:
+    """A class in a key: a weak reference (equal while the class lives, so a key keeps no user class, and through
+    its methods' closures no model, alive; a dead class's key matches nothing, not a new class at its address)."""
+    return weakref.ref(cls)
 
 
 class Unkeyable(Exception):
@@ -99,9 +106,11 @@ class Keyer:
         if seen is not None:
             return "ref", seen
         if issubclass(kind, _PLAIN):
-            return kind, v
+            return _held(kind), v
         if issubclass(kind, torch.Tensor):
             return self._tensor(v)
+        if issubclass(kind, type):
+            return _held(v)
         if issubclass(kind, _BY_IDENTITY):
             return v
         if issubclass(kind, (tuple, list, dict, set, frozenset)):
@@ -118,7 +127,7 @@ class Keyer:
         else:
             items = tuple(self.value(x) for x in v)
         extra = getattr(v, "__dict__", None)  # a subclass's own attributes (a namedtuple has none)
-        return type(v), items, self._attrs(extra) if extra else None
+        return _held(type(v)), items, self._attrs(extra) if extra else None
 
     def _tensor(self, t: torch.Tensor, values: bool | None = None) -> Any:
         """Layout and place; the values too (``values``; default: a tensor that is no parameter or buffer)."""
@@ -127,7 +136,7 @@ class Keyer:
             return "same tensor", place
         self._tensors[id(t)] = place = len(self._tensors)
         self._alive.append(t)
-        layout = (type(t), tuple(t.shape), t.dtype, t.stride() if t.layout == torch.strided else None,
+        layout = (_held(type(t)), tuple(t.shape), t.dtype, t.stride() if t.layout == torch.strided else None,
                   t.device.type, t.requires_grad, place)
         if values is None:
             values = self.values and not isinstance(t, nn.Parameter)
@@ -156,22 +165,22 @@ class Keyer:
         if isinstance(v, functools.partial):
             return "partial", self.value(v.func), self.value(v.args), self.value(v.keywords)
         if isinstance(v, (staticmethod, classmethod)):
-            return type(v), self.value(v.__func__)
+            return _held(type(v)), self.value(v.__func__)
         if isinstance(v, property):
-            return type(v), self.value(v.fget), self.value(v.fset), self.value(v.fdel)
+            return _held(type(v)), self.value(v.fget), self.value(v.fset), self.value(v.fdel)
         attrs = getattr(v, "__dict__", None)
         if attrs is not None:
-            return type(v), self._attrs(attrs), self._slots(v)
+            return _held(type(v)), self._attrs(attrs), self._slots(v)
         slots = self._slots(v)
         if slots:
-            return type(v), slots
+            return _held(type(v)), slots
         try:
             hash(v)
         except TypeError:
             raise Unkeyable(f"a {type(v).__name__} without attributes") from None
         if type(v).__eq__ is object.__eq__:
             raise Unkeyable(f"a {type(v).__name__} compared by identity")  # would never equal another model's
-        return type(v), v
+        return _held(type(v)), v
 
     def _slots(self, v: Any) -> tuple[Any, ...]:
         names = [n for cls in type(v).__mro__ for n in getattr(cls, "__slots__", ()) if n not in ("__dict__",
@@ -212,7 +221,7 @@ class Keyer:
         state = tuple((name, None if t is None else self._tensor(t, values=False))
                       for name, t in [*m._parameters.items(), *m._buffers.items()])
         children = tuple((name, self.value(x)) for name, x in m._modules.items())
-        return type(m), self._attrs(m.__dict__, _MODULE_OWN), state, children
+        return _held(type(m)), self._attrs(m.__dict__, _MODULE_OWN), state, children
 
 
 class Memo:

@@ -16,7 +16,8 @@ within the value range of the batch it was measured on (token ids, class labels,
 the model or the loss raise (an id past the vocabulary) is measured, so its error still comes at submit. Float
 values are not compared: a float batch that makes the model or loss raise surfaces at its first unit when an equal
 architecture was profiled before. At most ``MAX_ENTRIES`` architectures are kept (least recently used goes first);
-the cache holds no model, tensor or function, only their keys.
+the cache holds no model, tensor or function, only their keys, and classes in them by weak reference (an entry
+whose class is gone matches nothing again).
 """
 from __future__ import annotations
 
