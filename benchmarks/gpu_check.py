@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from _common import Size  # the GPT-2 size record the CPU benchmarks use (benchmarks/ is on sys.path)
+from _perf import gpt2_factory
 
 import hydra_tune as ht
 from hydra_tune.errors import format_bytes
@@ -43,19 +44,6 @@ SMALL = Size(4, 64, 4, 256, 32, 4, 6, 2)          # (a): exactness
 FULL = Size(12, 768, 12, 50257, 512, 8, 4, 2)     # (d) on a GPU
 QUICK = Size(8, 384, 6, 8192, 256, 4, 3, 2)       # (d) with --quick
 TINY = Size(4, 64, 4, 256, 64, 4, 3, 2)           # (d) with --cpu
-
-
-def gpt2_factory(size: Size, dropout: float) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        from transformers import GPT2Config, GPT2LMHeadModel
-        from transformers.utils import logging
-
-        logging.set_verbosity_error()
-        return GPT2LMHeadModel(GPT2Config(
-            n_layer=size.n_layer, n_embd=size.n_embd, n_head=size.n_head, vocab_size=size.vocab,
-            n_positions=max(size.seq, 64), bos_token_id=0, eos_token_id=0,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
-    return make
 
 
 def token_batches(size: Size, seed: int) -> list[Batch]:
