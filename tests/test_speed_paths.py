@@ -135,7 +135,9 @@ def test_lrtf_starts_the_longest_task_first():
     # FIFO gives the long task 4 of the first 12 segments; LRTF most of them (a new task's first estimates are
     # guesses, so one or two others may come first).
     assert lrtf_order[:12].count("t2") >= 8, lrtf_order
-    assert fifo_order[:6] == ["t0", "t1", "t2"] * 2, fifo_order
+    # FIFO: the three first segments in submit order, and the long task no more than its turn in the first two
+    # rounds (which short task comes back first depends on whose host thread opened its next segment first).
+    assert fifo_order[:3] == ["t0", "t1", "t2"] and fifo_order[:6].count("t2") <= 2, fifo_order
 
 
 @pytest.mark.parametrize("mode", ["recompute", "keep", "offload"])
