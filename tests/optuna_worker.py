@@ -36,6 +36,33 @@ def task(lr: float, epochs: int) -> ht.ModelTask:
                         loss=lambda out, batch: F.mse_loss(out, batch[1]), epochs=epochs)
 
 
+def kill_mid_trial(proc) -> dict:
+    """For the tests: ``proc`` (a ``hang`` worker) has said RUNNING; SIGKILL it, connect to this machine's node
+    server as a second client and wait until the server has cancelled the dead worker's task. Returns the
+    server's ``stats()`` then."""
+    import signal
+    import time
+
+    from hydra_tune import node
+
+    line = proc.stdout.readline()
+    assert line.startswith("RUNNING"), (line, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+    rt = node.connect(devices=DEVICES, device_memory=BUDGET)
+    try:
+        running = [n for n, s in rt.stats()["tasks"].items() if s["state"] == "running"]
+        assert len(running) == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 15
+        while rt.stats()["tasks"][running[0]]["state"] == "running" and time.time() < deadline:
+            time.sleep(0.1)
+        stats = rt.stats()
+        assert stats["tasks"][running[0]]["state"] == "cancelled"
+        return stats
+    finally:
+        rt.close()
+
+
 def main(storage: str, study_name: str, n_trials: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

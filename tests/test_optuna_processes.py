@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,25 +54,11 @@ def test_two_processes_on_one_sqlite_storage_share_one_runtime(node_dir, tmp_pat
 
 
 def test_killed_process_trial_is_failed_and_its_task_freed(node_dir, tmp_path):
-    from hydra_tune import node
 
     db = f"sqlite:///{tmp_path / 'study.db'}"
     proc = _start(db, "killed", 1, "hang", "-")
-    line = proc.stdout.readline()
-    assert line.startswith("RUNNING"), (line, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
-    rt = node.connect(devices=worker.DEVICES, device_memory=worker.BUDGET)   # the same server, as a 2nd client
-    try:
-        running = [n for n, s in rt.stats()["tasks"].items() if s["state"] == "running"]
-        assert len(running) == 1
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        deadline = time.time() + 15
-        while rt.stats()["tasks"][running[0]]["state"] == "running" and time.time() < deadline:
-            time.sleep(0.1)
-        assert rt.stats()["tasks"][running[0]]["state"] == "cancelled"
-        assert all(d["current_bytes"] == 0 for d in rt.stats()["devices"])
-    finally:
-        rt.close()
+    stats = worker.kill_mid_trial(proc)   # its node's server cancels the dead worker's task at once
+    assert all(d["current_bytes"] == 0 for d in stats["devices"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         storage = optuna.storages.RDBStorage(db, heartbeat_interval=1)

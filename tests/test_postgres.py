@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -87,24 +86,10 @@ def test_killed_machine_trial_is_failed_and_the_other_machine_goes_on(pg_url, ma
     """SIGKILL a worker mid-trial: its node's server cancels the trial's task at once; the other machine's next
     optimize runs Optuna's fail_stale_trials itself (heartbeat 1 s, grace 2 s), so the dead trial is FAIL there
     without any manual step, and the new trial completes."""
-    from hydra_tune import node
 
     optuna.create_study(study_name="pg-killed", storage=pg_url, direction="minimize")
     proc = _start(pg_url, "pg-killed", 1, "hang", "-", machines[0])
-    line = proc.stdout.readline()
-    assert line.startswith("RUNNING"), (line, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
-    rt = node.connect(devices=worker.DEVICES, device_memory=worker.BUDGET)   # that machine's server, 2nd client
-    try:
-        running = [n for n, s in rt.stats()["tasks"].items() if s["state"] == "running"]
-        assert len(running) == 1
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        deadline = time.time() + 15
-        while rt.stats()["tasks"][running[0]]["state"] == "running" and time.time() < deadline:
-            time.sleep(0.1)
-        assert rt.stats()["tasks"][running[0]]["state"] == "cancelled"
-    finally:
-        rt.close()
+    worker.kill_mid_trial(proc)   # that machine's server cancels the dead worker's task at once
     study = optuna.load_study(study_name="pg-killed", storage=_storage(pg_url))
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.RUNNING]   # until someone checks
     time.sleep(3)   # past 2 x heartbeat_interval since the dead trial's last heartbeat
