@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from _common import Size  # the GPT-2 size record the CPU benchmarks use (benchmarks/ is on sys.path)
+from _common import Size, adamw, token_batches  # what the CPU benchmarks use (benchmarks/ is on sys.path)
 from _perf import gpt2_factory
 
 import hydra_tune as ht
@@ -46,18 +46,8 @@ QUICK = Size(8, 384, 6, 8192, 256, 4, 3, 2)       # (d) with --quick
 TINY = Size(4, 64, 4, 256, 64, 4, 3, 2)           # (d) with --cpu
 
 
-def token_batches(size: Size, seed: int) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, size.vocab, (size.batches, size.batch, size.seq), generator=g)
-    return [{"input_ids": b.clone(), "labels": b.clone()} for b in ids]
-
-
 def warmup(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
-
-
-def adamw(lr: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
-    return lambda model: torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def sync(device: str) -> None:
@@ -376,7 +366,8 @@ def report(res: dict[str, Any]) -> bool:
     if om:
         good = om["replans"] >= 1 and om["diff"] is not None and om["diff"] <= EXACT_TOL
         ok &= good
-        print(f"\n(g) out-of-memory at {format_bytes(om['limit'])} (60% of the plan's {format_bytes(om['first_peak'])}):"
+        print(f"\n(g) out-of-memory at {format_bytes(om['limit'])} (60% of the plan's "
+              f"{format_bytes(om['first_peak'])}):"
               f" {om['replans']} re-plans -> {om['shards']} shards, predicted {format_bytes(om['peak'])}; max|w| vs "
               f"plain {om['diff'] if om['diff'] is not None else om['error']}: {'PASS' if good else 'FAIL'}")
     return ok

@@ -174,7 +174,8 @@ def summary(runs: dict[str, list[Result]], names: list[str], case: Case) -> dict
     steps = max(last.get("steps", 0), 1)
     out = {"sps": sps, "ratio": sps[other] / sps[base], "peaks": peaks,
            "peak_ratio": peaks[other] / peaks[base] if peaks[other] and peaks[base] else None,
-           "shards": last.get("shards"), "overlap": last.get("overlap"), "prefetched_bytes": last.get("prefetched_bytes"),
+           "shards": last.get("shards"), "overlap": last.get("overlap"),
+           "prefetched_bytes": last.get("prefetched_bytes"),
            "counters": last.get("counters")}
     out["state_bytes_per_step"] = pick(found, "state", "per_step") or (
         last["prefetched_bytes"] / steps if last.get("prefetched_bytes") else None)
@@ -226,7 +227,7 @@ def report(results: list[dict[str, Any]]) -> None:
             print(f"{'':<8}{'':<22}PCIe bound {r['pcie_bound_sps']:.2f} samples/s; measured {r['sps'][other]:.2f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="dry run on a CPU stand-in, tiny sizes")
     p.add_argument("--sections", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
@@ -239,19 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.cpu else 2)
     args.warm = args.warm if args.warm is not None else (2 if args.cpu else 5)
-    if not args.cpu and not torch.cuda.is_available():
-        print("no CUDA device: skipped (use --cpu for a dry run)")
-        print(json.dumps({"benchmark": "gpu_perf", "skipped": "no CUDA device"}))
-        return 0
-    if args.cpu:
-        torch.set_num_threads(1)  # the stand-in device's one core, as the runtime gives it
-    device = "cpu" if args.cpu else "cuda:0"
-    t0 = time.perf_counter()
-    deadline = t0 + args.time_budget if args.time_budget else float("inf")
-    name = "CPU stand-in" if args.cpu else torch.cuda.get_device_name(0)
-    print(f"gpu_perf on {name}: torch {torch.__version__}, hydra_tune {ht.__version__}; {args.warm} warm-up + "
-          f"{args.steps} steady steps per run, {args.repeats} runs per side, alternating")
-    bench = Bench(device, Steps(args.warm, args.steps), args.repeats, deadline)
+    return args
+
+
+def _measure_all(bench: Bench, args: argparse.Namespace, device: str, deadline: float
+                 ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Every chosen case, in order; a case that fails is reported and the others still run."""
     results, skipped, failed = [], [], []
     chosen = args.sections.split(",")
     for section, case, kind, repeats in cases(args.cpu):
@@ -274,6 +268,25 @@ def main(argv: list[str] | None = None) -> int:
             res["pcie_bound_sps"] = pcie_bound(device, case, res)
         results.append(res)
     results.sort(key=lambda r: r["section"])
+    return results, skipped, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("no CUDA device: skipped (use --cpu for a dry run)")
+        print(json.dumps({"benchmark": "gpu_perf", "skipped": "no CUDA device"}))
+        return 0
+    if args.cpu:
+        torch.set_num_threads(1)  # the stand-in device's one core, as the runtime gives it
+    device = "cpu" if args.cpu else "cuda:0"
+    t0 = time.perf_counter()
+    deadline = t0 + args.time_budget if args.time_budget else float("inf")
+    name = "CPU stand-in" if args.cpu else torch.cuda.get_device_name(0)
+    print(f"gpu_perf on {name}: torch {torch.__version__}, hydra_tune {ht.__version__}; {args.warm} warm-up + "
+          f"{args.steps} steady steps per run, {args.repeats} runs per side, alternating")
+    bench = Bench(device, Steps(args.warm, args.steps), args.repeats, deadline)
+    results, skipped, failed = _measure_all(bench, args, device, deadline)
     report(results)
     for line in skipped:
         print(f"skipped: {line}")
@@ -289,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {out['seconds']:.0f} s")
     print(line)
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
