@@ -51,13 +51,14 @@ class Server:
         with open(os.path.join(base, "authkey"), "rb") as f:
             authkey = f.read()
         listener = Listener(self.socket, family="AF_UNIX", backlog=64, authkey=authkey)  # last: ready now
-        self.clients = Clients(listener, handlers.receive)
+        self.clients = Clients(listener, handlers.receive, clock=self.runtime.clock)
         self._terminated = False
 
     def describe(self) -> dict[str, Any]:
-        """What ``stats()["server"]`` shows: pid, clients connected, socket, log and linger."""
+        """What ``stats()["server"]`` shows: pid, clients connected, socket, log and linger, and the newest clients
+        that left (``departures``: when, on the trace clock, and which tasks that cancelled)."""
         return {"pid": os.getpid(), "clients": len(self.clients), "socket": self.socket, "log": self.log_path,
-                "linger": self.linger}
+                "linger": self.linger, "departures": self.clients.departures()}
 
     def serve(self) -> None:
         """Accept clients until no client has come for ``linger`` s, or SIGTERM; then shut down and exit."""
