@@ -8,8 +8,8 @@ Rules: the HMAC handshake runs in ``Listener.accept``, before any byte from the 
 thread per client hands each ``(op, request_id, *args)`` to ``on_request``; anything else drops that client. A
 client whose connection ends (close, exit, kill -9) is dropped at once: its unfinished tasks are cancelled and its
 handles forgotten; the moment the server saw it go (on ``clock``: the runtime's trace clock) is kept in
-``departures()``, the newest ``DEPARTURES`` of them. Once accepting stopped, a connection that still arrives is closed, so that client's hello fails
-and it starts (or finds) the next server.
+``departures()``, the newest ``DEPARTURES`` of them. Once accepting stopped, a connection that still arrives is
+closed, so that client's hello fails and it starts (or finds) the next server.
 """
 from __future__ import annotations
 
