@@ -71,3 +71,27 @@ def test_server_runs_at_most_one_unit_of_a_killed_clients_task_after_seeing_it_g
         ran = units()
         after = [e for e in ran if e.start >= gone["at"]]
         assert len(after) <= 1, (gone["at"], [(e.kind, e.start, e.end) for e in ran[-8:]])
+
+
+def test_server_log_rotates_at_its_bound_under_client_churn(node_dir, monkeypatch):
+    monkeypatch.setenv("HYDRA_TUNE_NODE_LOG_BYTES", "2048")
+    log = node.server_files(**CFG)["log"]
+    with node.connect(**CFG) as keeper:   # keeps the server up while clients come and go (2 log lines each)
+        for _ in range(40):
+            node.connect(**CFG).close()
+        assert _wait(lambda: keeper.stats()["server"]["clients"] == 1)
+        assert _wait(lambda: os.path.exists(log + ".1"))
+        line = 200   # one line past the bound at most: the rotation follows the line that reached it
+        assert os.path.getsize(log) < 2048 + line and os.path.getsize(log + ".1") < 2048 + line
+        with open(log) as f:
+            newest = f.read()
+        assert "left; cancelled 0 unfinished task(s)" in newest   # the newest lines go to the new log
+    assert _wait(lambda: not os.path.exists(log) and not os.path.exists(log + ".1"))   # retired: both removed
+
+
+@pytest.mark.parametrize("value", ["lots", "100", "-5"])
+def test_bad_log_bound_is_refused_before_a_server_starts(node_dir, monkeypatch, value):
+    monkeypatch.setenv("HYDRA_TUNE_NODE_LOG_BYTES", value)
+    with pytest.raises(Exception, match=r"`HYDRA_TUNE_NODE_LOG_BYTES` is a number of bytes >= 1024.*Fix: unset it"):
+        node.connect(**CFG)
+    assert not os.listdir(node_dir) or not [f for f in os.listdir(node_dir) if f.endswith(".sock")]
