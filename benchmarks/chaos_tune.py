@@ -8,9 +8,10 @@ actor per node (``HydraExecutor(devices=["cpu"])``), ASHA (grace 1, reduction 2,
 (``hydra_tune.save_checkpoint`` -> ``tune.Checkpoint``), ``FailureConfig(max_failures=3)``.
 
 The same seeded search runs twice on the cluster: fault-free, then with faults at seeded random times (spread over
-15-60% of the fault-free wall time), each waiting for a target that is training now:
-  * node:  remove a worker node that has a trial and its runtime actor on it (a replacement node joins, as a spot
-           instance's would), so its trials' proxies and its runtime die at once;
+15-60% of the fault-free run's time from its first result to its end), each waiting for a target training now:
+  * node:  remove the worker node with the most running trials and its runtime actor on it (a replacement node
+           joins, as a spot instance's would), so its trials' proxies and its runtime die at once; node faults come
+           first in the plan (at the earliest times), while the most trials run;
   * actor: ``ray.kill`` a node's runtime actor under its running trials;
   * proxy: SIGKILL a running trial's proxy process (its train_fn thread in the runtime actor is left behind).
 
@@ -21,7 +22,8 @@ stops where depends on the order results arrive, so the final iterations of the 
 printed apart and is no failure); orphans (goal 0): train_fn threads or hydra_tune tasks still alive in a runtime
 when the experiment ends, runtime actors left after it, runtime/proxy processes alive after it, hydra_tune
 checkpoint temp files anywhere under the run's folder, trial folders of train_fn left (each trial's last
-incarnation removes its own; a killed one's is taken over by its restart); wall time of each run. Exit status 1 when a goal is missed.
+incarnation removes its own; a killed one's is taken over by its restart); wall time of each run. Exit status 1
+when a goal is missed.
 
     .venv/bin/python benchmarks/chaos_tune.py                  # 24 trials x 8 epochs, 4 faults (~4-6 min on 2 cores)
     .venv/bin/python benchmarks/chaos_tune.py --quick          # what tests/test_chaos_tune.py runs
@@ -97,6 +99,7 @@ class Watch(tune.Callback):
         self.running: dict[str, tuple[int, str]] = {}   # trial id -> (proxy pid, node id)
         self.pids: set[int] = set()                      # every proxy and runtime process seen
         self.recovered = 0
+        self.first_result: float | None = None          # perf_counter of the search's first result
         self.at_end: dict[str, Any] = {}
         self.lock = threading.Lock()
 
@@ -108,6 +111,7 @@ class Watch(tune.Callback):
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         with self.lock:
+            self.first_result = self.first_result or time.perf_counter()
             self.running[trial.trial_id] = (result["pid"], result["proxy_node"])
             self.pids |= {result["pid"], result["runtime_pid"]}
 
@@ -136,18 +140,22 @@ class Watch(tune.Callback):
         self.pids |= set(self.at_end["runtime_pids"])
 
 
-class Chaos(threading.Thread):
-    """Injects ``kinds`` at ``times`` (seconds after start), each once a target trains; records what it did."""
+class Chaos:
+    """Injects ``kinds`` at ``times`` (seconds after start), each once a target trains; records what it did. Runs
+    in the main thread (a replacement node can only be started there: Ray sets signal handlers), the search in
+    another."""
 
     def __init__(self, cluster: Any, watch: Watch, kinds: list[str], times: list[float], seed: int) -> None:
-        super().__init__(daemon=True)
         self.cluster, self.watch, self.rng = cluster, watch, random.Random(seed)
         self.plan = list(zip(times, kinds))
         self.done: list[dict[str, Any]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        t0 = time.perf_counter()
+        while self.watch.first_result is None:   # times count from the first result (runtimes start slowly)
+            if self.stop.wait(0.2):
+                return
+        t0 = self.watch.first_result
         for at, kind in self.plan:
             if self.stop.wait(max(0.0, at - (time.perf_counter() - t0))):
                 return
@@ -166,12 +174,13 @@ class Chaos(threading.Thread):
         return [x for x in out if x[2] in workers] if workers_only else out
 
     def _node(self) -> dict[str, Any] | None:
-        targets = self._targets(workers_only=True)
+        targets = [t for t in self._targets(workers_only=True) if _runtime(t[2]) is not None]
         if not targets:
             return None
-        _, _, nid = self.rng.choice(targets)
-        if not _runtime(nid):
-            return None
+        per_node: dict[str, int] = {}
+        for _, _, n in targets:
+            per_node[n] = per_node.get(n, 0) + 1
+        nid = self.rng.choice(sorted(n for n, k in per_node.items() if k == max(per_node.values())))   # the busiest
         node = next(n for n in self.cluster.worker_nodes if n.node_id == nid)
         self.cluster.remove_node(node, allow_graceful=False)
         self.cluster.add_node(num_cpus=2)   # the replacement, as a spot instance's would join
@@ -223,25 +232,40 @@ def search(cluster: Any, args: argparse.Namespace, root: str, name: str, faults:
                        run_config=tune.RunConfig(name=name, storage_path=os.path.join(root, "storage"), verbose=0,
                                                  callbacks=[watch, ex],
                                                  failure_config=tune.FailureConfig(max_failures=3)))
-    chaos = None
+    chaos, out = None, {}
     if faults:
         rng = random.Random(args.seed)
         times = sorted(rng.uniform(0.15, 0.6) * args.span for _ in faults)
-        chaos = Chaos(cluster, watch, rng.sample(faults, len(faults)), times, args.seed)
-        chaos.start()
+        rest = [f for f in faults if f != "node"]   # node losses first, while the most trials run
+        kinds = [f for f in faults if f == "node"] + rng.sample(rest, len(rest))
+        chaos = Chaos(cluster, watch, kinds, times, args.seed)
     t0 = time.perf_counter()
-    results = tuner.fit()
+    if chaos is None:
+        results = tuner.fit()
+    else:
+        def fit() -> None:
+            try:
+                out["results"] = tuner.fit()
+            finally:
+                chaos.stop.set()
+
+        search_thread = threading.Thread(target=fit, daemon=True)
+        search_thread.start()
+        chaos.run()
+        search_thread.join()
+        results = out["results"]
     wall = time.perf_counter() - t0
-    if chaos is not None:
-        chaos.stop.set()
-        chaos.join()
+    print(f"{name}: first result after {(watch.first_result or t0) - t0:.1f} s, wall {wall:.1f} s, proxy/runtime "
+          f"pids seen {len(watch.pids)}", flush=True)
     trials = {}
     for r in results:
         df = r.metrics_dataframe
         rows = [] if df is None else [(int(e), float(v)) for e, v in zip(df["epoch"], df["loss"])]
-        trials[r.config["i"]] = {"nodes": [] if df is None else sorted(set(df["proxy_node"].str[:8])),"error": None if r.error is None else f"{type(r.error).__name__}: {r.error}"[:300],
+        trials[r.config["i"]] = {"nodes": [] if df is None else sorted(set(df["proxy_node"].str[:8])),
+                                 "error": None if r.error is None else f"{type(r.error).__name__}: {r.error}"[:300],
                                  "iteration": (r.metrics or {}).get("training_iteration"), "rows": rows}
-    return {"wall_s": wall, "trials": trials, "faults": [] if chaos is None else chaos.done,
+    return {"wall_s": wall, "first_result_s": (watch.first_result or t0) - t0, "trials": trials,
+            "faults": [] if chaos is None else chaos.done,
             "planned": len(faults), "recovered": watch.recovered, "at_end": watch.at_end,
             "orphans": _orphans(watch, root, scratch)}
 
@@ -324,7 +348,8 @@ def report(clean: dict[str, Any], chaos: dict[str, Any], args: argparse.Namespac
     rows = [("faults injected (by kind)", f"{r['faults_injected']}/{r['faults_planned']} {by_kind}"),
             ("trial restarts (FailureConfig)", r["trial_restarts"]),
             ("trials lost (goal 0)", len(r["lost"])),
-            ("trials differing from fault-free (goal 0)", f"{len(r['differ'])} ({r['rows_compared']} reports compared)"),
+            ("trials differing from fault-free (goal 0)",
+             f"{len(r['differ'])} ({r['rows_compared']} reports compared)"),
             ("trials ASHA stopped elsewhere (timing)", len(r["stopped_elsewhere"])),
             ("orphans after the chaos run (goal 0)", orphan_count(r["orphans_chaos"])),
             ("orphans after the fault-free run (goal 0)", orphan_count(r["orphans_clean"])),
@@ -338,7 +363,8 @@ def report(clean: dict[str, Any], chaos: dict[str, Any], args: argparse.Namespac
     for k, v in rows:
         print(f"  {k:<46} {v}")
     for f in chaos["faults"]:
-        print(f"  fault at {f['at_s']:>6.1f} s: {f['kind']:<6} node {f['node'][:8]} trials {f['trials']}")
+        print(f"  fault {f['at_s']:>6.1f} s after the first result: {f['kind']:<6} node {f['node'][:8]} "
+              f"trials {f['trials']}")
     return r
 
 
@@ -371,7 +397,7 @@ def main() -> int:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         clean = search(cluster, args, root, "clean", [])
-        args.span = clean["wall_s"]
+        args.span = clean["wall_s"] - clean["first_result_s"]   # from the first result to the end
         chaos = search(cluster, args, root, "chaos", faults)
         r = report(clean, chaos, args)
     finally:
