@@ -78,7 +78,6 @@ def test_recovered_trial_leaves_no_thread_nor_task_behind(local_ray, tmp_path):
         assert stats()["tasks"]["new"]["state"] == "done"
     finally:
         ex.shutdown()
-    assert os.getpid() not in {st["pid"] for st in ex.final_stats.values()}
 
 
 @pytest.mark.skipif(os.environ.get("HYDRA_TUNE_CHAOS") != "1",
