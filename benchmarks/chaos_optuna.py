@@ -1,5 +1,5 @@
 """Usage: .venv/bin/python benchmarks/chaos_optuna.py [--trials 24] [--workers 3] [--kills 6] [--quick] [--seed 0]
-                                                    [--json PATH]
+                                                    [--journal] [--json PATH]
 
 Optuna chaos study: worker processes share one study through SQLite storage (heartbeat 1 s) and one node runtime
 server. At seeded random moments the driver SIGKILLs a worker whose trial is training, and starts a new worker in its
@@ -12,8 +12,17 @@ many units the server ran of them after the kill and how long the cancel took (s
 stats(), so they include the polling's delay), whether the node server outlived its clients (goal: it lingers
 out), wall time. Exit status 1 when a goal is missed.
 
+``--journal``: the study lives in an Optuna JournalStorage (a journal file) instead. Optuna has no heartbeat for
+journal storage (checked in optuna 5.0.0: ``JournalStorage`` does not implement ``BaseHeartbeat``, so
+``is_heartbeat_enabled`` is False and ``fail_stale_trials`` does nothing): a killed worker's trial stays RUNNING
+for ever. The study still reaches its complete trials (MaxTrialsCallback counts COMPLETE ones), the node server
+still cancels the dead worker's task at once, and the driver then fails the trials of the workers it killed with
+``study.tell(number, state=FAIL)``, which is what a user of journal storage has to do (goal: the trials Optuna
+left RUNNING are exactly killed ones, and every one of those is FAIL after the tell).
+
     .venv/bin/python benchmarks/chaos_optuna.py                 # 24 trials, 3 workers, 6 kills
     .venv/bin/python benchmarks/chaos_optuna.py --quick         # what tests/test_chaos.py runs
+    .venv/bin/python benchmarks/chaos_optuna.py --quick --journal   # the same on JournalStorage
 """
 from __future__ import annotations
 
@@ -44,12 +53,13 @@ def worker(storage: str, name: str, n_trials: int) -> None:
 
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = ht.optuna_study(direction="minimize", storage=storage, study_name=name, load_if_exists=True,
+    study = ht.optuna_study(direction="minimize", storage=open_storage(storage), study_name=name, load_if_exists=True,
                             sampler=optuna.samplers.RandomSampler(seed=os.getpid()), heartbeat_interval=1,
                             devices=DEVICES, device_memory=BUDGET)
     print(f"SERVER {study.runtime_stats()['server']['pid']}", flush=True)
 
     def objective(trial: optuna.Trial) -> float:
+        print(f"START {trial.number}", flush=True)
         lr = trial.suggest_float("lr", 0.01, 0.1)
         g = torch.Generator().manual_seed(trial.number)
         data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(8)]
@@ -74,6 +84,16 @@ def worker(storage: str, name: str, n_trials: int) -> None:
     study.close()
 
 
+def open_storage(spec: str) -> Any:
+    """``sqlite:///...`` stays a URL (hydra_tune opens it with Optuna's heartbeat); ``journal:<path>`` becomes a
+    JournalStorage on that file (Optuna has no heartbeat for it: see the module docstring)."""
+    if not spec.startswith("journal:"):
+        return spec
+    import optuna
+
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(spec[len("journal:"):]))
+
+
 # -- the driver -----------------------------------------------------------------------------------------------------
 class Worker:
     """A worker process and what it printed: its running trials (several: Optuna runs trials in threads)."""
@@ -82,6 +102,7 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.running: dict[int, str] = {}    # its trials training now: number -> task name in the server
+        self.started: set[int] = set()       # its trials begun and not done (training or not yet)
         self.server: int | None = None
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -94,8 +115,11 @@ class Worker:
                 self.server = int(rest[0])
             elif kind == "TRIAL":
                 self.running[int(rest[0])] = rest[1]
+            elif kind == "START":
+                self.started.add(int(rest[0]))
             elif kind == "DONE":
                 self.running.pop(int(rest[0]), None)
+                self.started.discard(int(rest[0]))
 
 
 def _task_state(observer: Any, name: str) -> dict[str, Any] | None:
@@ -119,7 +143,7 @@ def _after_kill(observer: Any, running: dict[int, str], units: dict[str, int], t
     return out
 
 
-def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
+def chaos(trials: int, workers: int, kills: int, seed: int, journal: bool = False) -> dict[str, Any]:
     import warnings
 
     import optuna
@@ -133,13 +157,14 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
     env = dict(os.environ, HYDRA_TUNE_NODE_DIR=base, HYDRA_TUNE_NODE_LINGER=str(LINGER),
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     os.environ.update(HYDRA_TUNE_NODE_DIR=base, HYDRA_TUNE_NODE_LINGER=str(LINGER))
-    storage, name = f"sqlite:///{base}/study.db", "chaos"
-    optuna.create_study(storage=storage, study_name=name, direction="minimize")
+    storage, name = f"journal:{base}/study.log" if journal else f"sqlite:///{base}/study.db", "chaos"
+    optuna.create_study(storage=open_storage(storage), study_name=name, direction="minimize")
     observer = node.connect(devices=DEVICES, device_memory=BUDGET)   # reads the server's stats (same config)
     server_pid, t0 = observer.pid, time.perf_counter()
     pool = [Worker([storage, name, str(trials)], env) for _ in range(workers)]
     killed: list[dict[str, Any]] = []   # one entry per trial running in a killed worker
     kills_done = 0
+    killed_begun: set[int] = set()      # every trial a killed worker had begun (training or not yet)
     try:
         while kills_done < kills and any(w.proc.poll() is None for w in pool):
             time.sleep(rng.uniform(0.5, 2.5))
@@ -147,13 +172,14 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
             if not busy:
                 continue
             victim = rng.choice(busy)
-            running = dict(victim.running)
+            running, begun = dict(victim.running), set(victim.started)
             units = {task: (_task_state(observer, task) or {}).get("units", 0) for task in running.values()}
             victim.proc.send_signal(signal.SIGKILL)
             t_kill = time.perf_counter()
             victim.proc.wait()
             pool[pool.index(victim)] = Worker([storage, name, str(trials)], env)
             killed += _after_kill(observer, running, units, t_kill)
+            killed_begun |= begun
             kills_done += 1
         for w in pool:
             w.proc.wait(timeout=600)
@@ -164,7 +190,11 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
                 w.proc.kill()
         observer.close()
     wall = time.perf_counter() - t0
-    states, no_beat = _study_end(storage, name, f"{base}/study.db")
+    if journal:
+        states, stuck = _journal_end(storage, name, killed_begun)
+        no_beat: list[int] = []
+    else:
+        (states, no_beat), stuck = _study_end(storage, name, f"{base}/study.db"), []
     deadline = time.monotonic() + LINGER + 20
     while time.monotonic() < deadline and _alive(server_pid):
         time.sleep(0.2)
@@ -178,6 +208,8 @@ def chaos(trials: int, workers: int, kills: int, seed: int) -> dict[str, Any]:
             "killed_trials": len(killed), "failed": sum(s == "FAIL" for s in states.values()),
             "killed_failed": sum(states.get(str(k["trial"])) == "FAIL" for k in killed),
             "running_without_heartbeat": no_beat, "server_left": server_left, "worker_errors": errors,
+            "storage": "journal" if journal else "sqlite", "left_running_by_optuna": stuck,
+            "killed_begun": sorted(killed_begun),
             "wall_s": wall}
 
 
@@ -203,6 +235,18 @@ def _study_end(storage: str, name: str, db_path: str) -> tuple[dict[str, str], l
             [t.number for t in trials if t.state.name == "RUNNING" and t._trial_id not in beats])
 
 
+def _journal_end(storage: str, name: str, killed: set[int]) -> tuple[dict[str, str], list[int]]:
+    """Journal storage: the trials Optuna left RUNNING (no heartbeat: every killed worker's), then each trial's state
+    after the driver failed the killed workers' trials by ``study.tell`` (what a journal-storage user must do)."""
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=open_storage(storage))
+    stuck = [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    for number in sorted(killed & set(stuck)):
+        study.tell(number, state=optuna.trial.TrialState.FAIL)
+    return {str(t.number): t.state.name for t in study.trials}, stuck
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -224,6 +268,8 @@ def failures(r: dict[str, Any]) -> list[str]:
             if k["state"] not in ("cancelled", "done")]
     out += ["the node server outlived its clients"] if r["server_left"] else []
     out += [f"a worker failed: {e}" for e in r["worker_errors"]]
+    alive_stuck = set(r.get("left_running_by_optuna", [])) - set(r.get("killed_begun", []))
+    out += [f"trials of live workers left RUNNING: {sorted(alive_stuck)}"] if alive_stuck else []
     return out
 
 
@@ -234,6 +280,7 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=None, help="worker processes SIGKILLed (default 6, --quick 2)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--journal", action="store_true", help="JournalStorage (a journal file) instead of SQLite")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--worker", nargs=3, metavar=("STORAGE", "STUDY", "TRIALS"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -242,9 +289,9 @@ def main() -> int:
         return 0
     trials, kills = args.trials or (4 if args.quick else 24), args.kills or (2 if args.quick else 6)
     args.workers = args.workers or (2 if args.quick else 3)
-    print(f"optuna chaos: {trials} trials, {args.workers} worker processes on SQLite, {kills} SIGKILLs, "
-          f"seed {args.seed}")
-    r = chaos(trials, args.workers, kills, args.seed)
+    print(f"optuna chaos: {trials} trials, {args.workers} worker processes on "
+          f"{'JournalStorage' if args.journal else 'SQLite'}, {kills} SIGKILLs, seed {args.seed}")
+    r = chaos(trials, args.workers, kills, args.seed, args.journal)
     for k in r["killed"]:
         print(f"  killed trial {k['trial']} ({k['task']}): study {r['states'].get(str(k['trial']))}, server "
               f"{k['state']} after {k['cancel_s']:.2f} s, units run after the kill {k['units_after_kill']} (segment "
@@ -254,6 +301,9 @@ def main() -> int:
           f"worker), left RUNNING {r['running_left']} (never beat: "
           f"{r['running_without_heartbeat']}), server left behind "
           f"{r['server_left']}, wall {r['wall_s']:.1f} s")
+    if args.journal:
+        print(f"journal storage (no heartbeat): Optuna left RUNNING {r['left_running_by_optuna']} (the killed "
+              f"workers' trials: {r['killed_begun']}); failed by the driver's study.tell")
     bad = failures(r)
     print("checks:", "all passed" if not bad else "FAILED: " + "; ".join(bad))
     if args.json:

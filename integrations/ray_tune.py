@@ -172,5 +172,13 @@ class HydraExecutor(tune.Callback):
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._cancel(trial, "error")
 
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        """A failed trial Tune will restart (FailureConfig): its proxy may have died without a word (SIGKILL, the
+        OOM killer, a lost node), leaving its train_fn thread blocked at its next report and its tasks training
+        where no one reads them; the restart may land on another node and never meet them. Cancel them now. The
+        restart is not touched: Tune makes its trial process only after this hook, so its ``start`` reaches the
+        runtime after this cancel, which ends the incarnation running now only."""
+        self._cancel(trial, "recover")
+
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         self.shutdown()

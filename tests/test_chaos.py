@@ -1,7 +1,8 @@
 """Faults at search scale, short versions of the chaos benchmarks: an Optuna study on SQLite whose worker processes
 are SIGKILLed mid-trial and restarted reaches its trials; every killed trial that recorded a heartbeat is failed
 (one killed before its first heartbeat stays RUNNING: an Optuna limitation the benchmark lists), the
-node server cancels the dead worker's task and lingers out after the last client (benchmarks/chaos_optuna.py)."""
+node server cancels the dead worker's task and lingers out after the last client (benchmarks/chaos_optuna.py);
+the same on JournalStorage, which has no heartbeat; and the Ray Tune chaos search (benchmarks/chaos_tune.py)."""
 from __future__ import annotations
 
 import json
@@ -33,3 +34,22 @@ def test_optuna_study_survives_killed_workers(tmp_path):
     assert r["kills"] == 2 and r["killed_failed"] == r["killed_trials"] >= 2 and r["complete"] >= 4
     # a trial killed before its first heartbeat stays RUNNING (Optuna's limit, listed by the benchmark); all others end
     assert not r["server_left"] and r["running_left"] == len(r["running_without_heartbeat"])
+
+
+def test_optuna_journal_study_killed_workers_trials_stay_running_until_told(tmp_path):
+    """JournalStorage has no heartbeat (optuna 5.0.0): Optuna leaves exactly the killed workers' trials RUNNING; the
+    node server still cancels their tasks, and ``study.tell(n, state=FAIL)`` (the benchmark's driver) fails them."""
+    sys.path.insert(0, BENCH)
+    import chaos_optuna
+
+    path = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "chaos_optuna.py"), "--quick", "--journal", "--json",
+                           str(path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(path.read_text())
+    assert chaos_optuna.failures(r) == [] and proc.returncode == 0, proc.stdout[-3000:]
+    assert r["storage"] == "journal" and r["kills"] == 2 and r["complete"] >= 4
+    assert r["left_running_by_optuna"] and set(r["left_running_by_optuna"]) <= set(r["killed_begun"])
+    assert r["running_left"] == 0 and all(r["states"][str(n)] == "FAIL" for n in r["left_running_by_optuna"])
+    assert all(k["state"] in ("cancelled", "done") for k in r["killed"]) and not r["server_left"]

@@ -165,21 +165,6 @@ def test_checkpoint_taken_in_the_server_resumes_exactly(tmp_path):
         assert path == str(tmp_path / "ck.pt") and max_param_diff(full, trained(rt.submit(task(resume_from=path)))) == 0
 
 
-def test_killed_client_process_has_its_task_cancelled():
-    proc = subprocess.Popen([sys.executable, "-c", _client_code(
-        "h = rt.submit(task('orphan', 1000))\n"
-        "while h.status != 'running': time.sleep(0.01)\n"
-        "print(h.server_name, flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
-    try:
-        name = proc.stdout.readline().strip()
-        assert name.endswith("/orphan")
-    finally:
-        proc.kill()
-        proc.wait()
-    with _connect() as rt:
-        assert _wait(lambda: rt.stats()["tasks"][name]["state"] == "cancelled", 10)
-
-
 def test_plan_error_and_unpicklable_task_raise_in_submit():
     with ht.Runtime(**CFG) as local, pytest.raises(PlanError) as expected:
         local.submit(ht.ModelTask(_wide, _sgd, _data(2), loss=_mse, name="wide"))

@@ -39,7 +39,7 @@ from ..runtime.trace import Trace
 from ..task import ModelTask
 from ..training.boundary import Snapshot
 from .boot import SHADOWED_EXIT, package_dir, script, shadowing_error
-from .files import locked, log_tail, server_env, server_files
+from .files import LOG_BYTES, locked, log_tail, server_env, server_files
 from .wire import RemoteError, TaskNotPicklable, unpack_error
 
 __all__ = ["connect", "NodeRuntime", "RemoteHandle", "RemoteError", "TaskNotPicklable"]
@@ -317,8 +317,13 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
     if not re.fullmatch(r"\d+(\.\d*)?", linger.strip()):
         raise rule_error("`HYDRA_TUNE_NODE_LINGER` is a number of seconds >= 0", "unset it (10 s) or set e.g. 30",
                          HYDRA_TUNE_NODE_LINGER=linger)
+    log_bytes = os.environ.get("HYDRA_TUNE_NODE_LOG_BYTES", str(LOG_BYTES))
+    if not log_bytes.strip().isdigit() or int(log_bytes) < 1024:
+        raise rule_error("`HYDRA_TUNE_NODE_LOG_BYTES` is a number of bytes >= 1024 (the node server's log rotates "
+                         "at that size)", f"unset it ({LOG_BYTES}) or set e.g. 4194304",
+                         HYDRA_TUNE_NODE_LOG_BYTES=log_bytes)
     arg = json.dumps(dict(files["config"], base=files["base"], key=files["key"], linger=float(linger),
-                          package=package_dir()))
+                          log_bytes=int(log_bytes), package=package_dir()))
     log = os.open(files["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:  # own session: it outlives this process and its Ctrl-C. Run by path, not -m: the cwd is not on its path,
         # so a hydra_tune.py there cannot shadow the package in the server (boot.py checks what it imports)

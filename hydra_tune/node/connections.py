@@ -1,14 +1,15 @@
 """The node server's connected clients: accepting them, reading their requests, and dropping them when they go.
 
-    clients = Clients(listener, on_request=handlers.receive)
+    clients = Clients(listener, on_request=handlers.receive, clock=runtime.clock)
     threading.Thread(target=clients.accept_forever, daemon=True).start()
     if clients.stop_accepting(idle_for=10): ...      # none for 10 s: no client is accepted from now on
 
 Rules: the HMAC handshake runs in ``Listener.accept``, before any byte from the peer is unpickled. One reader
 thread per client hands each ``(op, request_id, *args)`` to ``on_request``; anything else drops that client. A
 client whose connection ends (close, exit, kill -9) is dropped at once: its unfinished tasks are cancelled and its
-handles forgotten. Once accepting stopped, a connection that still arrives is closed, so that client's hello fails
-and it starts (or finds) the next server.
+handles forgotten; the moment the server saw it go (on ``clock``: the runtime's trace clock) is kept in
+``departures()``, the newest ``DEPARTURES`` of them. Once accepting stopped, a connection that still arrives is
+closed, so that client's hello fails and it starts (or finds) the next server.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import itertools
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -24,7 +26,8 @@ from typing import Any
 from ..runtime.handle import TaskHandle
 from .files import server_log
 
-__all__ = ["Client", "Clients"]
+__all__ = ["Client", "Clients", "DEPARTURES"]
+DEPARTURES = 64   # clients whose departure stats()["server"]["departures"] shows: the newest (bounded: weeks of churn)
 
 
 class Client:
@@ -101,8 +104,10 @@ class Client:
 class Clients:
     """The registry of connected clients and the clock of how long there has been none."""
 
-    def __init__(self, listener: Listener, on_request: Callable[[Client, str, int, list[Any]], None]) -> None:
-        self._listener, self._on_request = listener, on_request
+    def __init__(self, listener: Listener, on_request: Callable[[Client, str, int, list[Any]], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._listener, self._on_request, self._clock = listener, on_request, clock
+        self._departures: deque[dict[str, Any]] = deque(maxlen=DEPARTURES)
         self._lock = threading.Lock()           # guards _clients, _idle_since, _closing
         self._clients: dict[int, Client] = {}
         self._ids = itertools.count(1)
@@ -117,6 +122,12 @@ class Clients:
         """Seconds since the last client left (or since the start); None while any client is connected."""
         with self._lock:
             return None if self._clients else time.monotonic() - self._idle_since
+
+    def departures(self) -> list[dict[str, Any]]:
+        """The newest clients that left, oldest first: ``client``, ``pid``, ``at`` (when the server saw the
+        connection end, on its clock), ``cancelled`` (the names of the unfinished tasks it cancelled then)."""
+        with self._lock:
+            return [dict(d) for d in self._departures]
 
     def stop_accepting(self, idle_for: float | None = None) -> bool:
         """Accept no client from now on and close the listener; with ``idle_for``, only if no client has been
@@ -168,6 +179,7 @@ class Clients:
             self._drop(client)
 
     def _drop(self, client: Client) -> None:
+        at = self._clock()   # the detection moment: before anything else is done about it
         handles = client.leave()
         if handles is None:
             return
@@ -178,5 +190,8 @@ class Clients:
         unfinished = [h for h in handles if not h.done()]
         for h in unfinished:
             h.cancel()
+        with self._lock:
+            self._departures.append({"client": client.cid, "pid": client.pid, "at": at,
+                                     "cancelled": [h.name for h in unfinished]})
         client.conn.close()
         server_log(f"client {client.cid} (pid {client.pid}) left; cancelled {len(unfinished)} unfinished task(s)")

@@ -20,6 +20,7 @@ import secrets
 import site
 import stat
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from ..config import RuntimeConfig
 from ..errors import HydraError, rule_error
 
 _SOCKET_MAX = 107       # bytes in an AF_UNIX path (sun_path is 108 with its NUL)
+LOG_BYTES = 1 << 20     # the server's log rotates at this size ($HYDRA_TUNE_NODE_LOG_BYTES): 2 lines per client
+_rotation: dict[str, Any] = {"path": None, "limit": LOG_BYTES, "lock": threading.Lock()}
 
 
 def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None, *,
@@ -120,5 +123,33 @@ def log_tail(path: str, n: int = 3000) -> str:
 
 
 def server_log(msg: str) -> None:
-    """One line in the server's log (its stdout), stamped with the time and the server's pid."""
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [hydra_tune node server {os.getpid()}] {msg}", flush=True)
+    """One line in the server's log (its stdout), stamped with the time and the server's pid; then the log rotates
+    if it reached its bound (``rotate_log_at``)."""
+    with _rotation["lock"]:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [hydra_tune node server {os.getpid()}] {msg}", flush=True)
+        _rotate_if_full()
+
+
+def rotate_log_at(path: str, limit: int) -> None:
+    """From now on, once the log at ``path`` (this process's stdout and stderr) holds ``limit`` bytes, the next
+    ``server_log`` moves it to ``path + ".1"`` (replacing the one before) and starts a new one at ``path``: a server
+    that runs for weeks, a line per client arriving and leaving, keeps at most about 2 x ``limit`` of log."""
+    with _rotation["lock"]:
+        _rotation.update(path=path, limit=limit)
+
+
+def _rotate_if_full() -> None:
+    path = _rotation["path"]
+    if path is None:
+        return
+    try:
+        if os.fstat(sys.stdout.fileno()).st_size < _rotation["limit"]:
+            return
+        sys.stderr.flush()
+        os.replace(path, path + ".1")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for target in (sys.stdout.fileno(), sys.stderr.fileno()):   # tracebacks and warnings follow the log
+            os.dup2(fd, target)
+        os.close(fd)
+    except (OSError, ValueError):
+        pass   # a log that cannot rotate (moved, no stdout) keeps growing: the server never stops for its log

@@ -4,9 +4,10 @@
         "policy": "lrtf", "base": "/tmp/hydra_tune-1000", "key": "0123abcd0123abcd", "linger": 10}'
     # hydra_tune.node.connect() starts it through boot.py (no -m: see there); its output goes to <base>/<key>.log
 
-The argument is ``RuntimeConfig.as_dict()`` plus where its files are (``base``, ``key``: see files.py) and its
-``linger``. This module is the server's lifetime; its parts are ``connections`` (accepting, reading and dropping
-clients), ``handlers`` (answering requests), ``forward`` (streaming each task's progress) and ``wire`` (messages).
+The argument is ``RuntimeConfig.as_dict()`` plus where its files are (``base``, ``key``: see files.py), its
+``linger`` and ``log_bytes`` (its log rotates at that size, to ``<key>.log.1``). This module is the server's
+lifetime; its parts are ``connections`` (accepting, reading and dropping clients), ``handlers`` (answering
+requests), ``forward`` (streaming each task's progress) and ``wire`` (messages).
 
 Threads: the main thread watches for the linger and SIGTERM; one thread accepts connections; one reader per client;
 one short thread per slow request; one forwarder per task. Rules of the lifetime: the server retires once no client
@@ -30,7 +31,7 @@ from typing import Any
 from ..config import RUNTIME_SETTINGS, RuntimeConfig
 from ..runtime.runtime import Runtime
 from .connections import Clients
-from .files import locked, server_log
+from .files import LOG_BYTES, locked, rotate_log_at, server_log
 from .forward import Forwarders
 from .handlers import Handlers
 
@@ -44,6 +45,7 @@ class Server:
         base, key = settings["base"], settings["key"]
         self.socket, self.lock_path = os.path.join(base, f"{key}.sock"), os.path.join(base, f"{key}.lock")
         self.log_path, self.linger = os.path.join(base, f"{key}.log"), float(settings["linger"])
+        rotate_log_at(self.log_path, int(settings.get("log_bytes", LOG_BYTES)))   # weeks of clients: bounded
         self.config = RuntimeConfig(**{k: settings[k] for k in RUNTIME_SETTINGS})
         self.runtime = Runtime(config=self.config)
         self.forwarders = Forwarders(self.log_path)
@@ -51,13 +53,14 @@ class Server:
         with open(os.path.join(base, "authkey"), "rb") as f:
             authkey = f.read()
         listener = Listener(self.socket, family="AF_UNIX", backlog=64, authkey=authkey)  # last: ready now
-        self.clients = Clients(listener, handlers.receive)
+        self.clients = Clients(listener, handlers.receive, clock=self.runtime.clock)
         self._terminated = False
 
     def describe(self) -> dict[str, Any]:
-        """What ``stats()["server"]`` shows: pid, clients connected, socket, log and linger."""
+        """What ``stats()["server"]`` shows: pid, clients connected, socket, log and linger, and the newest clients
+        that left (``departures``: when, on the trace clock, and which tasks that cancelled)."""
         return {"pid": os.getpid(), "clients": len(self.clients), "socket": self.socket, "log": self.log_path,
-                "linger": self.linger}
+                "linger": self.linger, "departures": self.clients.departures()}
 
     def serve(self) -> None:
         """Accept clients until no client has come for ``linger`` s, or SIGTERM; then shut down and exit."""
@@ -86,8 +89,9 @@ class Server:
             self._remove_socket()
             # Idle and ending normally: nothing in the log to look at. Removed under the start lock, so the log a
             # new server for this configuration opens (same path) is never the one unlinked.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.log_path)
+            for path in (self.log_path, self.log_path + ".1"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         return True
 
     def _shutdown(self, retired: bool) -> None:

@@ -153,6 +153,10 @@ class Runtime:
         return {"devices": devices, "tasks": tasks, "policy": self.policy, "host": self.host_memory(),
                 "history": self._history()}
 
+    def clock(self) -> float:
+        """Seconds now on the clock of ``trace()``'s events (since this runtime started)."""
+        return time.perf_counter() - self._recorder.origin
+
     def trace(self) -> Trace:
         """Every unit and prefetch copy so far: ``.save("trace.json")`` for Perfetto, or ``plot_timeline``."""
         return self._recorder.snapshot()
