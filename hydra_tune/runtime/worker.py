@@ -154,6 +154,8 @@ class DeviceWorker:
                 device.copier.wait_prefetched()  # the compute stream waits for this unit's prefetched shard
                 later = units[j + 1] if j + 1 < len(units) else None
                 device.resident.retain([state.execs[u.shard] for u in (unit, later) if u is not None])
+                if device.states is not None:  # its entries this unit and the next read stay (state_cache.py)
+                    device.states.using(state.home, [u.shard for u in units[j:]])
                 if later is not None:
                     pending = self._copier.submit(self._prefetch, task, later)
                 elif not self.board.closed:

@@ -113,7 +113,7 @@ class TrainingLoop:
         try:
             yield from self._epochs(emit)
         finally:
-            self.state.home.release()
+            self.state.home.finish()
             for data in (self.state.train_iterable, self.state.eval_iterable):
                 close_workers(data)
 
@@ -143,6 +143,7 @@ class TrainingLoop:
                 state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
                                               data_rng=data_rng, data_python=data_py,
                                               metrics=emitted), epoch_end=True)
+        state.home.flush()  # the final model, whole (lazy per-shard updates applied)
         state.finish_requests()
 
     def _resumed_at_the_end(self, resume: Position, metrics: dict[str, Any],
@@ -195,8 +196,10 @@ class TrainingLoop:
             if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
                 self._skipping = False
                 with state.home.locked():
+                    state.home.flush()
                     state.store.clear()
                     state.optimizer.zero_grad()
+                state.home.settle()
                 run.pending, run.skipped = 0, run.skipped + 1
                 continue
             with state.home.locked():  # the gradients may be on a device: no eviction while they are added
@@ -204,7 +207,9 @@ class TrainingLoop:
                 state.store.clear()
             run.samples += _batch_size(batch)
             run.pending += 1
-            if run.pending == task.grad_accumulation:
+            if run.pending < task.grad_accumulation:
+                state.home.settle()  # no step due: its gradients are in, evictions may go on (state_cache.py)
+            else:
                 self._step()
                 run.pending = 0
                 yield from self._report_due(epoch, run)  # before the boundary: a checkpoint there follows it
@@ -303,13 +308,16 @@ class TrainingLoop:
         self.made += 1
         name = self.state.task.name
 
-        def work(run: Callable[[Device], Any]) -> Callable[[Device], Any]:
+        home = self.state.home
+
+        def work(run: Callable[[Device], Any], shard: int) -> Callable[[Device], Any]:
             def in_work(d: Device) -> Any:  # the model's forward and the loss: the task's own work
+                home.use(shard, d)  # its entries move in, its pending update is applied (resident.py)
                 with task_work(name):
                     return run(d)
             return in_work
 
-        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, work(run), pre)
+        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, work(run, ex.index), pre)
                                               for kind, ex, run, pre in units),
                        train, segment_key(train, self.state.store.batch))
 
@@ -361,7 +369,8 @@ class TrainingLoop:
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
-        self._optimizer_step()  # optstep.py: over the tensors where the task's state is
+        self._optimizer_step()  # optstep.py: where the task's state is (or lazily per shard: lazy.py)
+        self.state.home.settle()  # its step went first: evictions may go on (state_cache.py)
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
         """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
@@ -376,6 +385,7 @@ class TrainingLoop:
     def _evaluate(self) -> Generator[Segment, None, dict[str, float]]:
         """One pass over the eval data: ``eval_loss`` (the mean of the batches' losses) and the task's metrics."""
         state = self.state
+        state.home.flush()  # eval sees step t's weights: pending per-shard updates applied first
         state.model.eval()
         losses: list[float] = []
         sums = MetricSums(state.task.metrics)
@@ -387,6 +397,7 @@ class TrainingLoop:
                 state.leave_boundary()  # an evaluation forward may change what the model holds, too
                 measured: list[dict[str, Any]] = []  # a retried segment's measures are replaced, not added
                 yield self._begin(batch, losses, lambda: self._eval_units(losses, measured))
+                state.home.settle()
                 for m in measured[-1:]:
                     sums.add(m)
                 state.store.clear()

@@ -49,6 +49,7 @@ from ..device.counts import CopyCounts
 from ..device.devices import Device
 
 if TYPE_CHECKING:
+    from .lazy import LazySteps
     from .shard import ShardExec
     from .state_cache import StateCache
     from .store import HostStore
@@ -62,6 +63,20 @@ def _moves_in(group: dict[str, Any] | None, key: str) -> bool:
     """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
     that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
     return key != "step" or bool(group and (group.get("capturable") or group.get("fused")))
+
+
+def entry_sizes(shards: Sequence[Sequence[nn.Parameter]], groups: dict[int, Any], optimizer_bytes: int | None,
+                grad_accumulation: int) -> list[int]:
+    """Predicted device bytes of each shard's entry (``shards``: each one's own parameters; ``groups``: the
+    optimizer's parameters by id): parameters, gradients (twice with grad_accumulation > 1: a minibatch's next to
+    the accumulated ones), its share of the optimizer state (``optimizer_bytes``, by trainable bytes; None: two
+    copies of them) and the step's temporaries (one more copy of its trainable parameters)."""
+    trainable = [sum(_nbytes(p) for p in s if p.requires_grad and id(p) in groups) for s in shards]
+    total = sum(trainable)
+    optimizer = optimizer_bytes if optimizer_bytes is not None else 2 * total
+    twice = 2 if grad_accumulation > 1 else 1
+    return [sum(_nbytes(p) for p in s) + twice * sum(_nbytes(p) for p in s if p.requires_grad)
+            + (optimizer * t // total if total else 0) + t for s, t in zip(shards, trainable)]
 
 
 @dataclass
@@ -97,9 +112,18 @@ class StateHome:
         self._state_since_first_step: int | None = None  # state bytes moved from its first step to its last
         self._grad_accumulation = grad_accumulation
         self._optimizer_bytes: int | None = None
-        self._shards: list[list[nn.Parameter]] = []
+        self.planned = ""                             # how its plan was made for its entries (entry_plan.py)
+        self._shards: list[list[nn.Parameter]] = []   # each shard's own parameters (a tied one: the first's)
+        self._exec_params: list[list[nn.Parameter]] = []  # every parameter each shard's units read
+        self._entry_bytes: list[int] = []             # predicted device bytes of each shard's entry
         self._slots: dict[int, list[_Slot]] = {}
         self._groups: dict[int, dict[str, Any]] = {}
+        self.lazy: LazySteps | None = None            # the lazy per-shard step (lazy.py), when allowed
+        self.movable: set[int] = set()                # shards whose entries may be on the device (state_cache)
+        self.step_path: str | None = None             # how its last step ran: resident, lazy, whole-host
+        self.step_why = ""
+        self.settled = threading.Event()              # clear: its host thread's flush/step after a segment is due
+        self.settled.set()
 
     # -- the task's shards and their predicted bytes ---------------------------------------------------------
     def reshard(self, execs: Sequence[ShardExec]) -> None:
@@ -113,8 +137,47 @@ class StateHome:
             own = [p for p in ex.params if id(p) not in seen]
             seen.update(id(p) for p in own)
             self._shards.append(own)
+        self._exec_params = [list(ex.params) for ex in execs]
         self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        self.movable = set()
+        if self.lazy is not None:
+            with self.lock:
+                self.lazy.reshard(self._exec_params, self._entry_device)
         self._predict()
+
+    def set_lazy(self, lazy: LazySteps) -> None:
+        """Step this task lazily per shard whenever its shards are not all on one device (lazy.py)."""
+        with self.lock:
+            self.lazy = lazy
+            lazy.reshard(self._exec_params, self._entry_device)
+
+    @property
+    def lazy_ok(self) -> bool:
+        """Whether its state may be kept as per-shard entries (its optimizer takes the lazy per-shard step)."""
+        return self.lazy is not None and self.lazy.verdict.lazy
+
+    def needs(self, shard: int) -> list[int]:
+        """The shards whose entries shard ``shard``'s units read (its own, and the owners of its tied ones)."""
+        return self.lazy.needs(shard) if self.lazy is not None else [shard]
+
+    def entry_bytes(self, shards: Sequence[int]) -> int:
+        """Predicted device bytes of these shards' entries."""
+        return sum(self._entry_bytes[i] for i in set(shards) if i < len(self._entry_bytes))
+
+    def held_bytes(self) -> int:
+        """Predicted device bytes of the entries on its device now."""
+        return self.entry_bytes(list(self._slots))
+
+    def resident_shards(self) -> set[int]:
+        return set(self._slots)
+
+    @property
+    def n_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def optimizer_bytes(self) -> int | None:
+        return self._optimizer_bytes
 
     def set_optimizer_bytes(self, nbytes: int) -> None:
         """The optimizer state's bytes as measured for host admission (training/footprint.py)."""
@@ -122,11 +185,8 @@ class StateHome:
         self._predict()
 
     def _predict(self) -> None:
-        params = [p for shard in self._shards for p in shard]
-        trainable = sum(_nbytes(p) for p in params if p.requires_grad and id(p) in self._groups)
-        grads = sum(_nbytes(p) for p in params if p.requires_grad) * (2 if self._grad_accumulation > 1 else 1)
-        optimizer = self._optimizer_bytes if self._optimizer_bytes is not None else 2 * trainable
-        self.state_bytes = sum(_nbytes(p) for p in params) + grads + optimizer + trainable
+        self._entry_bytes = entry_sizes(self._shards, self._groups, self._optimizer_bytes, self._grad_accumulation)
+        self.state_bytes = sum(self._entry_bytes)
 
     def disable(self, why: str) -> None:
         """Keep this task's state in host memory (``why`` goes into its stats)."""
@@ -134,7 +194,15 @@ class StateHome:
 
     # -- where it is -----------------------------------------------------------------------------------------
     def where(self, shard: int) -> Device | None:
-        """The device holding shard ``shard``'s parameters, gradients and optimizer state; None: host memory."""
+        """The device holding every parameter (with its gradient and optimizer state) shard ``shard``'s units read;
+        None: host memory."""
+        cache = self.cache
+        if cache is None or not all(j in self._slots for j in self.needs(shard)):
+            return None
+        return cache.device
+
+    def _entry_device(self, shard: int) -> Device | None:
+        """Where shard ``shard``'s own entry is (None: host memory)."""
         cache = self.cache
         return cache.device if cache is not None and shard in self._slots else None
 
@@ -157,6 +225,7 @@ class StateHome:
         """Around the task's optimizer step (clipping, step, scheduler, zero_grad), in its host thread: no move
         meanwhile; yields the device its state is on (None: host memory) and counts the step there."""
         with self.lock:
+            self.flush()
             device = self.step_device()
             with device.step_scope() if device is not None else contextlib.nullcontext():
                 yield device
@@ -165,9 +234,90 @@ class StateHome:
                 self._hold()
             else:
                 self.steps_on_host += 1
-            if self._state_at_first_step is None:
-                self._state_at_first_step = self.counts.state_bytes()
-            self._state_since_first_step = self.counts.state_bytes() - self._state_at_first_step
+            self.step_path = "resident" if device is not None else "whole-host"
+            self.step_why = (f"its whole state is on {device.name}" if device is not None else self._host_why())
+            self._stepped()
+
+    def _host_why(self) -> str:
+        if self.lazy is not None and not self.lazy.verdict.lazy:
+            return f"one whole step in host memory: {self.lazy.verdict.reason}"
+        return "one whole step in host memory: its state is not on a device (see why)"
+
+    def _stepped(self) -> None:
+        if self._state_at_first_step is None:
+            self._state_at_first_step = self.counts.state_bytes()
+        self._state_since_first_step = self.counts.state_bytes() - self._state_at_first_step
+
+    def steps_lazily(self) -> bool:
+        """Whether the step due now is the lazy per-shard one: its optimizer allows it and its shards are
+        per-shard entries that are not all on the device (the lock held)."""
+        return self.lazy_ok and bool(self.movable) and self.step_device() is None
+
+    def begin_lazy(self) -> None:
+        """The lazy step's boundary (in the task's host thread, the lock held, before ``scheduler.step()``)."""
+        lazy = self.lazy
+        if lazy is None:
+            raise RuntimeError(f"task {self.name!r} has no lazy step")
+        why = lazy.begin(self._entry_device)
+        self.step_path = "lazy"
+        self.step_why = ("per shard, each update where its entry is, just before the shard's next use"
+                         if why is None else f"this step applied whole at once: {why}")
+        self._hold()
+        self._stepped()
+
+    def use(self, shard: int, device: Device) -> None:
+        """Before a unit of shard ``shard`` runs on ``device`` (its compute thread): the entries it reads move
+        in when they may (state_cache.py ``fetch``), and the pending updates it reads are applied where they are."""
+        with self.lock:
+            cache = getattr(device, "states", None)
+            if self.movable and cache is not None and self.cache in (None, cache) and shard in self.movable:
+                need = self.needs(shard)
+                missing = [j for j in need if j not in self._slots]
+                if missing and not cache.fetch(self, missing):
+                    # its units read host tensors this time: the entries it reads that are here go home too
+                    self._release([j for j in need if j in self._slots], None)
+            if self.lazy is not None:
+                self.lazy.apply(shard, self._entry_device)
+                self._hold()
+
+    def prefetchable(self, shard: int, device: Device) -> bool:
+        """Whether the copy thread may copy shard ``shard`` in ahead of its unit on ``device``: not while an
+        update it reads is pending (its unit applies it first), nor when its entry moves in at its unit, nor while
+        its state is on another device (a copy would read that device's tensors)."""
+        if not self.lock.acquire(timeout=1.0):
+            return False
+        try:
+            if self.lazy is not None and self.lazy.pending(shard):
+                return False
+            if self.cache is not None and self.cache.device is not device \
+                    and any(j in self._slots for j in self.needs(shard)):
+                return False
+            return not (shard in self.movable and self.where(shard) is None)
+        finally:
+            self.lock.release()
+
+    def flush(self) -> None:
+        """Apply every pending per-shard update, each where its entry is (before eval, checkpoints, model(), a
+        re-plan, the task's end)."""
+        with self.lock:
+            if self.lazy is not None:
+                self.lazy.flush(self._entry_device)
+                self._hold()
+
+    def finish(self) -> None:
+        """The task trains no more (done, failed, cancelled; its host thread, or the thread letting it go):
+        pending updates applied, its state written back to host memory."""
+        with self.lock:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001  (only after the task's own error: a done task was flushed already)
+                pass
+            self.release()
+
+    def settle(self) -> None:
+        """Its host thread has flushed its gradients and stepped after its last segment: its entries may be
+        evicted without waiting (state_cache.py)."""
+        self.settled.set()
 
     def _hold(self) -> None:
         """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
@@ -193,61 +343,76 @@ class StateHome:
                 and (_moves_in(group, k) or (back and v.device.type != "cpu"))]
 
     # -- moves -----------------------------------------------------------------------------------------------
-    def move_in(self, cache: StateCache) -> None:
-        """Copy every shard's state onto ``cache``'s device and point the model and optimizer at it. Raises
-        (out of memory) with everything back in host memory."""
+    def move_in(self, cache: StateCache, shards: Sequence[int] | None = None) -> None:
+        """Copy these shards' state (default: every shard's) onto ``cache``'s device and point the model and
+        optimizer at it. Raises (out of memory) with those shards' state left in host memory."""
         device = cache.device
         with self.lock, device.copier.charged_to(self.counts):
-            moved: list[tuple[_Slot, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = []
+            chosen = [i for i in (range(len(self._shards)) if shards is None else sorted(set(shards)))
+                      if i not in self._slots]
+            moved: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]] = {}
             with device.copy_scope():  # CPU devices: the copies count as the device's memory
-                for shard in self._shards:
-                    for p in shard:
+                for i in chosen:
+                    moved[i] = []
+                    for p in self._shards[i]:
                         state = self._moved_state(p, back=False)
-                        moved.append((_Slot(p, p.data, dict(state)), device.copier.to_device(p.data, "state"),
-                                      None if p.grad is None else device.copier.to_device(p.grad, "state"),
-                                      {k: device.copier.to_device(v, "state") for k, v in state}))
-                self.store.move_pending(lambda g: device.copier.to_device(g, "state"))
+                        moved[i].append((_Slot(p, p.data, dict(state)), device.copier.to_device(p.data, "state"),
+                                         None if p.grad is None else device.copier.to_device(p.grad, "state"),
+                                         {k: device.copier.to_device(v, "state") for k, v in state}))
+                self.store.move_pending(lambda g: device.copier.to_device(g, "state"), self._keys(chosen))
             # Nothing points at the copies before all of them exist: an out-of-memory above leaves the host state
-            for slot, data, grad, state in moved:
-                self._point(slot.param, data, grad, state)
-            cut = iter(moved)
-            self._slots = {i: [next(cut)[0] for _ in shard] for i, shard in enumerate(self._shards)}
-            self.cache = cache
-            cache.add(self)
+            for i, entries in moved.items():
+                for slot, data, grad, state in entries:
+                    self._point(slot.param, data, grad, state)
+                self._slots[i] = [slot for slot, *_ in entries]
+            if self.cache is None:
+                self.cache = cache
+                cache.add(self)
             self._hold()
 
-    def release(self, why: str | None = None, wait: float | None = None) -> int:
-        """Write the state back into host memory and free its device bytes (the task ends, is re-planned or is
-        evicted: ``why``); returns the bytes written back (0: it was in host memory). ``wait``: at most that many
-        seconds for the task's host thread to leave its lock (its step), else nothing is done and -1 returned."""
+    def _keys(self, shards: Sequence[int]) -> set[int]:
+        return {id(p) for i in shards for p in self._shards[i]}
+
+    def release(self, why: str | None = None, wait: float | None = None,
+                shards: Sequence[int] | None = None) -> int:
+        """Write the state of these shards (default: all) back into host memory and free their device bytes (the
+        task ends, is re-planned or is evicted: ``why``); returns the bytes written back (0: it was in host
+        memory). ``wait``: at most that many seconds for the task's host thread to leave its lock (its step), else
+        nothing is done and -1 returned."""
         if not self.lock.acquire(timeout=-1 if wait is None else wait):
             return -1
         try:
-            return self._release(why)
+            return self._release(shards, why)
         finally:
             self.lock.release()
 
-    def _release(self, why: str | None) -> int:
+    def _release(self, shards: Sequence[int] | None, why: str | None) -> int:
         """(the lock held)"""
         cache = self.cache
         if cache is None:
             return 0
+        chosen = sorted(self._slots) if shards is None else [i for i in sorted(set(shards)) if i in self._slots]
         copier = cache.device.copier
         assign: list[Callable[[], None]] = []
         written = 0
         with copier.charged_to(self.counts):
-            for slots in self._slots.values():
-                for slot in slots:
+            for i in chosen:
+                for slot in self._slots[i]:
                     written += self._write_back(slot, copier, assign)
-            self.store.move_pending(lambda g: self._copy_home(copier, g))
+            self.store.move_pending(lambda g: self._copy_home(copier, g), self._keys(chosen))
             copier.wait_written()
         for step in assign:  # after the wait: the host tensors hold their values
             step()
-        self._slots = {}
-        self.cache = None
-        self.device_bytes = 0
+        for i in chosen:
+            del self._slots[i]
         if why is not None:
             self.why = why
+        if self._slots:
+            self._hold()
+            return written
+        self.cache = None
+        self.device_bytes = 0
+        self.settled.set()
         cache.remove(self)
         return written
 
@@ -324,10 +489,18 @@ class StateHome:
 
     def stats(self) -> dict[str, Any]:
         """What ``Runtime.stats()`` reports for the task (plain reads: any thread)."""
-        cache = self.cache
-        copies, steps = self.counts.snapshot(), self.steps_on_device + self.steps_on_host
-        return {"state_on": None if cache is None else cache.device.name, "state_bytes": self.state_bytes,
-                "device_bytes": self.device_bytes, "steps_on_device": self.steps_on_device,
-                "steps_on_host": self.steps_on_host, "evictions": self.evictions, "why": self.why,
-                "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
-                "state_bytes_after_first_step": self._state_since_first_step}
+        cache, lazy = self.cache, self.lazy
+        on_device = self.steps_on_device + (lazy.steps_on_device if lazy is not None else 0)
+        on_host = self.steps_on_host + (lazy.steps_on_host if lazy is not None else 0)
+        copies, steps = self.counts.snapshot(), on_device + on_host
+        out = {"state_on": None if cache is None else cache.device.name, "state_bytes": self.state_bytes,
+               "device_bytes": self.device_bytes, "steps_on_device": on_device, "steps_on_host": on_host,
+               "evictions": self.evictions, "why": self.why, "step_path": self.step_path,
+               "step_why": self.step_why, "lazy": None if lazy is None else lazy.verdict.reason,
+               "entry_bytes": list(self._entry_bytes), "resident_shards": sorted(self._slots),
+               "moving_shards": sorted(self.movable), "planned": self.planned,
+               "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
+               "state_bytes_after_first_step": self._state_since_first_step}
+        if lazy is not None:
+            out.update(lazy.stats())
+        return out
