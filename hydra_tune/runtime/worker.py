@@ -201,8 +201,10 @@ class DeviceWorker:
         exc.__traceback__ = None  # its frames hold the failed unit's device tensors
         self._hooks.drop_copies(task.state.execs)
         home = task.state.home
-        resident = home.state_bytes if home.cache is not None else 0
+        resident = home.held_bytes()
         home.release("its state left the device after an out-of-memory; it is back when it fits the re-plan")
+        if self.device.states is not None:
+            self.device.states.after_oom()  # per-shard entries off here: the device holds less than said
         self.device.after_oom()
         _, bandwidth, keep = self._hooks.plan()
         try:

@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from ..device.counts import CopyCounts
 from ..device.devices import Device
+from .home_steps import HomeSteps
 
 if TYPE_CHECKING:
     from .lazy import LazySteps
@@ -88,7 +89,7 @@ class _Slot:
     state_homes: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer state key -> host tensor
 
 
-class StateHome:
+class StateHome(HomeSteps):
     """Where one task's parameters, gradients and optimizer state are, and the moves between host and a device
     (see the module docstring). ``lock`` is held by the task's host thread around its flush, step and
     checkpoints, and by whoever moves the state."""
@@ -108,8 +109,8 @@ class StateHome:
         self.steps_on_device = 0
         self.steps_on_host = 0
         self.evictions = 0
-        self._state_at_first_step: int | None = None
-        self._state_since_first_step: int | None = None  # state bytes moved from its first step to its last
+        self.state_at_first_step: int | None = None
+        self.state_since_first_step: int | None = None  # state bytes moved from its first step to its last
         self._grad_accumulation = grad_accumulation
         self._optimizer_bytes: int | None = None
         self.planned = ""                             # how its plan was made for its entries (entry_plan.py)
@@ -142,14 +143,14 @@ class StateHome:
         self.movable = set()
         if self.lazy is not None:
             with self.lock:
-                self.lazy.reshard(self._exec_params, self._entry_device)
+                self.lazy.reshard(self._exec_params, self.entry_device)
         self._predict()
 
     def set_lazy(self, lazy: LazySteps) -> None:
         """Step this task lazily per shard whenever its shards are not all on one device (lazy.py)."""
         with self.lock:
             self.lazy = lazy
-            lazy.reshard(self._exec_params, self._entry_device)
+            lazy.reshard(self._exec_params, self.entry_device)
 
     @property
     def lazy_ok(self) -> bool:
@@ -163,6 +164,9 @@ class StateHome:
     def entry_bytes(self, shards: Sequence[int]) -> int:
         """Predicted device bytes of these shards' entries."""
         return sum(self._entry_bytes[i] for i in set(shards) if i < len(self._entry_bytes))
+
+    def entry_list(self) -> list[int]:
+        return list(self._entry_bytes)
 
     def held_bytes(self) -> int:
         """Predicted device bytes of the entries on its device now."""
@@ -201,7 +205,7 @@ class StateHome:
             return None
         return cache.device
 
-    def _entry_device(self, shard: int) -> Device | None:
+    def entry_device(self, shard: int) -> Device | None:
         """Where shard ``shard``'s own entry is (None: host memory)."""
         cache = self.cache
         return cache.device if cache is not None and shard in self._slots else None
@@ -213,113 +217,7 @@ class StateHome:
             return None
         return cache.device
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """The task's host thread changes its state inside (flush of gradients): no move meanwhile."""
-        with self.lock:
-            yield
-            self._hold()
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[Device | None]:
-        """Around the task's optimizer step (clipping, step, scheduler, zero_grad), in its host thread: no move
-        meanwhile; yields the device its state is on (None: host memory) and counts the step there."""
-        with self.lock:
-            self.flush()
-            device = self.step_device()
-            with device.step_scope() if device is not None else contextlib.nullcontext():
-                yield device
-            if device is not None:
-                self.steps_on_device += 1
-                self._hold()
-            else:
-                self.steps_on_host += 1
-            self.step_path = "resident" if device is not None else "whole-host"
-            self.step_why = (f"its whole state is on {device.name}" if device is not None else self._host_why())
-            self._stepped()
-
-    def _host_why(self) -> str:
-        if self.lazy is not None and not self.lazy.verdict.lazy:
-            return f"one whole step in host memory: {self.lazy.verdict.reason}"
-        return "one whole step in host memory: its state is not on a device (see why)"
-
-    def _stepped(self) -> None:
-        if self._state_at_first_step is None:
-            self._state_at_first_step = self.counts.state_bytes()
-        self._state_since_first_step = self.counts.state_bytes() - self._state_at_first_step
-
-    def steps_lazily(self) -> bool:
-        """Whether the step due now is the lazy per-shard one: its optimizer allows it and its shards are
-        per-shard entries that are not all on the device (the lock held)."""
-        return self.lazy_ok and bool(self.movable) and self.step_device() is None
-
-    def begin_lazy(self) -> None:
-        """The lazy step's boundary (in the task's host thread, the lock held, before ``scheduler.step()``)."""
-        lazy = self.lazy
-        if lazy is None:
-            raise RuntimeError(f"task {self.name!r} has no lazy step")
-        why = lazy.begin(self._entry_device)
-        self.step_path = "lazy"
-        self.step_why = ("per shard, each update where its entry is, just before the shard's next use"
-                         if why is None else f"this step applied whole at once: {why}")
-        self._hold()
-        self._stepped()
-
-    def use(self, shard: int, device: Device) -> None:
-        """Before a unit of shard ``shard`` runs on ``device`` (its compute thread): the entries it reads move
-        in when they may (state_cache.py ``fetch``), and the pending updates it reads are applied where they are."""
-        with self.lock:
-            cache = getattr(device, "states", None)
-            if self.movable and cache is not None and self.cache in (None, cache) and shard in self.movable:
-                need = self.needs(shard)
-                missing = [j for j in need if j not in self._slots]
-                if missing and not cache.fetch(self, missing):
-                    # its units read host tensors this time: the entries it reads that are here go home too
-                    self._release([j for j in need if j in self._slots], None)
-            if self.lazy is not None:
-                self.lazy.apply(shard, self._entry_device)
-                self._hold()
-
-    def prefetchable(self, shard: int, device: Device) -> bool:
-        """Whether the copy thread may copy shard ``shard`` in ahead of its unit on ``device``: not while an
-        update it reads is pending (its unit applies it first), nor when its entry moves in at its unit, nor while
-        its state is on another device (a copy would read that device's tensors)."""
-        if not self.lock.acquire(timeout=1.0):
-            return False
-        try:
-            if self.lazy is not None and self.lazy.pending(shard):
-                return False
-            if self.cache is not None and self.cache.device is not device \
-                    and any(j in self._slots for j in self.needs(shard)):
-                return False
-            return not (shard in self.movable and self.where(shard) is None)
-        finally:
-            self.lock.release()
-
-    def flush(self) -> None:
-        """Apply every pending per-shard update, each where its entry is (before eval, checkpoints, model(), a
-        re-plan, the task's end)."""
-        with self.lock:
-            if self.lazy is not None:
-                self.lazy.flush(self._entry_device)
-                self._hold()
-
-    def finish(self) -> None:
-        """The task trains no more (done, failed, cancelled; its host thread, or the thread letting it go):
-        pending updates applied, its state written back to host memory."""
-        with self.lock:
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001  (only after the task's own error: a done task was flushed already)
-                pass
-            self.release()
-
-    def settle(self) -> None:
-        """Its host thread has flushed its gradients and stepped after its last segment: its entries may be
-        evicted without waiting (state_cache.py)."""
-        self.settled.set()
-
-    def _hold(self) -> None:
+    def hold_now(self) -> None:
         """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
         cache = self.cache
         if cache is None:
@@ -368,7 +266,7 @@ class StateHome:
             if self.cache is None:
                 self.cache = cache
                 cache.add(self)
-            self._hold()
+            self.hold_now()
 
     def _keys(self, shards: Sequence[int]) -> set[int]:
         return {id(p) for i in shards for p in self._shards[i]}
@@ -408,7 +306,7 @@ class StateHome:
         if why is not None:
             self.why = why
         if self._slots:
-            self._hold()
+            self.hold_now()
             return written
         self.cache = None
         self.device_bytes = 0
@@ -486,21 +384,3 @@ class StateHome:
         with self.lock:
             return sum(t.untyped_storage().nbytes() for slots in self._slots.values() for s in slots
                        for t in [s.home, *s.state_homes.values()])
-
-    def stats(self) -> dict[str, Any]:
-        """What ``Runtime.stats()`` reports for the task (plain reads: any thread)."""
-        cache, lazy = self.cache, self.lazy
-        on_device = self.steps_on_device + (lazy.steps_on_device if lazy is not None else 0)
-        on_host = self.steps_on_host + (lazy.steps_on_host if lazy is not None else 0)
-        copies, steps = self.counts.snapshot(), on_device + on_host
-        out = {"state_on": None if cache is None else cache.device.name, "state_bytes": self.state_bytes,
-               "device_bytes": self.device_bytes, "steps_on_device": on_device, "steps_on_host": on_host,
-               "evictions": self.evictions, "why": self.why, "step_path": self.step_path,
-               "step_why": self.step_why, "lazy": None if lazy is None else lazy.verdict.reason,
-               "entry_bytes": list(self._entry_bytes), "resident_shards": sorted(self._slots),
-               "moving_shards": sorted(self.movable), "planned": self.planned,
-               "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
-               "state_bytes_after_first_step": self._state_since_first_step}
-        if lazy is not None:
-            out.update(lazy.stats())
-        return out

@@ -43,6 +43,7 @@ class StateCache:
         self._upcoming: list[int] = []   # the running task's shards, unit by unit, from the running unit on
         self._peak = 0                   # the running task's units' peak
         self.evictions = 0
+        self.entries_off: str | None = None  # why per-shard entries are no longer made here (an out-of-memory)
 
     def add(self, home: StateHome) -> None:
         with self._lock:
@@ -106,8 +107,10 @@ class StateCache:
             why = (f"its state ({home.state_bytes} bytes) next to its units' peak ({peak} bytes) exceeds what it "
                    f"may use on {self.device.name} ({limit} bytes: the device budget, or the room an out-of-memory "
                    "re-plan left it)")
-        if not home.lazy_ok:
-            home.why = why + ("" if home.lazy is None else f"; its state stays whole ({home.lazy.verdict.reason})")
+        if not home.lazy_ok or self.entries_off:
+            home.movable = set()
+            home.why = why + (f"; {self.entries_off}" if self.entries_off and home.lazy_ok else
+                              "" if home.lazy is None else f"; its state stays whole ({home.lazy.verdict.reason})")
             return
         home.movable = {i for i in every if resident_fits(peak, home.entry_bytes(home.needs(i)), limit)}
         host = sorted(set(every) - home.movable)
@@ -123,9 +126,23 @@ class StateCache:
             home.why = f"{self.device.name} ran out of memory while its state was copied in"
             return False
 
+    def after_oom(self) -> None:
+        """The device ran out of memory: it holds less than its budget says, so per-shard entries are no longer
+        made here (their room is not known) and those here go back to host memory now; a task whose whole state
+        fits keeps the rules for that (its re-plan's ``room``)."""
+        self.entries_off = (f"per-shard entries are off on {self.device.name} since it ran out of memory (it holds "
+                            "less than its budget says)")
+        with self._lock:
+            homes = [h for h in self._homes if h.movable]
+        for home in homes:
+            home.movable = set()
+            home.release(self.entries_off, wait=0)
+
     def fetch(self, home: StateHome, shards: Sequence[int]) -> bool:
         """Move these entries of the running task in for its unit (compute thread, its lock held), evicting
         other entries for room; whether they are here now."""
+        if self.entries_off:
+            return False
         need = home.entry_bytes(shards) + self._peak
         if not self._make_room(home, need, self.device.plan_budget, optional=True, keep=shards):
             return False
