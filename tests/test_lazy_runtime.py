@@ -65,6 +65,20 @@ def test_spilled_task_steps_lazily_per_shard_where_its_entries_are_bit_identical
     assert res["shard_steps_on_device"] + res["shard_steps_on_host"] == steps * shards
     assert res["evictions"] > 0 and stats["devices"][0]["peak_bytes"] <= budget
     assert res["state_on"] is None and stats["devices"][0]["current_bytes"] == 0
+    moves = res["entry_moves_in"]
+    if shards == 4:  # mixed: the first shard's entry (the tied embedding, read by the last shard too) stays
+        assert moves[0] == 1 and min(moves[1:]) > steps, moves
+    else:
+        # One entry fits at a time: per minibatch (F0 L1 B0) entry 0 goes out without gradients (its update was
+        # applied at F0) and comes back for B0, entry 1 comes in with step t's gradients and goes out with the
+        # minibatch's. An entry is 5 parameter copies (parameters, gradients, AdamW's two moments, the step's
+        # temporaries): entry 0 moves 3/5 of it each way, entry 1 4/5. From the first step to the last: 11 rounds.
+        e0, e1 = res["entry_bytes"]
+        predicted = (steps - 1) * 2 * (3 * e0 + 4 * e1) / 5
+        moved = res["state_bytes_after_first_step"]
+        print(f"state bytes per step: {moved / (steps - 1):.0f} moved, {predicted / (steps - 1):.0f} predicted")
+        assert abs(moved - predicted) <= 0.1 * predicted, (moved, predicted)
+        assert moves == [steps, steps] or moves == [steps + 1, steps], moves
     _exact(task, model, metrics)
 
 
@@ -219,4 +233,17 @@ def test_eval_right_after_a_step_sees_the_updated_weights():
     for epoch, m in enumerate(metrics, start=1):
         plain, _ = plain_train(_task(5, grad_accumulation=1, n=4, epochs=epoch))
         assert m["eval_loss"] == _plain_eval(plain, eval_data), epoch
+    _exact(task, model, metrics)
+
+
+def test_out_of_memory_with_entries_on_the_device_replans_turns_entries_off_and_stays_exact():
+    task = _task(6, grad_accumulation=1, n=4)
+    with ht.Runtime(config=ht.RuntimeConfig(devices=["cpu"], device_memory=SPILL_4)) as rt:
+        rt.devices[0].limit_memory(int(0.7 * SPILL_4))  # the device holds less than its budget says
+        h = rt.submit(task)
+        model, metrics = trained(h), list(h.metrics())
+        info = rt.stats()["tasks"][task.name]
+    res = info["residency"]
+    print(info["replans"], {k: v for k, v in res.items() if k != "copies"})
+    assert info["replans"] >= 1 and "per-shard entries are off on cpu:0 since it ran out of memory" in res["why"]
     _exact(task, model, metrics)

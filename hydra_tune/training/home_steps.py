@@ -147,6 +147,7 @@ class HomeSteps:
                "step_why": self.step_why, "lazy": None if lazy is None else lazy.verdict.reason,
                "entry_bytes": self.entry_list(), "resident_shards": sorted(self.resident_shards()),
                "moving_shards": sorted(self.movable), "planned": self.planned,
+               "entry_moves_in": [self.moves_in.get(i, 0) for i in range(self.n_shards)],
                "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
                "state_bytes_after_first_step": self.state_since_first_step}
         if lazy is not None:

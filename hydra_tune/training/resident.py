@@ -121,6 +121,7 @@ class StateHome(HomeSteps):
         self._groups: dict[int, dict[str, Any]] = {}
         self.lazy: LazySteps | None = None            # the lazy per-shard step (lazy.py), when allowed
         self.movable: set[int] = set()                # shards whose entries may be on the device (state_cache)
+        self.moves_in: dict[int, int] = {}            # shard -> times its entry moved onto a device
         self.step_path: str | None = None             # how its last step ran: resident, lazy, whole-host
         self.step_why = ""
         self.settled = threading.Event()              # clear: its host thread's flush/step after a segment is due
@@ -140,7 +141,7 @@ class StateHome(HomeSteps):
             self._shards.append(own)
         self._exec_params = [list(ex.params) for ex in execs]
         self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        self.movable = set()
+        self.movable, self.moves_in = set(), {}
         if self.lazy is not None:
             with self.lock:
                 self.lazy.reshard(self._exec_params, self.entry_device)
@@ -263,6 +264,7 @@ class StateHome(HomeSteps):
                 for slot, data, grad, state in entries:
                     self._point(slot.param, data, grad, state)
                 self._slots[i] = [slot for slot, *_ in entries]
+                self.moves_in[i] = self.moves_in.get(i, 0) + 1
             if self.cache is None:
                 self.cache = cache
                 cache.add(self)
