@@ -10,7 +10,9 @@ the next unit's shard in (double buffering); while the segment's last unit runs,
 device's next task (one whose segment is open already) and copies its first shard in when the room next to the
 running unit allows. When a segment starts, the device's StateCache (training/state_cache.py) makes room for the
 task's units by evicting other tasks' state, and moves the task's own parameters, gradients and optimizer state
-onto the device when they fit beside its units, to stay there. Every copy and wait counts for the task whose work
+onto the device when they fit beside its units, to stay there; a task whose whole state does not fit keeps
+per-shard entries, which its units move in themselves (``StateHome.use``; the worker tells the cache which shards
+its units left read: ``StateCache.using``). Every copy and wait counts for the task whose work
 it is. No host work of a task (its optimizer step, its next batch) runs on these threads: the
 task's own host thread does it between its segments (scheduler.py, host.py), so a data iterator that blocks never
 holds a device. A unit that runs out of device memory has its task re-planned smaller and its minibatch run

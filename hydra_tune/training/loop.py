@@ -30,11 +30,9 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
 from ..device.dispatch import UnitMode
@@ -47,6 +45,7 @@ from .data import close_workers, data_generators, epoch_data, is_factory, restor
 from .loss import nonfinite_policy
 from .metrics import MetricSums, measure
 from .optstep import OptimizerStep
+from .epoch_run import Attempt, EpochRun, batch_size
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -57,43 +56,13 @@ _END = object()
 UnitSpec = tuple[str, ShardExec, Callable[[Device], Any], Callable[[Device], int]]  # kind, shard, run, prefetch
 
 
-@dataclass
-class _Attempt:
-    """Where the segment in flight began: the task's RNG state, the losses list and its length, and how to build
-    the segment's units again (over the task's current shards)."""
-
-    rng: Any
-    losses: list[float]
-    n_losses: int
-    rebuild: Callable[[], Segment]
-
-
-@dataclass
-class _EpochRun:
-    """One epoch's training so far: its minibatch losses, the batches a resume steps over, the samples trained
-    on (all epochs), minibatches since the last step and minibatches skipped for a non-finite loss."""
-
-    losses: list[float]
-    skip: int
-    samples: int
-    pending: int = 0
-    skipped: int = 0
-
-
-def _batch_size(batch: Any) -> int:
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return 1
-
-
 class TrainingLoop:
     """Drives one TaskState through its epochs; ``segments`` is the chain, ``retry`` restarts its segment."""
 
     def __init__(self, state: TaskState) -> None:
         self.state = state
         self.made = 0  # segments handed out (each one's index)
-        self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
+        self._attempt: Attempt | None = None  # how to start the current segment over (retry)
         self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
         self._data_rng: list[torch.Tensor] = []  # the train data's own generators' states at the epoch's start
         self._data_py: list[Any] | None = None   # what had changed in its samplers' Python state by then
@@ -177,12 +146,12 @@ class TrainingLoop:
         return attempt.rebuild()
 
     # -- one epoch's training -------------------------------------------------------------------------------
-    def _train_epoch(self, epoch: int, samples: int) -> Generator[Segment, None, _EpochRun]:
+    def _train_epoch(self, epoch: int, samples: int) -> Generator[Segment, None, EpochRun]:
         state, task, rng = self.state, self.state.task, self.state.rng
         state.epoch = epoch
         state.batch_in_epoch = state.eval_in_epoch = 0
         losses, skip, skipped = self._resume_epoch()
-        run = _EpochRun(losses, skip, samples, skipped=skipped)
+        run = EpochRun(losses, skip, samples, skipped=skipped)
         epoch_rng = rng.cpu.get_state()
         for batch in self._batches(state.train_iterable, "train_data"):
             state.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
@@ -205,7 +174,7 @@ class TrainingLoop:
             with state.home.locked():  # the gradients may be on a device: no eviction while they are added
                 state.store.flush_grads()
                 state.store.clear()
-            run.samples += _batch_size(batch)
+            run.samples += batch_size(batch)
             run.pending += 1
             if run.pending < task.grad_accumulation:
                 state.home.settle()  # no step due: its gradients are in, evictions may go on (state_cache.py)
@@ -225,13 +194,13 @@ class TrainingLoop:
             yield from self._report_due(epoch, run)
         return run
 
-    def _report_due(self, epoch: int, run: _EpochRun) -> Generator[Segment, None, None]:
+    def _report_due(self, epoch: int, run: EpochRun) -> Generator[Segment, None, None]:
         """``eval_every=N``: after every N-th optimizer step, evaluate and report."""
         every = self.state.task.eval_every
         if every is not None and self.state.steps % every == 0:
             yield from self._report(epoch, run)
 
-    def _report(self, epoch: int, run: _EpochRun) -> Generator[Segment, None, None]:
+    def _report(self, epoch: int, run: EpochRun) -> Generator[Segment, None, None]:
         """Evaluate (with eval_data), step a metric-driven scheduler, and emit the metrics."""
         state = self.state
         metrics = self._epoch_metrics(epoch, run)
@@ -261,7 +230,7 @@ class TrainingLoop:
         if resume is not None:
             self.state.rng.restore((resume.rng, resume.accel_rng))
 
-    def _epoch_metrics(self, epoch: int, run: _EpochRun) -> dict[str, Any]:
+    def _epoch_metrics(self, epoch: int, run: EpochRun) -> dict[str, Any]:
         state = self.state
         metrics: dict[str, Any] = {
             "epoch": epoch, "train_loss": sum(run.losses) / len(run.losses) if run.losses else math.nan,
@@ -325,7 +294,7 @@ class TrainingLoop:
         store = self.state.store
         store.batch = batch
         store.carries[0] = self.state.cut.prepare(batch)
-        self._attempt = _Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
+        self._attempt = Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
         return rebuild()
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:

@@ -2,7 +2,8 @@
 
     home = StateHome("trial-3", optimizer, store, grad_accumulation=1); home.reshard(execs)  # TaskState.home
     cache.begin(home, peak=plan.peak)   # state_cache.py, one per device: room made, the task's state moved in
-    with home.stepping() as device: optimizer.step()   # the task's host thread: over device tensors if resident
+    with home.stepping() as device: optimizer.step()   # home_steps.py: over device tensors if all resident
+    home.use(shard, device)             # before a unit: its entries move in, its pending update is applied
     home.where(shard)                   # the device holding that shard's state; None: host memory
     with home.on_host(): capture(...)   # checkpoints and snapshots read host tensors
     home.release()                      # written back to host memory, device bytes freed (end, cancel, re-plan)
@@ -16,23 +17,28 @@ tensors the state came from stay as its "home" (page-locked on CUDA): writing ba
 parameters, and the host footprint admission charged (parameters, gradients, optimizer state) is unchanged.
 
 Rules:
-* All or nothing per task (state_cache.py ``StateCache.begin``): at the start of a segment on a device, every
-  shard's state moves in when the task's predicted state bytes (``state_bytes``: parameters, gradients (twice
-  with grad_accumulation > 1: a minibatch's next to the accumulated ones), optimizer state, and the step's
-  temporaries: one more copy of the trainable parameters) fit next to its plan's peak within the device budget
-  (and the room an out-of-memory re-plan left it), after evicting other tasks' state; otherwise none does, and
-  the task runs as before (state in host memory, copied in per unit, stepped on the host). A task's state lives
-  on one device: a segment on another device first writes it back.
+* Entries: each shard's state (the parameters it owns: a tied one belongs to the first shard holding it, their
+  gradients and optimizer state) is one entry; ``entry_bytes`` predicts its device bytes (parameters, gradients
+  (twice with grad_accumulation > 1: a minibatch's next to the accumulated ones), its share of the optimizer
+  state, and the step's temporaries: one more copy of its trainable parameters); ``state_bytes`` is their sum.
+  A unit reads the entries of every parameter its shard holds (``needs``); ``where(i)`` names the device only
+  when all of them are there.
+* A task whose whole state fits next to its plan's peak (state_cache.py ``begin``) moves in whole and stays: after
+  its first step no state bytes move. Otherwise, when its optimizer takes the lazy per-shard step (lazy.py), its
+  shards are entries that move in for their units (``use``, from the device's compute thread) and are written back
+  only when evicted (``release(shards=...)``), per entry; the rest keep the host path (copied in per unit,
+  gradients out, updated in host memory). Any other task stays whole: all of its state or none of it.
 * Units of a resident shard use the state itself: the parameter's device tensor is the unit's leaf (a new leaf
   over the same storage), and the gradients go into the minibatch's pending gradients on the device; the task's
   host thread adds them into ``.grad`` after the segment (HostStore.flush_grads), so a failed attempt (out of
   memory) adds nothing, as before. Buffers are no part of an entry: they keep the copy-in / write-back path (a
   retried or recomputed unit needs their values from before the minibatch); unchanged ones stay in the device's
   ShardCache.
-* Eviction (state_cache.py) writes a task's state back to host memory (``release``) while holding its lock, so
-  it never overlaps the task's host thread's flush, step or checkpoint; pending gradients move with it.
-* Seam for a per-shard step: ``where(shard)`` says where shard i's state is; ``stepping()`` steps the whole task
-  where its state is (on the device only when every shard is there).
+* Every move, flush, step and update holds ``lock`` (an RLock): eviction never overlaps the task's host thread's
+  flush, step or checkpoint, nor a pending update being applied; pending gradients move with their entries.
+* The master copy of an entry is the host tensor it came from (the model's own), so writing back allocates
+  nothing for the parameters and the host footprint admission charged is unchanged (not page-locked: a moving
+  entry on CUDA copies in from pageable memory).
 """
 from __future__ import annotations
 

@@ -4,15 +4,22 @@
     cache.begin(home, peak=plan.peak)   # a segment starts: room made, the task's state moved in when it fits
     cache.end(home)                     # the segment ran: its state may be evicted from now on
     cache.prefetched(home)              # that task runs next here: its state stays meanwhile
+    cache.using(home, shards)           # a unit starts: the shards of its units left (which entries to keep)
+    cache.fetch(home, shards)           # a unit's entries move in (StateHome.use)
 
-Rules: at the start of a segment, a task's state moves in (all shards, ``StateHome.move_in``) when its predicted
-bytes fit beside its plan's peak within the device budget and the room an out-of-memory re-plan left it
-(``policy.partition.resident_fits``), after evicting other tasks' state; otherwise it stays in host memory and
-only its units need room. Eviction writes state back to host memory (``StateHome.release``): first that of the
-task expected to run latest (``order``: the board's guess, tasks whose host thread is busy last), among equals
-the largest; never the running task's nor the one picked next for the device; it waits up to ``EVICT_WAIT``
-seconds for a task's host thread to finish its step. Room for state is made only when enough can be evicted;
-room for units always, as far as it can be.
+Rules: at the start of a segment, a task's state moves in whole (``StateHome.move_in``) when its predicted bytes
+fit beside its plan's peak within the device budget and the room an out-of-memory re-plan left it
+(``policy.partition.resident_fits``), after evicting other entries. Otherwise a task whose optimizer takes the lazy
+per-shard step keeps per-shard entries: those whose reads fit beside the peak (``movable``) move in for their units
+(``fetch``, from ``StateHome.use``); the others, and every task that must stay whole, keep the host path (``why``
+says which and why). Eviction is per entry (a whole task's state goes as a whole, never while it runs): first the
+entries of the task expected to run latest (``order``: the board's guess), then, within a task, the entry it reads
+latest (the running task: by its units left), then the largest (reload plus write-back cost the same per byte);
+never the entries the running task's current unit reads, nor those of the task picked next for the device. An
+entry goes back to host memory only when evicted (``StateHome.release``). Before evicting another task's entries
+it waits (up to ``EVICT_WAIT`` seconds) for that task's host thread to settle: a segment's end leaves gradients on
+the device and its step is imminent, so the step goes first, where its state is (``StateHome.settled``). After an
+out-of-memory the device makes no more per-shard entries (``after_oom``).
 """
 from __future__ import annotations
 
