@@ -83,30 +83,35 @@ class HomeSteps:
 
     def use(self, shard: int, device: Device) -> None:
         """Before a unit of shard ``shard`` runs on ``device`` (its compute thread): the entries it reads move
-        in when they may (state_cache.py ``fetch``), and the pending updates it reads are applied where they are."""
+        in when they may (state_cache.py ``fetch``), and the pending updates it reads are applied where they are.
+        A unit that runs on host tensors (its entries may not all be here) finds none of them here: those that
+        are go home first (a unit reads one device's tensors or the host's)."""
         with self.lock:
             cache = getattr(device, "states", None)
-            if self.movable and cache is not None and self.cache in (None, cache) and shard in self.movable:
+            moved = False
+            if self.movable and cache is not None and self.cache in (None, cache):
                 need = self.needs(shard)
-                missing = [j for j in need if j not in self.resident_shards()]
-                if missing and not cache.fetch(self, missing):
-                    # its units read host tensors this time: the entries it reads that are here go home too
-                    self.release(shards=[j for j in need if j in self.resident_shards()])
-            if self.lazy is not None:
-                self.lazy.apply(shard, self.entry_device)
+                here = [j for j in need if j in self.resident_shards()]
+                if len(here) < len(need):
+                    moved = True
+                    if not (shard in self.movable and cache.fetch(self, [j for j in need if j not in here])) and here:
+                        self.release(shards=here)
+            if self.lazy is not None and self.lazy.apply(shard, self.entry_device):
+                moved = True
+            if moved:
                 self.hold_now()
 
     def prefetchable(self, shard: int, device: Device) -> bool:
         """Whether the copy thread may copy shard ``shard`` in ahead of its unit on ``device``: not while an
-        update it reads is pending (its unit applies it first), nor when its entry moves in at its unit, nor while
-        its state is on another device (a copy would read that device's tensors)."""
+        update it reads is pending (its unit applies it first), nor when its entries move in (or go home) at its
+        unit, nor while they are on another device (a copy would read that device's tensors)."""
         if not self.lock.acquire(timeout=1.0):
             return False
         try:
             if self.lazy is not None and self.lazy.pending(shard):
                 return False
-            if self.cache is not None and self.cache.device is not device \
-                    and bool(self.resident_shards() & set(self.needs(shard))):
+            here = self.resident_shards() & set(self.needs(shard))
+            if here and (self.cache is None or self.cache.device is not device or self.where(shard) is None):
                 return False
             return not (shard in self.movable and self.where(shard) is None)
         finally:

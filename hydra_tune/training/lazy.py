@@ -90,10 +90,14 @@ class LazySteps:
         self._apply_one(self._extra, None)  # parameters no stage holds: in host memory
         return None
 
-    def apply(self, shard: int, where: Where) -> None:
-        """Apply the pending updates shard ``shard`` reads, each where its entry is."""
+    def apply(self, shard: int, where: Where) -> bool:
+        """Apply the pending updates shard ``shard`` reads, each where its entry is; whether any was."""
+        p = self._pending
+        if p is None or not self.pending(shard):
+            return False
         for j in self.needs(shard):
             self._apply_one(j, where(j))
+        return True
 
     def flush(self, where: Where) -> None:
         """Apply every pending update (each where its entry is)."""

@@ -159,7 +159,7 @@ class StateCache:
         with self._lock:
             if self._running is home:
                 self._running, self._upcoming = None, []
-        if home.cache is self:
+        if home.cache is self and home.store.has_grads():
             home.settled.clear()  # its host thread flushes its gradients (and may step) now: evictions wait
 
     def _protected(self, home: StateHome, keep: Sequence[int]) -> set[int]:

@@ -61,6 +61,10 @@ class HostStore:
         self._pending = {key: (param, move(grad) if only is None or key in only else grad)
                          for key, (param, grad) in self._pending.items()}
 
+    def has_grads(self) -> bool:
+        """Whether gradients of the minibatch are in flight (not yet added into ``.grad``)."""
+        return bool(self._pending)
+
     def flush_grads(self) -> None:
         """Accumulate this minibatch's summed contributions into ``.grad``, as AccumulateGrad does."""
         for param, grad in self._pending.values():
