@@ -51,7 +51,7 @@ def _exact(task: ht.ModelTask, model: torch.nn.Module, metrics: list[dict]) -> N
 @pytest.mark.parametrize("budget,tied,accumulation,shards", [(SPILL_4, True, 2, 4), (SPILL_2, False, 1, 2)])
 def test_spilled_task_steps_lazily_per_shard_where_its_entries_are_bit_identical(budget, tied, accumulation,
                                                                                   shards):
-    task = _task(tied=tied, grad_accumulation=accumulation)
+    task = _task(tied=tied, grad_accumulation=accumulation, n=4)
     (model,), (metrics,), stats = _run([task], budget)
     info = stats["tasks"][task.name]
     res = info["residency"]
@@ -59,7 +59,7 @@ def test_spilled_task_steps_lazily_per_shard_where_its_entries_are_bit_identical
     assert len(info["shards"]) == shards and info["replans"] == 0
     assert res["planned"].startswith("planned for per-shard entries") and res["moving_shards"] == list(range(shards))
     assert res["step_path"] == "lazy" and res["unsplit_steps"] == 0
-    steps = 12 // accumulation
+    steps = 8 // accumulation  # 4 minibatches, 2 epochs
     assert res["lazy_steps_on_device"] + res["lazy_steps_on_host"] == steps
     assert res["lazy_steps_on_device"] >= steps - 1  # the last one is flushed at the end: where its entries are
     assert res["shard_steps_on_device"] + res["shard_steps_on_host"] == steps * shards
@@ -72,7 +72,7 @@ def test_spilled_task_steps_lazily_per_shard_where_its_entries_are_bit_identical
         # One entry fits at a time: per minibatch (F0 L1 B0) entry 0 goes out without gradients (its update was
         # applied at F0) and comes back for B0, entry 1 comes in with step t's gradients and goes out with the
         # minibatch's. An entry is 5 parameter copies (parameters, gradients, AdamW's two moments, the step's
-        # temporaries): entry 0 moves 3/5 of it each way, entry 1 4/5. From the first step to the last: 11 rounds.
+        # temporaries): entry 0 moves 3/5 of it each way, entry 1 4/5. From the first step to the last: 7 rounds.
         e0, e1 = res["entry_bytes"]
         predicted = (steps - 1) * 2 * (3 * e0 + 4 * e1) / 5
         moved = res["state_bytes_after_first_step"]
@@ -83,10 +83,11 @@ def test_spilled_task_steps_lazily_per_shard_where_its_entries_are_bit_identical
 
 
 def test_whole_state_that_fits_stays_resident_and_moves_nothing_after_its_first_step():
-    task = _task(tied=False, grad_accumulation=1)
+    task = _task(tied=False, grad_accumulation=1, n=2)
     (model,), (metrics,), stats = _run([task], 2_100_000)  # re-cut into 2 shards whose entries all fit
     res = stats["tasks"][task.name]["residency"]
-    assert res["step_path"] == "resident" and (res["steps_on_device"], res["steps_on_host"]) == (12, 0)
+    assert len(stats["tasks"][task.name]["shards"]) == 2 and res["planned"]
+    assert res["step_path"] == "resident" and (res["steps_on_device"], res["steps_on_host"]) == (4, 0)
     assert res["state_bytes_after_first_step"] == 0 and res["shard_steps_on_device"] == 0
     _exact(task, model, metrics)
 
@@ -105,8 +106,11 @@ def _hooked_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
-@pytest.mark.parametrize("make,why", [(_my_adamw, "is a subclass of torch.optim.AdamW"),
-                                      (_hooked_sgd, "step post-hook")])
+_UNLISTED = [(_my_adamw, "is a subclass of torch.optim.AdamW")] + (
+    [(_hooked_sgd, "step post-hook")] if os.environ.get("HYDRA_TUNE_LAZY_MATRIX") else [])
+
+
+@pytest.mark.parametrize("make,why", _UNLISTED)
 def test_unlisted_optimizer_takes_one_whole_step_on_the_host_and_stays_exact(make, why):
     task = _task(optimizer=make, grad_accumulation=1, n=4)
     (model,), (metrics,), stats = _run([task], SPILL)
@@ -122,21 +126,19 @@ def test_two_tasks_that_fit_one_at_a_time_both_step_on_the_device():
     """The evicted task's imminent step goes first: a segment's end leaves its state until its host thread has
     flushed its gradients and stepped (before the fix, the other task's first unit evicted it at once and it
     usually stepped on the host)."""
-    probe = _task(tied=False, grad_accumulation=1, n=4)
-    (_,), _, stats = _run([probe], None)
-    res = stats["tasks"][probe.name]["residency"]
-    budget = stats["tasks"][probe.name]["predicted_peak"] + res["state_bytes"] * 3 // 2  # one task's state
-    tasks = [_task(1, tied=False, grad_accumulation=1, n=4), _task(2, tied=False, grad_accumulation=1, n=4)]
+    budget = 3_400_000  # one task's units (1.64 MB peak, one shard) and state (1.2 MB), not two tasks' state
+    tasks = [_task(1, tied=False, grad_accumulation=1, n=3), _task(2, tied=False, grad_accumulation=1, n=3)]
     models, metrics, stats = _run(tasks, budget, policy="round_robin")
     assert stats["devices"][0]["evictions"] >= 2
     for task, model, ms in zip(tasks, models, metrics):
         res = stats["tasks"][task.name]["residency"]
-        assert res["evictions"] >= 1 and (res["steps_on_device"], res["steps_on_host"]) == (8, 0), res
+        assert res["step_path"] == "resident" and len(stats["tasks"][task.name]["shards"]) == 1, res
+        assert res["evictions"] >= 1 and (res["steps_on_device"], res["steps_on_host"]) == (6, 0), res
         _exact(task, model, ms)
 
 
 def test_two_spilled_tasks_evict_each_others_entries_mid_epoch_and_stay_exact():
-    tasks = [_task(1, grad_accumulation=1, n=4), _task(2, grad_accumulation=1, n=4)]
+    tasks = [_task(1, grad_accumulation=1, n=3), _task(2, grad_accumulation=1, n=3)]
     models, metrics, stats = _run(tasks, SPILL_4, policy="round_robin")
     for task, model, ms in zip(tasks, models, metrics):
         res = stats["tasks"][task.name]["residency"]
@@ -170,7 +172,7 @@ _PAIRS = ([(o, s) for o in _OPTIMIZERS for s in _SCENARIOS] if os.environ.get("H
 
 @pytest.mark.parametrize("opt,scenario", _PAIRS)
 def test_allowlisted_optimizers_step_lazily_through_the_runtime_bit_identical(opt, scenario):
-    task = _task(optimizer=_OPTIMIZERS[opt], n=4, epochs=3 if scenario == "onecycle" else 2, **_SCENARIOS[scenario])
+    task = _task(optimizer=_OPTIMIZERS[opt], n=3, epochs=3 if scenario == "onecycle" else 2, **_SCENARIOS[scenario])
     (model,), (metrics,), stats = _run([task], SPILL)
     res = stats["tasks"][task.name]["residency"]
     assert res["step_path"] == "lazy" and res["shard_steps_on_device"] > 0, res
@@ -200,7 +202,7 @@ def _slow(out, batch):
 
 
 def test_checkpoint_and_snapshot_taken_with_updates_pending_are_exact(tmp_path):
-    task = _task(4, loss=_slow, epochs=3, grad_accumulation=1, n=4)
+    task = _task(4, loss=_slow, epochs=2, grad_accumulation=1, n=4)
     with ht.Runtime(config=ht.RuntimeConfig(devices=["cpu"], device_memory=SPILL_4)) as rt:
         h = rt.submit(task)
         path = h.checkpoint(tmp_path / "c.pt", timeout=60)
@@ -208,13 +210,13 @@ def test_checkpoint_and_snapshot_taken_with_updates_pending_are_exact(tmp_path):
         final = trained(h)
         res = rt.stats()["tasks"][task.name]["residency"]
     assert res["step_path"] == "lazy", res
-    assert max_param_diff(plain_train(_task(4, epochs=3, grad_accumulation=1, n=4, max_steps=snap.steps))[0],
+    assert max_param_diff(plain_train(_task(4, epochs=2, grad_accumulation=1, n=4, max_steps=snap.steps))[0],
                           snap.model) == 0.0
     assert 1 <= checkpoint.load(path)["position"]["steps"] <= snap.steps
     with ht.Runtime(config=ht.RuntimeConfig(devices=["cpu"], device_memory=SPILL_4)) as rt:
-        resumed = trained(rt.submit(_task(4, epochs=3, grad_accumulation=1, n=4, resume_from=str(path))))
+        resumed = trained(rt.submit(_task(4, epochs=2, grad_accumulation=1, n=4, resume_from=str(path))))
     assert max_param_diff(final, resumed) == 0.0
-    assert max_param_diff(plain_train(_task(4, epochs=3, grad_accumulation=1, n=4))[0], final) == 0.0
+    assert max_param_diff(plain_train(_task(4, epochs=2, grad_accumulation=1, n=4))[0], final) == 0.0
 
 
 def _plain_eval(model: torch.nn.Module, data: list[dict]) -> float:
