@@ -249,3 +249,17 @@ def test_out_of_memory_with_entries_on_the_device_replans_turns_entries_off_and_
     print(info["replans"], {k: v for k, v in res.items() if k != "copies"})
     assert info["replans"] >= 1 and "per-shard entries are off on cpu:0 since it ran out of memory" in res["why"]
     _exact(task, model, metrics)
+
+
+def _nan_once(out, batch):
+    return out.loss * (float("nan") if int(batch["input_ids"][0, 0]) == 21 else 1.0)  # the second minibatch
+
+
+def test_a_skipped_minibatch_with_updates_pending_is_dropped_as_in_the_plain_loop():
+    """nonfinite_loss="skip_step" zeroes the gradients: pending per-shard updates are applied first (its units
+    applied them already; a flush makes sure), so the skipped window's gradients go and step t's update stays."""
+    task = _task(grad_accumulation=2, n=4, loss=_nan_once, nonfinite_loss="skip_step")
+    (model,), (metrics,), stats = _run([task], SPILL_4)
+    res = stats["tasks"][task.name]["residency"]
+    assert res["step_path"] == "lazy" and [m["skipped_batches"] for m in metrics] == [1, 1], (res, metrics)
+    _exact(task, model, metrics)
