@@ -263,3 +263,33 @@ def test_a_skipped_minibatch_with_updates_pending_is_dropped_as_in_the_plain_loo
     res = stats["tasks"][task.name]["residency"]
     assert res["step_path"] == "lazy" and [m["skipped_batches"] for m in metrics] == [1, 1], (res, metrics)
     _exact(task, model, metrics)
+
+
+def test_shards_whose_entries_do_not_fit_keep_the_host_path_next_to_moving_ones():
+    """The plan's peak leaves room for the small entries (embedding, head) but not for a block's: the blocks keep
+    the host path (copied in per unit, updated in host memory), the others move in and are updated there."""
+    from hydra_tune.device.devices import CpuDevice
+    from hydra_tune.training.residency import ShardCache
+    from hydra_tune.training.state import TaskState
+    from hydra_tune.training.state_cache import StateCache
+
+    task = _task(7, grad_accumulation=1, n=3)
+    state = TaskState.build(task, budget=500 * 1024)
+    sizes = state.home.entry_list()
+    small, block = max(sizes[0], sizes[0] + sizes[-1]), max(sizes[1:-1])
+    assert small < block
+    device = CpuDevice("cpu:0", budget=state.plan.peak + (small + block) // 2)
+    device.resident, device.states = ShardCache(), StateCache(device, 0, lambda: [])
+    for seg in state.segments(lambda m: None):
+        device.states.begin(state.home, state.plan.peak)
+        for j, unit in enumerate(seg.units):
+            device.states.using(state.home, [u.shard for u in seg.units[j:]])
+            unit.run(device)
+        device.states.end(state.home)
+    device.resident.clear()
+    res = state.home.stats()
+    last = len(sizes) - 1
+    assert res["moving_shards"] == [0, last] and f"shards {list(range(1, last))} keep the host path" in res["why"]
+    assert res["shard_steps_on_device"] > 0 and res["shard_steps_on_host"] > 0, res
+    assert device.current_bytes() == 0 and state.home.cache is None
+    assert max_param_diff(plain_train(task)[0], state.model) == 0.0
