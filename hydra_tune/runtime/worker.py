@@ -156,7 +156,7 @@ class DeviceWorker:
                 device.copier.wait_prefetched()  # the compute stream waits for this unit's prefetched shard
                 later = units[j + 1] if j + 1 < len(units) else None
                 device.resident.retain([state.execs[u.shard] for u in (unit, later) if u is not None])
-                if device.states is not None:  # its entries this unit and the next read stay (state_cache.py)
+                if device.states is not None:  # which of its entries are read now and next (state_cache.py)
                     device.states.using(state.home, [u.shard for u in units[j:]])
                 if later is not None:
                     pending = self._copier.submit(self._prefetch, task, later)
