@@ -30,7 +30,7 @@ backward, when moving them (at the device's measured copy bandwidth) costs less 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import PlanError, format_bytes
@@ -277,6 +277,26 @@ def resident_fits(peak: int, state_bytes: int, budget: int | None) -> bool:
     may stay on a device beside its units (``peak``: its plan's peak) within ``budget`` (None: unlimited).
     Conservative: the peak counts the running shard's parameter copies, which a resident shard does not make."""
     return budget is None or peak + state_bytes <= budget
+
+
+def entry_plan(costs: Sequence[StageCost], budget: int | None, need: Callable[[Plan], int], *,
+               keep: bool = True, bandwidth: float | None = None, steps: int = 16) -> Plan | None:
+    """A plan whose every shard's state entry fits next to the plan's peak within ``budget``: ``need(plan)``
+    is the largest sum of entries one unit of ``plan`` reads (parameters, gradients, optimizer state and the
+    step's temporaries: the caller knows them), and ``resident_fits(plan.peak, need(plan), budget)`` must hold.
+    The units are planned for the budget less a reserve growing by ``budget / steps`` until it holds (more,
+    smaller shards: the first that fits has the fewest); None when none does (no budget, or the units of a stage
+    leave no room for its entry)."""
+    if budget is None:
+        return None
+    for k in range(1, steps):
+        try:
+            plan = partition(costs, budget - k * budget // steps, keep=keep, bandwidth=bandwidth)
+        except PlanError:
+            return None  # smaller budgets fail too
+        if resident_fits(plan.peak, need(plan), budget):
+            return plan
+    return None
 
 
 def _too_big(costs: Sequence[StageCost], i: int, budget: int | None, reserve: int) -> PlanError:

@@ -25,6 +25,7 @@ from ..device.devices import Device, resolve_devices
 from ..device.threads import set_cpu_threads
 from ..errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
 from ..task import ModelTask
+from ..training.entry_plan import plan_entries
 from ..training.footprint import Footprint
 from ..training.shard import ShardExec
 from ..training.state import TaskState
@@ -227,6 +228,8 @@ class Runtime:
         state.home.set_optimizer_bytes(footprint.optimizer)  # measured for admission: what its state will hold
         if self.config.residency == "off":
             state.home.disable("residency='off' (RuntimeConfig): its state stays in host memory")
+        else:  # a task whose whole state does not fit: shards whose entries do (training/entry_plan.py)
+            plan_entries(state, *self._plan, scaler_ok=all(d.steps_loss_scaler for d in self.devices))
         if handle is None:
             handle = self._new_handle(task.name)
         handle.attach(state)

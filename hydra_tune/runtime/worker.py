@@ -10,7 +10,9 @@ the next unit's shard in (double buffering); while the segment's last unit runs,
 device's next task (one whose segment is open already) and copies its first shard in when the room next to the
 running unit allows. When a segment starts, the device's StateCache (training/state_cache.py) makes room for the
 task's units by evicting other tasks' state, and moves the task's own parameters, gradients and optimizer state
-onto the device when they fit beside its units, to stay there. Every copy and wait counts for the task whose work
+onto the device when they fit beside its units, to stay there; a task whose whole state does not fit keeps
+per-shard entries, which its units move in themselves (``StateHome.use``; the worker tells the cache which shards
+its units left read: ``StateCache.using``). Every copy and wait counts for the task whose work
 it is. No host work of a task (its optimizer step, its next batch) runs on these threads: the
 task's own host thread does it between its segments (scheduler.py, host.py), so a data iterator that blocks never
 holds a device. A unit that runs out of device memory has its task re-planned smaller and its minibatch run
@@ -154,6 +156,8 @@ class DeviceWorker:
                 device.copier.wait_prefetched()  # the compute stream waits for this unit's prefetched shard
                 later = units[j + 1] if j + 1 < len(units) else None
                 device.resident.retain([state.execs[u.shard] for u in (unit, later) if u is not None])
+                if device.states is not None:  # which of its entries are read now and next (state_cache.py)
+                    device.states.using(state.home, [u.shard for u in units[j:]])
                 if later is not None:
                     pending = self._copier.submit(self._prefetch, task, later)
                 elif not self.board.closed:
@@ -199,8 +203,10 @@ class DeviceWorker:
         exc.__traceback__ = None  # its frames hold the failed unit's device tensors
         self._hooks.drop_copies(task.state.execs)
         home = task.state.home
-        resident = home.state_bytes if home.cache is not None else 0
+        resident = home.held_bytes()
         home.release("its state left the device after an out-of-memory; it is back when it fits the re-plan")
+        if self.device.states is not None:
+            self.device.states.after_oom()  # per-shard entries off here: the device holds less than said
         self.device.after_oom()
         _, bandwidth, keep = self._hooks.plan()
         try:

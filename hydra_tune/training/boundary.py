@@ -215,6 +215,8 @@ class BoundaryRequests:
         if not (snapshots or checkpoints):
             return
         home = getattr(state, "home", None)  # where its state is (training/resident.py); serving reads the model
+        if home is not None:
+            home.flush()  # pending per-shard updates (lazy.py) first: the model and optimizer as after the step
         try:
             with home.on_host() if home is not None else contextlib.nullcontext():  # resident: host copies
                 self._produce(state, where, snapshots, checkpoints)

@@ -30,11 +30,9 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
 from ..device.dispatch import UnitMode
@@ -47,6 +45,7 @@ from .data import close_workers, data_generators, epoch_data, is_factory, restor
 from .loss import nonfinite_policy
 from .metrics import MetricSums, measure
 from .optstep import OptimizerStep
+from .epoch_run import Attempt, EpochRun, batch_size
 from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
@@ -57,43 +56,13 @@ _END = object()
 UnitSpec = tuple[str, ShardExec, Callable[[Device], Any], Callable[[Device], int]]  # kind, shard, run, prefetch
 
 
-@dataclass
-class _Attempt:
-    """Where the segment in flight began: the task's RNG state, the losses list and its length, and how to build
-    the segment's units again (over the task's current shards)."""
-
-    rng: Any
-    losses: list[float]
-    n_losses: int
-    rebuild: Callable[[], Segment]
-
-
-@dataclass
-class _EpochRun:
-    """One epoch's training so far: its minibatch losses, the batches a resume steps over, the samples trained
-    on (all epochs), minibatches since the last step and minibatches skipped for a non-finite loss."""
-
-    losses: list[float]
-    skip: int
-    samples: int
-    pending: int = 0
-    skipped: int = 0
-
-
-def _batch_size(batch: Any) -> int:
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return 1
-
-
 class TrainingLoop:
     """Drives one TaskState through its epochs; ``segments`` is the chain, ``retry`` restarts its segment."""
 
     def __init__(self, state: TaskState) -> None:
         self.state = state
         self.made = 0  # segments handed out (each one's index)
-        self._attempt: _Attempt | None = None  # how to start the current segment over (retry)
+        self._attempt: Attempt | None = None  # how to start the current segment over (retry)
         self._skipping = False  # the minibatch in flight had a non-finite loss under nonfinite_loss="skip_step"
         self._data_rng: list[torch.Tensor] = []  # the train data's own generators' states at the epoch's start
         self._data_py: list[Any] | None = None   # what had changed in its samplers' Python state by then
@@ -113,7 +82,7 @@ class TrainingLoop:
         try:
             yield from self._epochs(emit)
         finally:
-            self.state.home.release()
+            self.state.home.finish()
             for data in (self.state.train_iterable, self.state.eval_iterable):
                 close_workers(data)
 
@@ -143,6 +112,7 @@ class TrainingLoop:
                 state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
                                               data_rng=data_rng, data_python=data_py,
                                               metrics=emitted), epoch_end=True)
+        state.home.flush()  # the final model, whole (lazy per-shard updates applied)
         state.finish_requests()
 
     def _resumed_at_the_end(self, resume: Position, metrics: dict[str, Any],
@@ -176,12 +146,12 @@ class TrainingLoop:
         return attempt.rebuild()
 
     # -- one epoch's training -------------------------------------------------------------------------------
-    def _train_epoch(self, epoch: int, samples: int) -> Generator[Segment, None, _EpochRun]:
+    def _train_epoch(self, epoch: int, samples: int) -> Generator[Segment, None, EpochRun]:
         state, task, rng = self.state, self.state.task, self.state.rng
         state.epoch = epoch
         state.batch_in_epoch = state.eval_in_epoch = 0
         losses, skip, skipped = self._resume_epoch()
-        run = _EpochRun(losses, skip, samples, skipped=skipped)
+        run = EpochRun(losses, skip, samples, skipped=skipped)
         epoch_rng = rng.cpu.get_state()
         for batch in self._batches(state.train_iterable, "train_data"):
             state.batch_in_epoch += 1  # counted when handed out: remaining() is what is not yet handed out
@@ -195,16 +165,20 @@ class TrainingLoop:
             if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
                 self._skipping = False
                 with state.home.locked():
+                    state.home.flush()
                     state.store.clear()
                     state.optimizer.zero_grad()
+                state.home.settle()
                 run.pending, run.skipped = 0, run.skipped + 1
                 continue
             with state.home.locked():  # the gradients may be on a device: no eviction while they are added
                 state.store.flush_grads()
                 state.store.clear()
-            run.samples += _batch_size(batch)
+            run.samples += batch_size(batch)
             run.pending += 1
-            if run.pending == task.grad_accumulation:
+            if run.pending < task.grad_accumulation:
+                state.home.settle()  # no step due: its gradients are in, evictions may go on (state_cache.py)
+            else:
                 self._step()
                 run.pending = 0
                 yield from self._report_due(epoch, run)  # before the boundary: a checkpoint there follows it
@@ -220,13 +194,13 @@ class TrainingLoop:
             yield from self._report_due(epoch, run)
         return run
 
-    def _report_due(self, epoch: int, run: _EpochRun) -> Generator[Segment, None, None]:
+    def _report_due(self, epoch: int, run: EpochRun) -> Generator[Segment, None, None]:
         """``eval_every=N``: after every N-th optimizer step, evaluate and report."""
         every = self.state.task.eval_every
         if every is not None and self.state.steps % every == 0:
             yield from self._report(epoch, run)
 
-    def _report(self, epoch: int, run: _EpochRun) -> Generator[Segment, None, None]:
+    def _report(self, epoch: int, run: EpochRun) -> Generator[Segment, None, None]:
         """Evaluate (with eval_data), step a metric-driven scheduler, and emit the metrics."""
         state = self.state
         metrics = self._epoch_metrics(epoch, run)
@@ -256,7 +230,7 @@ class TrainingLoop:
         if resume is not None:
             self.state.rng.restore((resume.rng, resume.accel_rng))
 
-    def _epoch_metrics(self, epoch: int, run: _EpochRun) -> dict[str, Any]:
+    def _epoch_metrics(self, epoch: int, run: EpochRun) -> dict[str, Any]:
         state = self.state
         metrics: dict[str, Any] = {
             "epoch": epoch, "train_loss": sum(run.losses) / len(run.losses) if run.losses else math.nan,
@@ -303,13 +277,16 @@ class TrainingLoop:
         self.made += 1
         name = self.state.task.name
 
-        def work(run: Callable[[Device], Any]) -> Callable[[Device], Any]:
+        home = self.state.home
+
+        def work(run: Callable[[Device], Any], shard: int) -> Callable[[Device], Any]:
             def in_work(d: Device) -> Any:  # the model's forward and the loss: the task's own work
+                home.use(shard, d)  # its entries move in, its pending update is applied (resident.py)
                 with task_work(name):
                     return run(d)
             return in_work
 
-        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, work(run), pre)
+        return Segment(name, self.made, tuple(Unit(name, kind, ex.index, self.made, work(run, ex.index), pre)
                                               for kind, ex, run, pre in units),
                        train, segment_key(train, self.state.store.batch))
 
@@ -317,7 +294,7 @@ class TrainingLoop:
         store = self.state.store
         store.batch = batch
         store.carries[0] = self.state.cut.prepare(batch)
-        self._attempt = _Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
+        self._attempt = Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
         return rebuild()
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
@@ -361,7 +338,8 @@ class TrainingLoop:
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
-        self._optimizer_step()  # optstep.py: over the tensors where the task's state is
+        self._optimizer_step()  # optstep.py: where the task's state is (or lazily per shard: lazy.py)
+        self.state.home.settle()  # its step went first: evictions may go on (state_cache.py)
 
     def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
         """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
@@ -376,6 +354,7 @@ class TrainingLoop:
     def _evaluate(self) -> Generator[Segment, None, dict[str, float]]:
         """One pass over the eval data: ``eval_loss`` (the mean of the batches' losses) and the task's metrics."""
         state = self.state
+        state.home.flush()  # eval sees step t's weights: pending per-shard updates applied first
         state.model.eval()
         losses: list[float] = []
         sums = MetricSums(state.task.metrics)
@@ -387,6 +366,7 @@ class TrainingLoop:
                 state.leave_boundary()  # an evaluation forward may change what the model holds, too
                 measured: list[dict[str, Any]] = []  # a retried segment's measures are replaced, not added
                 yield self._begin(batch, losses, lambda: self._eval_units(losses, measured))
+                state.home.settle()
                 for m in measured[-1:]:
                     sums.add(m)
                 state.store.clear()

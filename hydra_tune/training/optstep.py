@@ -3,9 +3,13 @@
     step = OptimizerStep(state)      # TrainingLoop makes one per task
     step()                           # every ``grad_accumulation`` minibatches: clip, step, schedule, zero_grad
 
-Rules: the step runs in the task's host thread, over the device tensors when its state is resident (exactly the
-user's GPU loop; on CUDA launched on the device's default stream, behind the units that made the gradients), else
-in host memory; its state does not move meanwhile (``home.stepping()``). An optimizer step that draws random
+Rules: the step runs in the task's host thread, over the device tensors when its whole state is resident (exactly
+the user's GPU loop; on CUDA launched on the device's default stream, behind the units that made the gradients),
+else in host memory; its state does not move meanwhile (``home.stepping()``). The lazy per-shard step (lazy.py)
+instead, when the optimizer is on check_lazy's allowlist and its shards are per-shard entries not all on the
+device (state_cache.py): here only ``PendingStep.begin()`` (hyper-parameters snapshotted, norms, found-inf,
+``scaler.update()``) and the per-step LR scheduler, no ``zero_grad``; each shard's update runs just before its next
+use, where its entry is (``StateHome.use``). An optimizer step that draws random
 numbers (gradient noise) draws from the task's stream: the first step runs in the task's RNG mode and tells
 whether later ones must; one that only starts drawing later draws from torch's global generator.
 """
@@ -17,6 +21,8 @@ import torch
 
 from ..device.dispatch import UnitMode
 from ..device.seeding import seeding_to
+from .lazy import LazySteps
+from .step import check_lazy
 
 if TYPE_CHECKING:
     from .state import TaskState
@@ -29,9 +35,19 @@ class OptimizerStep:
     def __init__(self, state: TaskState) -> None:
         self.state = state
         self._draws: bool | None = None  # whether the step draws random numbers (None: not known yet)
+        verdict = check_lazy(state.optimizer, state.scaler, state.model)
+        state.home.set_lazy(LazySteps(state.optimizer, state.scaler, state.task.grad_clip_norm,
+                                      list(state.model.parameters()), verdict))
 
     def __call__(self) -> None:
         state = self.state
+        with state.home.lock:
+            if state.home.steps_lazily():
+                state.measure_held_bytes()
+                state.home.begin_lazy()  # before the scheduler: the snapshot keeps step t's hyper-parameters
+                self._schedule()
+                state.steps += 1
+                return
         with state.home.stepping():
             state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
             if self._draws is False:  # the first step drew no random numbers: no routing (full speed)
@@ -55,6 +71,10 @@ class OptimizerStep:
             scaler.update()
         else:
             optimizer.step()
+        self._schedule()
+        optimizer.zero_grad()
+
+    def _schedule(self) -> None:
+        state = self.state
         if state.scheduler is not None and state.task.lr_scheduler_metric is None:
             state.scheduler.step()  # a metric-driven one (ReduceLROnPlateau) steps per epoch, after evaluation
-        optimizer.zero_grad()

@@ -2,7 +2,8 @@
 
     home = StateHome("trial-3", optimizer, store, grad_accumulation=1); home.reshard(execs)  # TaskState.home
     cache.begin(home, peak=plan.peak)   # state_cache.py, one per device: room made, the task's state moved in
-    with home.stepping() as device: optimizer.step()   # the task's host thread: over device tensors if resident
+    with home.stepping() as device: optimizer.step()   # home_steps.py: over device tensors if all resident
+    home.use(shard, device)             # before a unit: its entries move in, its pending update is applied
     home.where(shard)                   # the device holding that shard's state; None: host memory
     with home.on_host(): capture(...)   # checkpoints and snapshots read host tensors
     home.release()                      # written back to host memory, device bytes freed (end, cancel, re-plan)
@@ -16,23 +17,28 @@ tensors the state came from stay as its "home" (page-locked on CUDA): writing ba
 parameters, and the host footprint admission charged (parameters, gradients, optimizer state) is unchanged.
 
 Rules:
-* All or nothing per task (state_cache.py ``StateCache.begin``): at the start of a segment on a device, every
-  shard's state moves in when the task's predicted state bytes (``state_bytes``: parameters, gradients (twice
-  with grad_accumulation > 1: a minibatch's next to the accumulated ones), optimizer state, and the step's
-  temporaries: one more copy of the trainable parameters) fit next to its plan's peak within the device budget
-  (and the room an out-of-memory re-plan left it), after evicting other tasks' state; otherwise none does, and
-  the task runs as before (state in host memory, copied in per unit, stepped on the host). A task's state lives
-  on one device: a segment on another device first writes it back.
+* Entries: each shard's state (the parameters it owns: a tied one belongs to the first shard holding it, their
+  gradients and optimizer state) is one entry; ``entry_bytes`` predicts its device bytes (parameters, gradients
+  (twice with grad_accumulation > 1: a minibatch's next to the accumulated ones), its share of the optimizer
+  state, and the step's temporaries: one more copy of its trainable parameters); ``state_bytes`` is their sum.
+  A unit reads the entries of every parameter its shard holds (``needs``); ``where(i)`` names the device only
+  when all of them are there.
+* A task whose whole state fits next to its plan's peak (state_cache.py ``begin``) moves in whole and stays: after
+  its first step no state bytes move. Otherwise, when its optimizer takes the lazy per-shard step (lazy.py), its
+  shards are entries that move in for their units (``use``, from the device's compute thread) and are written back
+  only when evicted (``release(shards=...)``), per entry; the rest keep the host path (copied in per unit,
+  gradients out, updated in host memory). Any other task stays whole: all of its state or none of it.
 * Units of a resident shard use the state itself: the parameter's device tensor is the unit's leaf (a new leaf
   over the same storage), and the gradients go into the minibatch's pending gradients on the device; the task's
   host thread adds them into ``.grad`` after the segment (HostStore.flush_grads), so a failed attempt (out of
   memory) adds nothing, as before. Buffers are no part of an entry: they keep the copy-in / write-back path (a
   retried or recomputed unit needs their values from before the minibatch); unchanged ones stay in the device's
   ShardCache.
-* Eviction (state_cache.py) writes a task's state back to host memory (``release``) while holding its lock, so
-  it never overlaps the task's host thread's flush, step or checkpoint; pending gradients move with it.
-* Seam for a per-shard step: ``where(shard)`` says where shard i's state is; ``stepping()`` steps the whole task
-  where its state is (on the device only when every shard is there).
+* Every move, flush, step and update holds ``lock`` (an RLock): eviction never overlaps the task's host thread's
+  flush, step or checkpoint, nor a pending update being applied; pending gradients move with their entries.
+* The master copy of an entry is the host tensor it came from (the model's own), so writing back allocates
+  nothing for the parameters and the host footprint admission charged is unchanged (not page-locked: a moving
+  entry on CUDA copies in from pageable memory).
 """
 from __future__ import annotations
 
@@ -47,8 +53,10 @@ import torch.nn as nn
 
 from ..device.counts import CopyCounts
 from ..device.devices import Device
+from .home_steps import HomeSteps
 
 if TYPE_CHECKING:
+    from .lazy import LazySteps
     from .shard import ShardExec
     from .state_cache import StateCache
     from .store import HostStore
@@ -64,6 +72,20 @@ def _moves_in(group: dict[str, Any] | None, key: str) -> bool:
     return key != "step" or bool(group and (group.get("capturable") or group.get("fused")))
 
 
+def entry_sizes(shards: Sequence[Sequence[nn.Parameter]], groups: dict[int, Any], optimizer_bytes: int | None,
+                grad_accumulation: int) -> list[int]:
+    """Predicted device bytes of each shard's entry (``shards``: each one's own parameters; ``groups``: the
+    optimizer's parameters by id): parameters, gradients (twice with grad_accumulation > 1: a minibatch's next to
+    the accumulated ones), its share of the optimizer state (``optimizer_bytes``, by trainable bytes; None: two
+    copies of them) and the step's temporaries (one more copy of its trainable parameters)."""
+    trainable = [sum(_nbytes(p) for p in s if p.requires_grad and id(p) in groups) for s in shards]
+    total = sum(trainable)
+    optimizer = optimizer_bytes if optimizer_bytes is not None else 2 * total
+    twice = 2 if grad_accumulation > 1 else 1
+    return [sum(_nbytes(p) for p in s) + twice * sum(_nbytes(p) for p in s if p.requires_grad)
+            + (optimizer * t // total if total else 0) + t for s, t in zip(shards, trainable)]
+
+
 @dataclass
 class _Slot:
     """One parameter held on a device, and the host tensors its values go back into."""
@@ -73,7 +95,7 @@ class _Slot:
     state_homes: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer state key -> host tensor
 
 
-class StateHome:
+class StateHome(HomeSteps):
     """Where one task's parameters, gradients and optimizer state are, and the moves between host and a device
     (see the module docstring). ``lock`` is held by the task's host thread around its flush, step and
     checkpoints, and by whoever moves the state."""
@@ -93,13 +115,23 @@ class StateHome:
         self.steps_on_device = 0
         self.steps_on_host = 0
         self.evictions = 0
-        self._state_at_first_step: int | None = None
-        self._state_since_first_step: int | None = None  # state bytes moved from its first step to its last
+        self.state_at_first_step: int | None = None
+        self.state_since_first_step: int | None = None  # state bytes moved from its first step to its last
         self._grad_accumulation = grad_accumulation
         self._optimizer_bytes: int | None = None
-        self._shards: list[list[nn.Parameter]] = []
+        self.planned = ""                             # how its plan was made for its entries (entry_plan.py)
+        self._shards: list[list[nn.Parameter]] = []   # each shard's own parameters (a tied one: the first's)
+        self._exec_params: list[list[nn.Parameter]] = []  # every parameter each shard's units read
+        self._entry_bytes: list[int] = []             # predicted device bytes of each shard's entry
         self._slots: dict[int, list[_Slot]] = {}
         self._groups: dict[int, dict[str, Any]] = {}
+        self.lazy: LazySteps | None = None            # the lazy per-shard step (lazy.py), when allowed
+        self.movable: set[int] = set()                # shards whose entries may be on the device (state_cache)
+        self.moves_in: dict[int, int] = {}            # shard -> times its entry moved onto a device
+        self.step_path: str | None = None             # how its last step ran: resident, lazy, whole-host
+        self.step_why = ""
+        self.settled = threading.Event()              # clear: its host thread's flush/step after a segment is due
+        self.settled.set()
 
     # -- the task's shards and their predicted bytes ---------------------------------------------------------
     def reshard(self, execs: Sequence[ShardExec]) -> None:
@@ -113,8 +145,50 @@ class StateHome:
             own = [p for p in ex.params if id(p) not in seen]
             seen.update(id(p) for p in own)
             self._shards.append(own)
+        self._exec_params = [list(ex.params) for ex in execs]
         self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        self.movable, self.moves_in = set(), {}
+        if self.lazy is not None:
+            with self.lock:
+                self.lazy.reshard(self._exec_params, self.entry_device)
         self._predict()
+
+    def set_lazy(self, lazy: LazySteps) -> None:
+        """Step this task lazily per shard whenever its shards are not all on one device (lazy.py)."""
+        with self.lock:
+            self.lazy = lazy
+            lazy.reshard(self._exec_params, self.entry_device)
+
+    @property
+    def lazy_ok(self) -> bool:
+        """Whether its state may be kept as per-shard entries (its optimizer takes the lazy per-shard step)."""
+        return self.lazy is not None and self.lazy.verdict.lazy
+
+    def needs(self, shard: int) -> list[int]:
+        """The shards whose entries shard ``shard``'s units read (its own, and the owners of its tied ones)."""
+        return self.lazy.needs(shard) if self.lazy is not None else [shard]
+
+    def entry_bytes(self, shards: Sequence[int]) -> int:
+        """Predicted device bytes of these shards' entries."""
+        return sum(self._entry_bytes[i] for i in set(shards) if i < len(self._entry_bytes))
+
+    def entry_list(self) -> list[int]:
+        return list(self._entry_bytes)
+
+    def held_bytes(self) -> int:
+        """Predicted device bytes of the entries on its device now."""
+        return self.entry_bytes(list(self._slots))
+
+    def resident_shards(self) -> set[int]:
+        return set(self._slots)
+
+    @property
+    def n_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def optimizer_bytes(self) -> int | None:
+        return self._optimizer_bytes
 
     def set_optimizer_bytes(self, nbytes: int) -> None:
         """The optimizer state's bytes as measured for host admission (training/footprint.py)."""
@@ -122,11 +196,8 @@ class StateHome:
         self._predict()
 
     def _predict(self) -> None:
-        params = [p for shard in self._shards for p in shard]
-        trainable = sum(_nbytes(p) for p in params if p.requires_grad and id(p) in self._groups)
-        grads = sum(_nbytes(p) for p in params if p.requires_grad) * (2 if self._grad_accumulation > 1 else 1)
-        optimizer = self._optimizer_bytes if self._optimizer_bytes is not None else 2 * trainable
-        self.state_bytes = sum(_nbytes(p) for p in params) + grads + optimizer + trainable
+        self._entry_bytes = entry_sizes(self._shards, self._groups, self._optimizer_bytes, self._grad_accumulation)
+        self.state_bytes = sum(self._entry_bytes)
 
     def disable(self, why: str) -> None:
         """Keep this task's state in host memory (``why`` goes into its stats)."""
@@ -134,7 +205,15 @@ class StateHome:
 
     # -- where it is -----------------------------------------------------------------------------------------
     def where(self, shard: int) -> Device | None:
-        """The device holding shard ``shard``'s parameters, gradients and optimizer state; None: host memory."""
+        """The device holding every parameter (with its gradient and optimizer state) shard ``shard``'s units read;
+        None: host memory."""
+        cache = self.cache
+        if cache is None or not all(j in self._slots for j in self.needs(shard)):
+            return None
+        return cache.device
+
+    def entry_device(self, shard: int) -> Device | None:
+        """Where shard ``shard``'s own entry is (None: host memory)."""
         cache = self.cache
         return cache.device if cache is not None and shard in self._slots else None
 
@@ -145,31 +224,7 @@ class StateHome:
             return None
         return cache.device
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """The task's host thread changes its state inside (flush of gradients): no move meanwhile."""
-        with self.lock:
-            yield
-            self._hold()
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[Device | None]:
-        """Around the task's optimizer step (clipping, step, scheduler, zero_grad), in its host thread: no move
-        meanwhile; yields the device its state is on (None: host memory) and counts the step there."""
-        with self.lock:
-            device = self.step_device()
-            with device.step_scope() if device is not None else contextlib.nullcontext():
-                yield device
-            if device is not None:
-                self.steps_on_device += 1
-                self._hold()
-            else:
-                self.steps_on_host += 1
-            if self._state_at_first_step is None:
-                self._state_at_first_step = self.counts.state_bytes()
-            self._state_since_first_step = self.counts.state_bytes() - self._state_at_first_step
-
-    def _hold(self) -> None:
+    def hold_now(self) -> None:
         """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
         cache = self.cache
         if cache is None:
@@ -193,61 +248,77 @@ class StateHome:
                 and (_moves_in(group, k) or (back and v.device.type != "cpu"))]
 
     # -- moves -----------------------------------------------------------------------------------------------
-    def move_in(self, cache: StateCache) -> None:
-        """Copy every shard's state onto ``cache``'s device and point the model and optimizer at it. Raises
-        (out of memory) with everything back in host memory."""
+    def move_in(self, cache: StateCache, shards: Sequence[int] | None = None) -> None:
+        """Copy these shards' state (default: every shard's) onto ``cache``'s device and point the model and
+        optimizer at it. Raises (out of memory) with those shards' state left in host memory."""
         device = cache.device
         with self.lock, device.copier.charged_to(self.counts):
-            moved: list[tuple[_Slot, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = []
+            chosen = [i for i in (range(len(self._shards)) if shards is None else sorted(set(shards)))
+                      if i not in self._slots]
+            moved: dict[int, list[tuple[_Slot, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]] = {}
             with device.copy_scope():  # CPU devices: the copies count as the device's memory
-                for shard in self._shards:
-                    for p in shard:
+                for i in chosen:
+                    moved[i] = []
+                    for p in self._shards[i]:
                         state = self._moved_state(p, back=False)
-                        moved.append((_Slot(p, p.data, dict(state)), device.copier.to_device(p.data, "state"),
-                                      None if p.grad is None else device.copier.to_device(p.grad, "state"),
-                                      {k: device.copier.to_device(v, "state") for k, v in state}))
-                self.store.move_pending(lambda g: device.copier.to_device(g, "state"))
+                        moved[i].append((_Slot(p, p.data, dict(state)), device.copier.to_device(p.data, "state"),
+                                         None if p.grad is None else device.copier.to_device(p.grad, "state"),
+                                         {k: device.copier.to_device(v, "state") for k, v in state}))
+                self.store.move_pending(lambda g: device.copier.to_device(g, "state"), self._keys(chosen))
             # Nothing points at the copies before all of them exist: an out-of-memory above leaves the host state
-            for slot, data, grad, state in moved:
-                self._point(slot.param, data, grad, state)
-            cut = iter(moved)
-            self._slots = {i: [next(cut)[0] for _ in shard] for i, shard in enumerate(self._shards)}
-            self.cache = cache
-            cache.add(self)
-            self._hold()
+            for i, entries in moved.items():
+                for slot, data, grad, state in entries:
+                    self._point(slot.param, data, grad, state)
+                self._slots[i] = [slot for slot, *_ in entries]
+                self.moves_in[i] = self.moves_in.get(i, 0) + 1
+            if self.cache is None:
+                self.cache = cache
+                cache.add(self)
+            self.hold_now()
 
-    def release(self, why: str | None = None, wait: float | None = None) -> int:
-        """Write the state back into host memory and free its device bytes (the task ends, is re-planned or is
-        evicted: ``why``); returns the bytes written back (0: it was in host memory). ``wait``: at most that many
-        seconds for the task's host thread to leave its lock (its step), else nothing is done and -1 returned."""
+    def _keys(self, shards: Sequence[int]) -> set[int]:
+        return {id(p) for i in shards for p in self._shards[i]}
+
+    def release(self, why: str | None = None, wait: float | None = None,
+                shards: Sequence[int] | None = None) -> int:
+        """Write the state of these shards (default: all) back into host memory and free their device bytes (the
+        task ends, is re-planned or is evicted: ``why``); returns the bytes written back (0: it was in host
+        memory). ``wait``: at most that many seconds for the task's host thread to leave its lock (its step), else
+        nothing is done and -1 returned."""
         if not self.lock.acquire(timeout=-1 if wait is None else wait):
             return -1
         try:
-            return self._release(why)
+            return self._release(shards, why)
         finally:
             self.lock.release()
 
-    def _release(self, why: str | None) -> int:
+    def _release(self, shards: Sequence[int] | None, why: str | None) -> int:
         """(the lock held)"""
         cache = self.cache
         if cache is None:
             return 0
+        chosen = sorted(self._slots) if shards is None else [i for i in sorted(set(shards)) if i in self._slots]
         copier = cache.device.copier
         assign: list[Callable[[], None]] = []
         written = 0
         with copier.charged_to(self.counts):
-            for slots in self._slots.values():
-                for slot in slots:
+            for i in chosen:
+                for slot in self._slots[i]:
                     written += self._write_back(slot, copier, assign)
-            self.store.move_pending(lambda g: self._copy_home(copier, g))
+            self.store.move_pending(lambda g: self._copy_home(copier, g), self._keys(chosen))
             copier.wait_written()
         for step in assign:  # after the wait: the host tensors hold their values
             step()
-        self._slots = {}
-        self.cache = None
-        self.device_bytes = 0
+        for i in chosen:
+            del self._slots[i]
         if why is not None:
             self.why = why
+        if self._slots:
+            self.hold_now()
+            return written
+        self.cache = None
+        self.device_bytes = 0
+        self.settled.set()
         cache.remove(self)
         return written
 
@@ -321,13 +392,3 @@ class StateHome:
         with self.lock:
             return sum(t.untyped_storage().nbytes() for slots in self._slots.values() for s in slots
                        for t in [s.home, *s.state_homes.values()])
-
-    def stats(self) -> dict[str, Any]:
-        """What ``Runtime.stats()`` reports for the task (plain reads: any thread)."""
-        cache = self.cache
-        copies, steps = self.counts.snapshot(), self.steps_on_device + self.steps_on_host
-        return {"state_on": None if cache is None else cache.device.name, "state_bytes": self.state_bytes,
-                "device_bytes": self.device_bytes, "steps_on_device": self.steps_on_device,
-                "steps_on_host": self.steps_on_host, "evictions": self.evictions, "why": self.why,
-                "copies": copies, "syncs_per_step": copies["syncs"] / steps if steps else None,
-                "state_bytes_after_first_step": self._state_since_first_step}

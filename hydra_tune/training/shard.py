@@ -350,8 +350,9 @@ class ShardExec:
         kept = store.kept.get(self.index) if kind == "B" else None
         if kept is not None:
             return self.refill(device, kept)
-        elsewhere = self.home is not None and self.home.where(self.index) not in (None, device)
-        if device.resident is not None and not elsewhere and not (kind == "B" and self.index in store.buffers):
+        # not while an update it reads is pending, its entry moves in at its unit, or its state is elsewhere
+        blocked = self.home is not None and not self.home.prefetchable(self.index, device)
+        if device.resident is not None and not blocked and not (kind == "B" and self.index in store.buffers):
             return device.resident.prefetch(self, device)
         return 0
 

@@ -134,13 +134,14 @@ class TaskState:
             raise RuntimeError(f"task {self.task.name!r} has no segment in flight to retry")
         return self._loop.retry(plan)
 
-    def reshard(self, plan: Plan) -> None:
-        """Cut the model along ``plan`` from now on (a re-plan); counted in ``replans``. Its state goes back to
-        host memory first (the new shards are different entries)."""
+    def reshard(self, plan: Plan, replanned: bool = True) -> None:
+        """Cut the model along ``plan`` from now on (a re-plan: counted in ``replans``; else planned for per-shard
+        state entries, entry_plan.py). Its state goes back to host memory first (the new shards are different
+        entries)."""
         self.home.release()
         self.plan = plan
         self.execs = self._execs(plan)
-        self.replans += 1
+        self.replans += int(replanned)
 
     def _execs(self, plan: Plan) -> list[ShardExec]:
         execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast, self.home) for s in plan.shards]

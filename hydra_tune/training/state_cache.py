@@ -4,15 +4,22 @@
     cache.begin(home, peak=plan.peak)   # a segment starts: room made, the task's state moved in when it fits
     cache.end(home)                     # the segment ran: its state may be evicted from now on
     cache.prefetched(home)              # that task runs next here: its state stays meanwhile
+    cache.using(home, shards)           # a unit starts: the shards of its units left (which entries to keep)
+    cache.fetch(home, shards)           # a unit's entries move in (StateHome.use)
 
-Rules: at the start of a segment, a task's state moves in (all shards, ``StateHome.move_in``) when its predicted
-bytes fit beside its plan's peak within the device budget and the room an out-of-memory re-plan left it
-(``policy.partition.resident_fits``), after evicting other tasks' state; otherwise it stays in host memory and
-only its units need room. Eviction writes state back to host memory (``StateHome.release``): first that of the
-task expected to run latest (``order``: the board's guess, tasks whose host thread is busy last), among equals
-the largest; never the running task's nor the one picked next for the device; it waits up to ``EVICT_WAIT``
-seconds for a task's host thread to finish its step. Room for state is made only when enough can be evicted;
-room for units always, as far as it can be.
+Rules: at the start of a segment, a task's state moves in whole (``StateHome.move_in``) when its predicted bytes
+fit beside its plan's peak within the device budget and the room an out-of-memory re-plan left it
+(``policy.partition.resident_fits``), after evicting other entries. Otherwise a task whose optimizer takes the lazy
+per-shard step keeps per-shard entries: those whose reads fit beside the peak (``movable``) move in for their units
+(``fetch``, from ``StateHome.use``); the others, and every task that must stay whole, keep the host path (``why``
+says which and why). Eviction is per entry (a whole task's state goes as a whole, never while it runs): first the
+entries of the task expected to run latest (``order``: the board's guess), then, within a task, the entry it reads
+latest (the running task: by its units left), then the largest (reload plus write-back cost the same per byte);
+never the entries the running task's current unit reads, nor those of the task picked next for the device. An
+entry goes back to host memory only when evicted (``StateHome.release``). Before evicting another task's entries
+it waits (up to ``EVICT_WAIT`` seconds) for that task's host thread to settle: a segment's end leaves gradients on
+the device and its step is imminent, so the step goes first, where its state is (``StateHome.settled``). After an
+out-of-memory the device makes no more per-shard entries (``after_oom``).
 """
 from __future__ import annotations
 
@@ -40,32 +47,44 @@ class StateCache:
         self._homes: list[StateHome] = []
         self._running: StateHome | None = None
         self._next: StateHome | None = None
+        self._upcoming: list[int] = []   # the running task's shards, unit by unit, from the running unit on
+        self._peak = 0                   # the running task's units' peak
         self.evictions = 0
+        self.entries_off: str | None = None  # why per-shard entries are no longer made here (an out-of-memory)
 
     def add(self, home: StateHome) -> None:
         with self._lock:
-            self._homes.append(home)
+            if not any(h is home for h in self._homes):
+                self._homes.append(home)
 
     def remove(self, home: StateHome) -> None:
         with self._lock:
             self._homes = [h for h in self._homes if h is not home]
 
     def total(self) -> int:
-        """Device bytes reserved for the state held here (predicted: each task's ``state_bytes``)."""
+        """Device bytes reserved for the state held here (predicted: each entry's bytes)."""
         with self._lock:
-            return sum(h.state_bytes for h in self._homes)
+            return sum(h.held_bytes() for h in self._homes)
 
     def prefetched(self, home: StateHome) -> None:
         """``home``'s task runs next here: its entries are not evicted meanwhile."""
         with self._lock:
             self._next = home
 
+    def using(self, home: StateHome, shards: Sequence[int]) -> None:
+        """The running task's unit starts: ``shards`` are its shards unit by unit from this one on (the first two
+        are never evicted; the rest tell which of its entries is used latest)."""
+        with self._lock:
+            if self._running is home:
+                self._upcoming = list(shards)
+
     def begin(self, home: StateHome, peak: int) -> None:
         """A segment of ``home``'s task starts on this device; its units need ``peak`` bytes beside the state
-        held here. Its state moves here when it fits (room made by evicting others), others are evicted as its
-        units need room (module docstring)."""
+        held here. Its state moves here when it fits (room made by evicting others); else, when its optimizer
+        takes the lazy per-shard step, its shards become entries that move in for their units; others are
+        evicted as its units need room (module docstring)."""
         with self._lock:
-            self._running = home
+            self._running, self._upcoming, self._peak = home, [], peak
             if self._next is home:
                 self._next = None
         if home.cache is not None and home.cache is not self:
@@ -74,63 +93,154 @@ class StateCache:
         if home.cache is None and home.enabled and home.scaled and not self.device.steps_loss_scaler:
             home.why = (f"fp16 loss scaling: its GradScaler lives in host memory, which {self.device.name} cannot "
                         "step gradients with exactly (torch reads its non-blocking device->host copy at once)")
-        elif home.cache is None and home.enabled:
-            limits = [x for x in (budget, home.room) if x is not None]
-            limit = min(limits) if limits else None
-            if not resident_fits(peak, home.state_bytes, limit):
-                home.why = (f"its state ({home.state_bytes} bytes) next to its units' peak ({peak} bytes) exceeds "
-                            f"what it may use on {self.device.name} ({limit} bytes: the device budget, or the room "
-                            "an out-of-memory re-plan left it)")
-            elif self._make_room(home, home.state_bytes + peak, budget, optional=True):
-                try:
-                    home.move_in(self)
-                    home.why = f"its state fits on {self.device.name}"
-                except torch.OutOfMemoryError:
-                    home.why = f"{self.device.name} ran out of memory while its state was copied in"
-            else:
-                home.why = f"other tasks' state on {self.device.name} that cannot be evicted now leaves no room"
+        elif home.enabled:
+            self._place(home, peak, budget)
         self._make_room(home, peak, budget, optional=False)
+
+    def _place(self, home: StateHome, peak: int, budget: int | None) -> None:
+        limits = [x for x in (budget, home.room) if x is not None]
+        limit = min(limits) if limits else None
+        every = list(range(home.n_shards))
+        fits = resident_fits(peak, home.state_bytes, limit)
+        if fits and self._make_room(home, home.entry_bytes(set(every) - home.resident_shards()) + peak, budget,
+                                    optional=True, keep=every):
+            if self._move(home, every):
+                home.movable = set(every) if home.lazy_ok else set()
+                home.why = f"its state fits on {self.device.name}"
+                return
+        if fits:
+            why = f"other tasks' state on {self.device.name} that cannot be evicted now leaves no room"
+        else:
+            why = (f"its state ({home.state_bytes} bytes) next to its units' peak ({peak} bytes) exceeds what it "
+                   f"may use on {self.device.name} ({limit} bytes: the device budget, or the room an out-of-memory "
+                   "re-plan left it)")
+        if not home.lazy_ok or self.entries_off:
+            home.movable = set()
+            home.why = why + (f"; {self.entries_off}" if self.entries_off and home.lazy_ok else
+                              "" if home.lazy is None else f"; its state stays whole ({home.lazy.verdict.reason})")
+            return
+        home.movable = {i for i in every if resident_fits(peak, home.entry_bytes(home.needs(i)), limit)}
+        host = sorted(set(every) - home.movable)
+        home.why = (f"{why}: per-shard entries, shards {sorted(home.movable)} move in for their units and step "
+                    "there (lazy per-shard step)" + (f"; shards {host} keep the host path (an entry next to its "
+                                                     "units' peak exceeds that)" if host else ""))
+
+    def _move(self, home: StateHome, shards: Sequence[int]) -> bool:
+        try:
+            home.move_in(self, shards)
+            return True
+        except torch.OutOfMemoryError:
+            home.why = f"{self.device.name} ran out of memory while its state was copied in"
+            return False
+
+    def after_oom(self) -> None:
+        """The device ran out of memory: it holds less than its budget says, so per-shard entries are no longer
+        made here (their room is not known) and those here go back to host memory now; a task whose whole state
+        fits keeps the rules for that (its re-plan's ``room``)."""
+        self.entries_off = (f"per-shard entries are off on {self.device.name} since it ran out of memory (it holds "
+                            "less than its budget says)")
+        with self._lock:
+            homes = [h for h in self._homes if h.movable]
+        for home in homes:
+            home.movable = set()
+            home.release(self.entries_off, wait=0)
+
+    def fetch(self, home: StateHome, shards: Sequence[int]) -> bool:
+        """Move these entries of the running task in for its unit (compute thread, its lock held), evicting
+        other entries for room; whether they are here now."""
+        if self.entries_off:
+            return False
+        need = home.entry_bytes(shards) + self._peak
+        if not self._make_room(home, need, self.device.plan_budget, optional=True, keep=shards):
+            return False
+        return self._move(home, shards)
 
     def end(self, home: StateHome) -> None:
         with self._lock:
             if self._running is home:
-                self._running = None
+                self._running, self._upcoming = None, []
+        if home.cache is self and home.store.has_grads():
+            home.settled.clear()  # its host thread flushes its gradients (and may step) now: evictions wait
 
-    def _make_room(self, home: StateHome, need: int, budget: int | None, optional: bool) -> bool:
-        """Evict others until ``need`` more bytes fit beside the state held here (``optional``: only if that
+    def _protected(self, home: StateHome, keep: Sequence[int]) -> set[int]:
+        """(the lock held) Entries of ``home`` never evicted now: ``keep``, and for the running task those its
+        current unit reads. (Its next unit's are ranked by their use, not kept: entries are never copied ahead,
+        so none is in flight; keeping both would refuse a unit whose entries fit alone.)"""
+        out = set(keep) if home is not None else set()
+        if home is self._running:
+            for s in self._upcoming[:1]:
+                out.update(home.needs(s))
+        return out
+
+    def _next_use(self, home: StateHome, shard: int) -> int:
+        """(the lock held) How far ahead the running task reads ``shard``: its position in the units left, else
+        after them (its next segment starts with its first shard)."""
+        if home is self._running:
+            for j, s in enumerate(self._upcoming):
+                if shard in home.needs(s):
+                    return j
+            return len(self._upcoming) + shard
+        return shard
+
+    def _victims(self, home: StateHome, keep: Sequence[int]) -> list[tuple[tuple[int, int, int], StateHome,
+                                                                             list[int]]]:
+        """(the lock held) Entries that may go, each with its rank (evicted first: the task that runs latest,
+        then its entry used latest, then the largest: reload plus write-back cost the same per byte)."""
+        rank = {name: i + 1 for i, name in enumerate(self._order())}
+        out = []
+        for h in self._homes:
+            if h is self._next:
+                continue
+            here = h is home or h is self._running
+            if here and not h.lazy_ok:
+                continue  # a whole task's state goes only as a whole: not while it runs
+            r = 0 if here else rank.get(h.name, len(rank) + 1)
+            shards = sorted(h.resident_shards() - (self._protected(h, keep if h is home else ())))
+            groups = [[s] for s in shards] if h.lazy_ok else [shards]
+            out += [((-r, -self._next_use(h, g[0]), -h.entry_bytes(g)), h, g) for g in groups if g]
+        return sorted(out, key=lambda v: v[0])
+
+    def _make_room(self, home: StateHome, need: int, budget: int | None, optional: bool,
+                   keep: Sequence[int] = ()) -> bool:
+        """Evict entries until ``need`` more bytes fit beside the state held here (``optional``: only if that
         can be reached); whether it fits."""
         if budget is None:
             return True
         with self._lock:
-            held = sum(h.state_bytes for h in self._homes)
-            pinned = (home, self._running, self._next)
-            victims = [h for h in self._homes if not any(h is x for x in pinned)]
+            held = sum(h.held_bytes() for h in self._homes)
+            victims = self._victims(home, keep)
         over = held + need - budget
         if over <= 0:
             return True
-        if optional and sum(h.state_bytes for h in victims) < over:
+        if optional and sum(v.entry_bytes(g) for _, v, g in victims) < over:
             return False
-        rank = {name: i for i, name in enumerate(self._order())}
-        for victim in sorted(victims, key=lambda h: (-rank.get(h.name, len(rank)), -h.state_bytes)):
-            over -= self._evict(victim)
+        for _, victim, shards in victims:
+            over -= self._evict(victim, shards, home)
             if over <= 0:
                 return True
         return False
 
-    def _evict(self, victim: StateHome) -> int:
-        """Write ``victim``'s state back once its host thread left its lock (its step: up to ``EVICT_WAIT``
-        seconds, else it stays); the bytes freed here."""
+    def _evict(self, victim: StateHome, shards: list[int], home: StateHome) -> int:
+        """Write these entries of ``victim`` back once its host thread settled (flushed its gradients, took its
+        step: the step goes first, where its state is) and left its lock (up to ``EVICT_WAIT`` seconds each, else
+        they stay); the bytes freed here."""
+        if victim is not home and victim is not self._running:
+            victim.settled.wait(EVICT_WAIT)
         if not victim.lock.acquire(timeout=EVICT_WAIT):
             return 0
         try:
             with self._lock:
-                if victim.cache is not self or victim is self._running or victim is self._next:
+                if victim.cache is not self or victim is self._next or (
+                        victim is self._running and victim is not home):
                     return 0  # moved or released meanwhile, or picked to run
-            freed = victim.state_bytes
-            victim.release(f"evicted from {self.device.name} to make room for another task")
-            victim.evictions += 1
-            with self._lock:
-                self.evictions += 1
+                shards = [s for s in shards if s in victim.resident_shards()]
+            freed = victim.entry_bytes(shards)
+            if freed:
+                victim.release(f"evicted from {self.device.name} to make room for another task" if victim is not home
+                               else None, shards=shards)
+                victim.evictions += 1
+                with self._lock:
+                    self.evictions += 1
             return freed
         finally:
             victim.lock.release()
@@ -145,5 +255,5 @@ class StateCache:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"resident_tasks": len(self._homes), "resident_bytes": sum(h.state_bytes for h in self._homes),
+            return {"resident_tasks": len(self._homes), "resident_bytes": sum(h.held_bytes() for h in self._homes),
                     "evictions": self.evictions}

@@ -55,9 +55,15 @@ class HostStore:
         else:
             self._pending[key] = (param, grad)
 
-    def move_pending(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace every gradient in flight by ``move(grad)`` (the task's state moves between host and device)."""
-        self._pending = {key: (param, move(grad)) for key, (param, grad) in self._pending.items()}
+    def move_pending(self, move: Callable[[torch.Tensor], torch.Tensor], only: set[int] | None = None) -> None:
+        """Replace every gradient in flight (``only``: of the parameters with these ids) by ``move(grad)`` (the
+        task's state, or one shard's, moves between host and device)."""
+        self._pending = {key: (param, move(grad) if only is None or key in only else grad)
+                         for key, (param, grad) in self._pending.items()}
+
+    def has_grads(self) -> bool:
+        """Whether gradients of the minibatch are in flight (not yet added into ``.grad``)."""
+        return bool(self._pending)
 
     def flush_grads(self) -> None:
         """Accumulate this minibatch's summed contributions into ``.grad``, as AccumulateGrad does."""
