@@ -206,3 +206,28 @@ def test_model_factory_error_names_the_factory():
 
     with ht.Runtime(devices=["cpu"]) as rt, pytest.raises(KeyError, match="building the task's model failed"):
         rt.submit(ht.ModelTask(broken, _sgd, _data(1), loss=_mse))
+
+
+def test_a_task_cancelled_after_its_last_metrics_ends_done():
+    """A Tune trial stopped at its last report (ASHA's max_t) cancels its task while the task's host thread is
+    only ending its chain (here: shutting down its DataLoader's persistent worker). Before, it ended "cancelled"
+    although it had trained every epoch; the consumer waits for nothing more, and the model is the trained one."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g))
+    loader = DataLoader(data, batch_size=4, num_workers=1, persistent_workers=True)
+    task = ht.ModelTask(_mlp, _sgd, loader, loss=_mse, epochs=2, name="stopped-at-the-end")
+    with ht.Runtime(devices=["cpu"]) as rt:
+        h = rt.submit(task)
+        seen: list = []
+        while not any(m["epoch"] == 2 for m in seen):
+            seen += h.watch(len(seen), timeout=60).fresh
+        h.cancel()   # what HydraExecutor.on_trial_complete does when Tune stops the trial at its last report
+        assert h.wait(30) and h.status == "done", (h.status, h.error)
+        assert max_param_diff(plain_train(ht.ModelTask(_mlp, _sgd, data_list(data), loss=_mse, epochs=2))[0],
+                              h.model()) == 0.0
+
+
+def data_list(data):
+    return [(data.tensors[0][i:i + 4], data.tensors[1][i:i + 4]) for i in range(0, len(data), 4)]

@@ -168,14 +168,15 @@ class Scheduler:
     def cancel(self, handle: TaskHandle) -> Admitted | None:
         """Mark ``handle``'s task cancelled; if it waits in the ready queue or its host thread is opening its next
         segment (maybe blocked in its data iterator), take it off and return it (the caller ends it now). A task
-        on a device stops at its next unit boundary."""
+        on a device stops at its next unit boundary. A task whose last metrics are out (``state.trained``: its
+        host thread is only ending its chain) ends as done: a Tune trial stopped at its last report is complete."""
         with self.cond:
             handle.cancel_requested = True
             task = self._tasks.get(handle.name)
             if task is None or task.handle is not handle:
                 return None
             if task.opening:
-                return task
+                return None if getattr(task.state, "trained", False) else task
             if not any(a is task for _, a in self._ready):
                 return None
             self._ready = [(q, a) for q, a in self._ready if a is not task]

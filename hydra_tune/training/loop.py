@@ -99,9 +99,11 @@ class TrainingLoop:
             run = yield from self._train_epoch(epoch, samples)
             samples = run.samples
             stop = task.max_steps is not None and state.steps >= task.max_steps
+            last = stop or epoch == task.epochs
             # eval_every=N reports every N steps (in _train_epoch) and once after the last step if that was not one
-            if task.eval_every is None or ((stop or epoch == task.epochs) and self._reported_at != state.steps):
-                yield from self._report(epoch, run)
+            if task.eval_every is None or (last and self._reported_at != state.steps):
+                yield from self._report(epoch, run, final=last)
+            state.trained = state.trained or last
             emitted = self._reported
             if stop:
                 break
@@ -124,6 +126,7 @@ class TrainingLoop:
         state.resume = None
         state.rng.restore((resume.rng, resume.accel_rng))
         state.epoch, state.steps = resume.epoch - 1, resume.steps
+        state.trained = True
         # the rate its optimizer holds now: PBT's explored one under resume_hparams="task" (else the same)
         emit(dict(metrics, lr=state.optimizer.param_groups[0]["lr"]))
         state.reach_boundary(resume, epoch_end=True)
@@ -200,8 +203,9 @@ class TrainingLoop:
         if every is not None and self.state.steps % every == 0:
             yield from self._report(epoch, run)
 
-    def _report(self, epoch: int, run: EpochRun) -> Generator[Segment, None, None]:
-        """Evaluate (with eval_data), step a metric-driven scheduler, and emit the metrics."""
+    def _report(self, epoch: int, run: EpochRun, final: bool = False) -> Generator[Segment, None, None]:
+        """Evaluate (with eval_data), step a metric-driven scheduler, and emit the metrics (``final``: the last
+        ones; the task is ``trained`` before its caller sees them)."""
         state = self.state
         metrics = self._epoch_metrics(epoch, run)
         if state.eval_iterable is not None:
@@ -209,6 +213,7 @@ class TrainingLoop:
         self._epoch_schedule(metrics)
         metrics["seconds"] = time.perf_counter() - self._start
         self._reported, self._reported_at = dict(metrics), state.steps
+        state.trained = state.trained or final
         self._emit(metrics)
 
     def _resume_epoch(self) -> tuple[list[float], int, int]:

@@ -66,6 +66,7 @@ class TaskState:
         self.eval_in_epoch = 0
         self.train_batches: int | None = None  # counted in the first epoch (for data without a length)
         self.eval_batches: int | None = None
+        self.trained = False  # its last metrics are out: nothing is left to train (a cancel lets it end as done)
         self.resume: Position | None = None  # where a resumed task continues (checkpoint.restore)
         self.replans = 0       # re-plans after a device out-of-memory (replan.py)
         self.held_bytes = 0    # host_bytes() at its first two steps (then steady): what other threads may read
