@@ -224,6 +224,7 @@ class RuntimeActor:
     def start(self, trial_id: str, fn_bytes: bytes, config: dict[str, Any], info: dict[str, Any],
               checkpoint: Any) -> str:
         from hydra_tune import api
+        from hydra_tune.integrations._tune_names import tune_checked   # refuses Tune's own result keys
 
         old = self.trials.get(trial_id)
         if old is not None and old.thread is not None and old.thread.is_alive():
@@ -234,7 +235,7 @@ class RuntimeActor:
             self.router.use(s)
             try:
                 fn = cloudpickle.loads(fn_bytes)
-                with api.bind(lambda task: s.track(self.runtime.submit(task))):
+                with api.bind(lambda task: s.track(self.runtime.submit(tune_checked(task)))):
                     fn(config)
                 s.events.put(("done", None, None))
             except BaseException as exc:  # noqa: BLE001  (reported to the proxy, which re-raises it)

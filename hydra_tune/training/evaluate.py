@@ -84,6 +84,10 @@ def run_eval_fn(state: TaskState, reported: Mapping[str, Any]) -> dict[str, floa
         model.eval()
         try:
             got = fn(model)
+        except EvaluationError as exc:  # a check wrapped around it (the Tune integration's key check) named it
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"while task {task.name!r} evaluated at step {state.steps} (epoch {state.epoch})")
+            raise
         except Exception as exc:
             raise rule_error(_RULE, "fix the function (its error is the cause above); it gets the task's model "
                              "in eval mode on the host", kind=EvaluationError, **where,
