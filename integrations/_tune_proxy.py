@@ -189,7 +189,7 @@ def _moved(what: str) -> str:
 
 class RuntimeActor:
     """The Ray actor of one node: owns the node's devices through the process's hydra_tune default runtime, made
-    from ``config`` (a ``RuntimeConfig.as_dict()``), and runs every trial's ``train_fn`` in a thread of its own."""
+    from ``config`` (a ``RuntimeConfig.as_dict()`` plus ``progress``), and runs every trial's ``train_fn`` in a thread of its own."""
 
     def __init__(self, config: dict[str, Any], origin: str) -> None:
         check_package()   # before the import: a shadowing hydra_tune.py would run as the package
@@ -197,7 +197,12 @@ class RuntimeActor:
         route_sessions(self.router)
         import hydra_tune
 
-        hydra_tune.configure(config=hydra_tune.RuntimeConfig(**config))
+        from hydra_tune.runtime.progress import ENV
+
+        settings = dict(config)
+        # HydraExecutor read `progress` (or its driver's environment) once: this process's runtime logs as asked
+        os.environ[ENV] = str(settings.pop("progress", None) or 0)
+        hydra_tune.configure(config=hydra_tune.RuntimeConfig(**settings))
         self.runtime = hydra_tune.default_runtime()   # devices are set up now, before the first trial
         self.trials: dict[str, _ForwardSession] = {}
         self.log: list[tuple[float, str, str]] = []
@@ -206,7 +211,7 @@ class RuntimeActor:
 
     def where(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "origin": self.origin,
-                "device_names": [d.name for d in self.runtime.devices]}
+                "device_names": [d.name for d in self.runtime.devices], "progress": self.runtime.progress}
 
     def stats(self) -> dict[str, Any]:
         """The hydra_tune runtime's stats plus this actor's trial log and where it runs."""

@@ -20,8 +20,8 @@ trained on; one resumed from the end of its last epoch trains nothing: it emits 
 checkpoint holds them) and ends.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
-``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
-memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the failed attempt has
+``eval_in_epoch``, ``steps``, ``samples_trained``, ``train_batches``, ``eval_batches``, ``resume``); a segment
+that ran out of device memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the failed attempt has
 reached the parameters (gradients are added, and the optimizer steps, only after a segment).
 """
 from __future__ import annotations
@@ -203,7 +203,8 @@ class TrainingLoop:
             with state.home.locked():  # the gradients may be on a device: no eviction while they are added
                 state.store.flush_grads()
                 state.store.clear()
-            run.samples += _batch_size(batch)
+            run.samples += (size := _batch_size(batch))
+            state.samples_trained += size
             run.pending += 1
             if run.pending == task.grad_accumulation:
                 self._step()
