@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 # folder named hydra_tune that shadows this package lacks it.
 __hydra_tune_package__ = True
 __all__ = ["ModelTask", "Runtime", "RuntimeConfig", "TaskHandle", "train", "save_checkpoint", "current_handle",
-           "configure", "default_runtime", "HydraError", "EvaluationError", "PlanError", "NonFiniteLoss", "TaskCancelled", "RuntimeClosed",
-           "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
+           "configure", "default_runtime", "HydraError", "EvaluationError", "PlanError", "NonFiniteLoss",
+           "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
          "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),

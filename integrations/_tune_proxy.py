@@ -189,7 +189,8 @@ def _moved(what: str) -> str:
 
 class RuntimeActor:
     """The Ray actor of one node: owns the node's devices through the process's hydra_tune default runtime, made
-    from ``config`` (a ``RuntimeConfig.as_dict()`` plus ``progress``), and runs every trial's ``train_fn`` in a thread of its own."""
+    from ``config`` (a ``RuntimeConfig.as_dict()`` plus ``progress``), and runs every trial's ``train_fn`` in a
+    thread of its own."""
 
     def __init__(self, config: dict[str, Any], origin: str) -> None:
         check_package()   # before the import: a shadowing hydra_tune.py would run as the package

@@ -9,8 +9,8 @@ stream; a data factory is called at the start of each pass over the data), hand 
 gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and zero the
 gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step that only
 starts drawing later draws from torch's global generator); after each epoch it evaluates (eval_loss and the task's
-metrics, summed in the last shard's eval units: metrics.py; then ``eval_fn(model)``: evaluate.py), steps a metric-driven scheduler (ReduceLROnPlateau)
-with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and emits after every N-th
+metrics, summed in the last shard's eval units: metrics.py; then ``eval_fn(model)``: evaluate.py), steps a
+metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and emits after every N-th
 step and after the last one instead, before that step's boundary (a checkpoint there resumes after the report).
 ``epochs=None``: epochs go on until ``max_steps`` or until the task is cancelled. At each step boundary and epoch
 end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the model
@@ -21,8 +21,8 @@ checkpoint holds them) and ends.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
 ``eval_in_epoch``, ``steps``, ``samples_trained``, ``train_batches``, ``eval_batches``, ``resume``); a segment
-that ran out of device memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the failed attempt has
-reached the parameters (gradients are added, and the optimizer steps, only after a segment).
+that ran out of device memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the
+failed attempt has reached the parameters (gradients are added, and the optimizer steps, only after a segment).
 """
 from __future__ import annotations
 
