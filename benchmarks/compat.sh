@@ -2,7 +2,8 @@
 # The version matrix: one fresh venv per combination at the ends of each supported range, the integration and
 # family tests that depend on those versions run in each, a markdown table at the end (also $COMPAT_DIR/matrix.md).
 #
-#   nice -n 15 bash benchmarks/compat.sh    # every cell (make compat); goal: under 30 min on an idle 2-core machine
+#   nice -n 15 bash benchmarks/compat.sh    # every cell (make compat): 17 min measured on 2 cores shared with other
+#                                           # jobs (1-min load mean 11, max 32), pip cache empty; goal: < 30 min
 #   CELLS="high low" bash benchmarks/compat.sh
 #   COMPAT_DIR=/tmp/ht-compat KEEP=1 bash benchmarks/compat.sh   # keep the venvs for a look afterwards
 #   CELLS=low TESTS="tests/test_optuna.py" bash benchmarks/compat.sh
@@ -19,7 +20,7 @@ PY=${PY:-python3}
 TORCH=${TORCH:-2.13.0}
 FIND_LINKS=$([ -d /opt/wheels ] && echo "--find-links /opt/wheels")
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$DIR/pip-cache}
-# Which tests where (the choice that keeps the matrix near 20 min): high is the version set of the development venv,
+# Which tests where (the choice that keeps the matrix under 20 min): high is the version set of the development venv,
 # where `make test` runs everything; its cell checks what make test cannot: a fresh resolve of the pins, the wheel
 # installed with [all] (benchmarks/wheel_check.py: imports and the examples' --help from outside the checkout) and
 # one run of each integration in that environment. low runs every integration and family test that depends on
