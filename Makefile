@@ -30,11 +30,12 @@ demo-optuna: venv
 	$(BIN)/python examples/optuna_gpt2.py
 
 # The version matrix (benchmarks/compat.sh): one fresh venv per combination at the ends of the supported ranges,
-# the integration and family tests in each, a markdown table at the end. 30-40 minutes on 2 cores; not in `test`.
+# the version-dependent integration and family tests in each, the wheel checked in cell high, a markdown table at the
+# end. Niced: it is meant to run beside other work. Not in `test`.
 compat:
-	bash benchmarks/compat.sh
+	nice -n 15 bash benchmarks/compat.sh
 
-# The wheel, in dist/ (tests/test_wheel.py checks its file list; `make compat` installs it into a fresh venv).
+# The wheel, in dist/ (tests/test_wheel.py checks its file list; `make compat` installs it with [all] in cell high).
 wheel: venv
 	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -w dist .
 

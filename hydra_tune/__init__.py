@@ -14,7 +14,7 @@ from typing import Any
 
 from .api import configure, current_handle, default_runtime, save_checkpoint, train
 from .config import RuntimeConfig
-from .errors import HydraError, NonFiniteLoss, PlanError, RuntimeClosed, TaskCancelled
+from .errors import EvaluationError, HydraError, NonFiniteLoss, PlanError, RuntimeClosed, TaskCancelled
 from .runtime.handle import TaskHandle
 from .runtime.runtime import Runtime
 from .runtime.trace import Trace
@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 # folder named hydra_tune that shadows this package lacks it.
 __hydra_tune_package__ = True
 __all__ = ["ModelTask", "Runtime", "RuntimeConfig", "TaskHandle", "train", "save_checkpoint", "current_handle",
-           "configure", "default_runtime", "HydraError", "PlanError", "NonFiniteLoss", "TaskCancelled", "RuntimeClosed",
-           "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
+           "configure", "default_runtime", "HydraError", "EvaluationError", "PlanError", "NonFiniteLoss",
+           "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),
          "optuna_study": ("hydra_tune.integrations.optuna", "optuna_study"),

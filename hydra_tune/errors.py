@@ -25,6 +25,11 @@ class RuntimeClosed(HydraError):
     """The runtime was closed while the task was still queued or running."""
 
 
+class EvaluationError(HydraError, RuntimeError):
+    """A task's evaluation code failed while it ran: a metric (``ModelTask(metrics=)``) or ``eval_fn`` raised, or
+    ``eval_fn`` returned what its contract does not allow; the message names it, the task and the step."""
+
+
 class NonFiniteLoss(HydraError, FloatingPointError):
     """A training minibatch's loss was NaN or inf under ``ModelTask(nonfinite_loss="fail")`` (the default)."""
 

@@ -145,7 +145,7 @@ def _check_scheduler_metric(lr_scheduler: object, metric: object, eval_data: obj
 
 
 # What every report holds already: a metric may not take one of these names.
-_REPORTED = ("epoch", "steps", "samples", "lr", "seconds", "train_loss", "eval_loss", "skipped_batches", "loss_scale",
+REPORTED = ("epoch", "steps", "samples", "lr", "seconds", "train_loss", "eval_loss", "skipped_batches", "loss_scale",
              "task")
 
 
@@ -158,9 +158,9 @@ def _check_metrics(metrics: object, eval_data: object) -> None:
         raise rule_error("`metrics` is None or a non-empty dict of name -> fn(outputs, batch)", fix,
                          kind=TypeError, metrics=type(metrics).__name__ if not isinstance(metrics, dict) else metrics)
     for name, fn in metrics.items():
-        if not isinstance(name, str) or not name or name in _REPORTED:
+        if not isinstance(name, str) or not name or name in REPORTED:
             raise rule_error("each metric's name is a non-empty str that is not already reported", "rename it; "
-                             f"reported already: {list(_REPORTED)}", metric=name)
+                             f"reported already: {list(REPORTED)}", metric=name)
         if not callable(fn):
             raise rule_error("each metric is callable(outputs, batch)", fix, kind=TypeError, metric=name,
                              fn=type(fn).__name__)
@@ -168,6 +168,17 @@ def _check_metrics(metrics: object, eval_data: object) -> None:
     if eval_data is None:
         raise rule_error("`metrics` are given with `eval_data` (they are computed over the eval set)",
                          "pass eval_data=..., or drop metrics", metrics=list(metrics), eval_data=None)
+
+
+def _check_eval_fn(eval_fn: object) -> None:
+    """``eval_fn`` is None or ``fn(model) -> dict`` (its keys are checked when it returns: training/evaluate.py)."""
+    if eval_fn is None:
+        return
+    fix = "pass e.g. `eval_fn=lambda model: {'accuracy': my_accuracy(model, val_loader)}`"
+    if not callable(eval_fn):
+        raise rule_error("`eval_fn` is None or callable(model) -> dict of name -> number", fix, kind=TypeError,
+                         eval_fn=type(eval_fn).__name__)
+    _check_call("eval_fn", eval_fn, 1, "`eval_fn` is None or callable(model) -> dict of name -> number", fix)
 
 
 def _check_schedule(epochs: object, eval_every: object, lr_scheduler_metric: object) -> None:
@@ -263,6 +274,11 @@ class ModelTask:
         returning ``(sum, count)`` (reported as Σsum / Σcount over the eval set: ``correct / total``) or one value
         (reported as its sum); reported next to ``eval_loss``. Needs ``eval_data``; each metric is tried once on
         the sample batch when the task is built (hydra_tune/training/metrics.py has the contract).
+      * ``eval_fn=fn``: ``fn(model) -> {"name": number}`` at each evaluation point, for evaluation code that
+        needs the whole model: called on the task's host thread with its model (current weights, in host memory,
+        eval mode, no grad), after ``eval_data``'s evaluation; its values join the report. A function that raises,
+        or returns a reported name or a NaN/inf, fails the task with ``EvaluationError`` naming it and the step
+        (hydra_tune/training/evaluate.py has the contract and the cost).
       * ``eval_every=N``: evaluate (with eval_data) and report after every N-th optimizer step (counted over all
         epochs) and after the last step, instead of after every epoch; ``train_loss`` is then the mean of the
         epoch's minibatch losses so far. Not with ``lr_scheduler_metric`` (that steps per epoch).
@@ -294,6 +310,7 @@ class ModelTask:
         nonfinite_loss: str | None = None,
         metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
         eval_every: int | None = None,
+        eval_fn: Callable[[Any], dict[str, float]] | None = None,
     ) -> None:
         _check_factories(model, optimizer)
         _check_data("train_data", train_data)
@@ -303,6 +320,7 @@ class ModelTask:
         _check_scheduler_metric(lr_scheduler, lr_scheduler_metric, eval_data, metrics)
         _check_schedule(epochs, eval_every, lr_scheduler_metric)
         _check_metrics(metrics, eval_data)
+        _check_eval_fn(eval_fn)
         _check_loop(epochs, max_steps, grad_accumulation, grad_clip_norm, seed, name)
         _check_options(precision, resume_from, resume_hparams, nonfinite_loss)
         self.model = model
@@ -327,6 +345,7 @@ class ModelTask:
         self.nonfinite_loss = nonfinite_loss or ("ignore" if precision == "fp16" else "fail")
         self.metrics = dict(metrics) if metrics else {}
         self.eval_every = eval_every
+        self.eval_fn = eval_fn
 
     def __repr__(self) -> str:
         return (f"ModelTask(name={self.name!r}, epochs={self.epochs}, max_steps={self.max_steps}, "

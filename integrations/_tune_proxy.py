@@ -189,7 +189,8 @@ def _moved(what: str) -> str:
 
 class RuntimeActor:
     """The Ray actor of one node: owns the node's devices through the process's hydra_tune default runtime, made
-    from ``config`` (a ``RuntimeConfig.as_dict()``), and runs every trial's ``train_fn`` in a thread of its own."""
+    from ``config`` (a ``RuntimeConfig.as_dict()`` plus ``progress``), and runs every trial's ``train_fn`` in a
+    thread of its own."""
 
     def __init__(self, config: dict[str, Any], origin: str) -> None:
         check_package()   # before the import: a shadowing hydra_tune.py would run as the package
@@ -197,7 +198,12 @@ class RuntimeActor:
         route_sessions(self.router)
         import hydra_tune
 
-        hydra_tune.configure(config=hydra_tune.RuntimeConfig(**config))
+        from hydra_tune.runtime.progress import ENV
+
+        settings = dict(config)
+        # HydraExecutor read `progress` (or its driver's environment) once: this process's runtime logs as asked
+        os.environ[ENV] = str(settings.pop("progress", None) or 0)
+        hydra_tune.configure(config=hydra_tune.RuntimeConfig(**settings))
         self.runtime = hydra_tune.default_runtime()   # devices are set up now, before the first trial
         self.trials: dict[str, _ForwardSession] = {}
         self.log: list[tuple[float, str, str]] = []
@@ -206,7 +212,7 @@ class RuntimeActor:
 
     def where(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "origin": self.origin,
-                "device_names": [d.name for d in self.runtime.devices]}
+                "device_names": [d.name for d in self.runtime.devices], "progress": self.runtime.progress}
 
     def stats(self) -> dict[str, Any]:
         """The hydra_tune runtime's stats plus this actor's trial log and where it runs."""
@@ -224,6 +230,7 @@ class RuntimeActor:
     def start(self, trial_id: str, fn_bytes: bytes, config: dict[str, Any], info: dict[str, Any],
               checkpoint: Any) -> str:
         from hydra_tune import api
+        from hydra_tune.integrations._tune_names import tune_checked   # refuses Tune's own result keys
 
         old = self.trials.get(trial_id)
         if old is not None and old.thread is not None and old.thread.is_alive():
@@ -234,7 +241,7 @@ class RuntimeActor:
             self.router.use(s)
             try:
                 fn = cloudpickle.loads(fn_bytes)
-                with api.bind(lambda task: s.track(self.runtime.submit(task))):
+                with api.bind(lambda task: s.track(self.runtime.submit(tune_checked(task)))):
                     fn(config)
                 s.events.put(("done", None, None))
             except BaseException as exc:  # noqa: BLE001  (reported to the proxy, which re-raises it)

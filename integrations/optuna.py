@@ -44,6 +44,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from hydra_tune import api
 from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
+from hydra_tune.runtime.progress import ProgressLog, progress_seconds
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
 
@@ -165,8 +166,9 @@ class HydraStudy(optuna.Study):
     """
 
     def __init__(self, base: optuna.Study, storage: BaseStorage, runtime: Any, owns_runtime: bool,
-                 trials_per_device: int = 2) -> None:
-        """``base``: the study ``optuna.create_study`` made on ``storage`` (the storage object it was given)."""
+                 trials_per_device: int = 2, progress: float | None = None) -> None:
+        """``base``: the study ``optuna.create_study`` made on ``storage`` (the storage object it was given);
+        ``progress``: seconds between status lines of ``runtime.stats()`` logged here (None: none)."""
         sampler = base.sampler
         if not isinstance(sampler, HydraSampler):
             sampler = HydraSampler(sampler)
@@ -175,7 +177,9 @@ class HydraStudy(optuna.Study):
         self.runtime = runtime
         self.trials_per_device = trials_per_device
         self._owns = owns_runtime
-        self._closer = weakref.finalize(self, _close_runtime, runtime if owns_runtime else None, self.sampler.tasks)
+        log = ProgressLog(runtime.stats, progress) if progress is not None else None
+        self._closer = weakref.finalize(self, _close_runtime, runtime if owns_runtime else None, self.sampler.tasks,
+                                        log)
 
     @property
     def concurrency(self) -> int:
@@ -239,7 +243,9 @@ class HydraStudy(optuna.Study):
         self.close()
 
 
-def _close_runtime(runtime: Any, tasks: _TrialTasks) -> None:
+def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = None) -> None:
+    if log is not None:
+        log.stop()
     tasks.release_all()
     if runtime is not None:
         runtime.close()
@@ -287,7 +293,8 @@ def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
 def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
                  host_memory: int | str | None = None, policy: str = "lrtf", config: RuntimeConfig | None = None,
                  runtime: Any = None, share: str = "auto", heartbeat_interval: int | None = 10,
-                 trials_per_device: int = 2, **create_study_kwargs: Any) -> HydraStudy:
+                 trials_per_device: int = 2, progress: float | None = None,
+                 **create_study_kwargs: Any) -> HydraStudy:
     """``optuna.create_study(**create_study_kwargs)`` whose trials share one hydra_tune runtime.
 
         study = hydra_tune.optuna_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0),
@@ -300,10 +307,14 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
     (the settings are then unused); the study does not close it. ``share``: "process" (an
     in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
     the storage is persistent, else "process"). ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
-    that does not sample the same point for trials running at the same time.
+    that does not sample the same point for trials running at the same time. ``progress``: as for
+    ``hydra_tune.Runtime``, seconds between one-line status logs (tasks, devices busy, samples/s, steps/s) at INFO on
+    ``hydra_tune.progress``, in this process (a node server's or a passed runtime's status too: every task on it);
+    None reads ``HYDRA_TUNE_PROGRESS``; unset means off.
     """
     settings = RuntimeConfig.of(config, devices=devices, device_memory=device_memory, host_memory=host_memory,
                                 policy=policy)
+    seconds = progress_seconds(progress)
     if share not in SHARE:
         raise rule_error(f"`share` in {SHARE}", "'process' for a runtime in this process, 'node' to share the "
                          "node's runtime server with other processes, 'auto' to decide by the storage", share=share)
@@ -333,5 +344,6 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
 
             runtime = node.connect(config=settings)
         else:
-            runtime = Runtime(config=settings)
-    return HydraStudy(base, storage, runtime, owns, trials_per_device)
+            runtime = Runtime(config=settings, progress=seconds)
+            seconds = None   # the runtime logs itself
+    return HydraStudy(base, storage, runtime, owns, trials_per_device, seconds)

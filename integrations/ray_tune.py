@@ -30,6 +30,7 @@ from ray import cloudpickle, tune
 
 from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
+from hydra_tune.runtime.progress import progress_seconds
 
 from . import _tune_proxy as _proxy
 from ._versions import require
@@ -47,7 +48,11 @@ class HydraExecutor(tune.Callback):
 
     Settings: a ``hydra_tune.RuntimeConfig`` (``config=``) or its keywords ``devices``, ``device_memory``,
     ``host_memory``, ``policy``, meaning what they mean for ``hydra_tune.Runtime``; validated here, applied to
-    every node's runtime. ``proxy_cpus``: the CPU share each trial's proxy requests from Tune.
+    every node's runtime. ``proxy_cpus``: the CPU share each trial's proxy requests from Tune. ``progress``: as
+    for ``hydra_tune.Runtime``, seconds between one-line status logs of each node's runtime (tasks, devices busy,
+    samples/s, steps/s; at INFO on ``hydra_tune.progress`` in the runtime actor, whose output Ray shows in the
+    driver's console unless ``ray.init(log_to_driver=False)``); None reads ``HYDRA_TUNE_PROGRESS`` here, in the
+    driver, once; unset means off.
     Concurrency: Tune's ``max_concurrent_trials`` bounds the trials in flight (each proxy requests only
     ``proxy_cpus`` CPU, so Tune's CPU accounting no longer does; ``tune.with_resources`` around the wrapped
     trainable only makes each trial reserve more and fewer run at once: a warning says so). Every running trial
@@ -60,9 +65,12 @@ class HydraExecutor(tune.Callback):
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
                  proxy_cpus: float = 0.05, *, host_memory: int | str | None = None, policy: str = "lrtf",
-                 config: RuntimeConfig | None = None, report_proxy_modules: bool = False) -> None:
+                 config: RuntimeConfig | None = None, report_proxy_modules: bool = False,
+                 progress: float | None = None) -> None:
         self.config = RuntimeConfig.of(config, devices=devices, device_memory=device_memory,
                                        host_memory=host_memory, policy=policy)
+        # read here, once (the argument, else this process's HYDRA_TUNE_PROGRESS); every node's runtime gets it
+        self.progress = progress_seconds(progress)
         if not isinstance(proxy_cpus, (int, float)) or isinstance(proxy_cpus, bool) or not 0 <= proxy_cpus <= 1:
             raise rule_error("`0 <= proxy_cpus <= 1`", "the proxy only forwards reports: give it a small CPU "
                              "share such as 0.05", proxy_cpus=proxy_cpus)
@@ -80,7 +88,7 @@ class HydraExecutor(tune.Callback):
             raise rule_error("`train_fn` is callable", "pass the Tune function `def train_fn(config): ...`",
                              kind=TypeError, train_fn=type(train_fn).__name__)
         fn_bytes = cloudpickle.dumps(train_fn)    # unpickled (with torch and the model code) only in the runtime
-        return _proxy.make_proxy(fn_bytes, self.config.as_dict(), self.proxy_cpus,
+        return _proxy.make_proxy(fn_bytes, self.runtime_settings(), self.proxy_cpus,
                                  getattr(train_fn, "__name__", "hydra_trial"), self.report_proxy_modules)
 
     # -- runtimes -----------------------------------------------------------------------------------------
@@ -88,10 +96,15 @@ class HydraExecutor(tune.Callback):
         """Start (or find) one runtime actor per alive node; returns where each runs."""
         for n in ray.nodes():
             if n["Alive"] and n["NodeID"] not in self.actors:
-                self.actors[n["NodeID"]] = _proxy.get_or_create_runtime(n["NodeID"], self.config.as_dict(),
+                self.actors[n["NodeID"]] = _proxy.get_or_create_runtime(n["NodeID"], self.runtime_settings(),
                                                                         "callback-setup")
         where = ray.get([a.where.remote() for a in self.actors.values()])
         return dict(zip(self.actors, where))
+
+    def runtime_settings(self) -> dict[str, Any]:
+        """What each node's runtime actor is made from: ``RuntimeConfig.as_dict()`` plus ``progress`` (seconds or
+        None: off)."""
+        return dict(self.config.as_dict(), progress=self.progress)
 
     def runtime_stats(self) -> dict[str, dict[str, Any]]:
         """Per node id: the node's runtime stats (devices, per-task state incl. "cancelled"), trials, log."""

@@ -132,3 +132,19 @@ def run_in_mode(state: Any, mode: str) -> Any:
             unit.run(device)
     device.resident.clear()
     return device
+
+
+def check_device_peaks(stats: dict, trace: Any, predicted: int, budget: int | None = None, prefetch: int = 0) -> None:
+    """The devices' measured peaks against the plan, whichever device ran what (under load one device may take every
+    unit, or none): each device's peak is within its budget; each device that ran units measured a peak > 0; each
+    device that ran a last-shard L unit (forward + loss + backward: the largest unit in the tests that call this)
+    peaks within 10% of ``predicted``, or of ``predicted - prefetch`` (the next shard's prefetch, on the device at
+    that peak or not, depending on thread timing); at least one device ran one."""
+    ran_largest = {e.device for e in trace.units() if e.kind == "L"}
+    assert ran_largest, "no device ran an L unit"
+    for i, d in enumerate(stats["devices"]):
+        assert d["peak_bytes"] <= (budget if budget is not None else d["budget"]), d
+        assert d["units"] == 0 or d["peak_bytes"] > 0, d
+        if i in ran_largest:
+            off = min(abs(d["peak_bytes"] - predicted), abs(d["peak_bytes"] + prefetch - predicted)) / predicted
+            assert off <= 0.10, (d["name"], d["peak_bytes"], predicted, prefetch)

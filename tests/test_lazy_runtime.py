@@ -293,3 +293,18 @@ def test_shards_whose_entries_do_not_fit_keep_the_host_path_next_to_moving_ones(
     assert res["shard_steps_on_device"] > 0 and res["shard_steps_on_host"] > 0, res
     assert device.current_bytes() == 0 and state.home.cache is None
     assert max_param_diff(plain_train(task)[0], state.model) == 0.0
+
+
+def test_eval_fn_of_a_spilled_task_sees_the_weights_after_the_step():
+    """eval_fn reads the whole model on the host: a spilled task's pending per-shard updates are applied first
+    (without eval_data, nothing else flushes them at the epoch's end)."""
+    def weight_sum(model: torch.nn.Module) -> dict:
+        return {"weight_sum": float(sum(p.double().sum() for p in model.parameters()))}
+
+    task = _task(tied=False, grad_accumulation=1, n=4, eval_fn=weight_sum)
+    (model,), (metrics,), stats = _run([task], SPILL_2)
+    assert stats["tasks"][task.name]["residency"]["step_path"] == "lazy"
+    expected = [weight_sum(plain_train(_task(tied=False, grad_accumulation=1, n=4, epochs=e))[0])["weight_sum"]
+                for e in (1, 2)]
+    assert [m["weight_sum"] for m in metrics] == expected
+    _exact(task, model, metrics)

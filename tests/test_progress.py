@@ -98,4 +98,4 @@ def test_status_line_counts_an_interval():
                      "c": {"state": "done", "steps": 7}, "d": {"state": "queued", "waiting_for_host_memory": True}}}
     line = status_line(now, before, 2.0)
     assert line == ("hydra_tune: tasks 2 running, 1 queued, 1 done | devices busy 1/2 (cpu0 75%, cpu1 0%) | "
-                    "16.0 steps/s")
+                    "0.0 samples/s, 16.0 steps/s")

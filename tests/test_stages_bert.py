@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from reference import assert_stages_match_model, max_param_diff, plain_train, trained
+from reference import assert_stages_match_model, check_device_peaks, max_param_diff, plain_train, trained
 
 import hydra_tune as ht
 from hydra_tune.stages import extract_stages
@@ -114,18 +114,14 @@ def test_bert_sharded_training_matches_plain(cls_name, kind, overrides, budget):
     with ht.Runtime(config=config) as rt:
         handles = [rt.submit(t) for t in tasks]
         models = [trained(h) for h in handles]
-        stats = rt.stats()
+        stats, trace = rt.stats(), rt.trace()
     for task, model in zip(tasks, models):
         info = stats["tasks"][task.name]
         assert len(info["shards"]) >= 3, info["shards"]
         assert max_param_diff(plain_train(task)[0], model) == 0.0
-    for d in stats["devices"]:
-        assert 0 < d["peak_bytes"] <= d["budget"]
     predicted = max(stats["tasks"][t.name]["predicted_peak"] for t in tasks)
     # The plan's peak includes the next shard prefetched during the largest unit (here layer.1's parameters, copied
     # while the last shard's forward+loss+backward runs). Whether that copy is on the device at the unit's peak
     # depends on thread timing, so the measured peak is compared both with and without it.
     layer_bytes = sum(p.numel() * p.element_size() for p in tasks[0].model().bert.encoder.layer[1].parameters())
-    for d in stats["devices"]:
-        off = min(abs(d["peak_bytes"] - predicted), abs(d["peak_bytes"] + layer_bytes - predicted)) / predicted
-        assert off <= 0.10, (d["name"], d["peak_bytes"], predicted, layer_bytes)
+    check_device_peaks(stats, trace, predicted, prefetch=layer_bytes)

@@ -1,14 +1,17 @@
 """A one-line status of a runtime every N seconds, logged at INFO on the ``hydra_tune.progress`` logger.
 
     rt = hydra_tune.Runtime(devices=["cpu", "cpu"], progress=30)    # or HYDRA_TUNE_PROGRESS=30 in the environment
-    # hydra_tune: tasks 2 running, 1 queued, 3 done | devices busy 2/2 (cpu0 97%, cpu1 88%) | 41.2 steps/s
+    # hydra_tune: tasks 2 running, 1 queued, 3 done | devices busy 2/2 (cpu0 97%, cpu1 88%) | 659.2 samples/s,
+    #   41.2 steps/s
 
 Rules: off by default (``progress=None`` and no ``HYDRA_TUNE_PROGRESS``); ``progress`` is a number of seconds > 0.
 Each line covers the interval since the previous one: a device's busy share is its compute time in that interval
-over the interval; steps/s counts the optimizer steps every task took in it (a step is one minibatch, or
-``grad_accum`` of them). Tasks are counted by state ("queued" includes those waiting for host memory). The lines
-go through ``logging``: when nothing is set up to receive them (no handler on the logger or its parents), one
-stderr handler is added to this logger, so that asking for progress always shows it.
+over the interval; samples/s counts the samples of the minibatches every task trained in it (the first dimension
+of a batch's first tensor; a minibatch skipped for a non-finite loss not), steps/s the optimizer steps they took
+(a step is one minibatch, or ``grad_accumulation`` of them); both from the tasks' counters in ``stats()``
+(``samples_trained``, ``steps``). Tasks are counted by state ("queued" includes those waiting for host memory).
+The lines go through ``logging``: when nothing is set up to receive them (no handler on the logger or its
+parents), one stderr handler is added to this logger, so that asking for progress always shows it.
 """
 from __future__ import annotations
 
@@ -64,11 +67,14 @@ def status_line(now: dict[str, Any], before: dict[str, Any] | None, seconds: flo
     busy_now = sum(share > 0 for _, share in shares)
     devices = ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares)
     prev_tasks = (before or {}).get("tasks", {})
-    steps = sum(max(0, t.get("steps", 0) - prev_tasks.get(name, {}).get("steps", 0))
-                for name, t in now["tasks"].items())
-    rate = steps / seconds if seconds > 0 else 0.0
+
+    def rate(counter: str) -> float:   # per second over the interval, from every task's counter
+        done = sum(max(0, t.get(counter, 0) - prev_tasks.get(name, {}).get(counter, 0))
+                   for name, t in now["tasks"].items())
+        return done / seconds if seconds > 0 else 0.0
+
     return (f"hydra_tune: tasks {tasks} | devices busy {busy_now}/{len(shares)} ({devices}) | "
-            f"{rate:.1f} steps/s")
+            f"{rate('samples_trained'):.1f} samples/s, {rate('steps'):.1f} steps/s")
 
 
 class ProgressLog:

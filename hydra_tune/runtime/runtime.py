@@ -52,9 +52,9 @@ class Runtime:
     ``host_memory``: what the admitted tasks' host state may take: None measures it (available memory less a
     reserve, sampled at every admission), a byte count or "64GiB" is a hard budget. A task that does not fit
     waits, a task that could never fit is rejected at submit (policy/admission.py; training/footprint.py).
-    ``progress``: seconds between one-line status logs (tasks running/queued, devices busy, steps/s) on the
-    ``hydra_tune.progress`` logger at INFO; None (the default) reads ``HYDRA_TUNE_PROGRESS``, unset means off
-    (runtime/progress.py).
+    ``progress``: seconds between one-line status logs (tasks running/queued, devices busy, samples/s, steps/s) on
+    the ``hydra_tune.progress`` logger at INFO; None (the default) reads ``HYDRA_TUNE_PROGRESS``, unset means off
+    (runtime/progress.py); ``self.progress`` is the interval in use.
     """
 
     def __init__(self, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
@@ -63,6 +63,7 @@ class Runtime:
         self.config = RuntimeConfig.of(config, devices=devices, device_memory=device_memory,
                                        host_memory=host_memory, policy=policy)
         seconds = progress_seconds(progress)   # checked before any device starts
+        self.progress = seconds                 # the status-line interval in seconds, None: off
         self.devices: list[Device] = resolve_devices(self.config.devices, self.config.device_memory)
         self._set_threads()
         self.policy = self.config.policy

@@ -75,6 +75,7 @@ class Admitted:
         return {"state": self.handle.status, "shards": [list(ex.names) for ex in st.execs],
                 "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
+                "samples_trained": st.samples_trained,
                 "epoch": st.epoch, "units": self.units, "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,

@@ -9,8 +9,8 @@ stream; a data factory is called at the start of each pass over the data), hand 
 gradients, and every ``grad_accumulation`` batches clip, step the optimizer and the LR scheduler, and zero the
 gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step that only
 starts drawing later draws from torch's global generator); after each epoch it evaluates (eval_loss and the task's
-metrics, summed in the last shard's eval units: metrics.py), steps a metric-driven scheduler (ReduceLROnPlateau)
-with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and emits after every N-th
+metrics, summed in the last shard's eval units: metrics.py; then ``eval_fn(model)``: evaluate.py), steps a
+metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and emits after every N-th
 step and after the last one instead, before that step's boundary (a checkpoint there resumes after the report).
 ``epochs=None``: epochs go on until ``max_steps`` or until the task is cancelled. At each step boundary and epoch
 end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the model
@@ -20,9 +20,9 @@ trained on; one resumed from the end of its last epoch trains nothing: it emits 
 checkpoint holds them) and ends.
 
 Rules: once the state is built, only the loop writes its progress (``epoch``, ``batch_in_epoch``,
-``eval_in_epoch``, ``steps``, ``train_batches``, ``eval_batches``, ``resume``); a segment that ran out of device
-memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the failed attempt has
-reached the parameters (gradients are added, and the optimizer steps, only after a segment).
+``eval_in_epoch``, ``steps``, ``samples_trained``, ``train_batches``, ``eval_batches``, ``resume``); a segment
+that ran out of device memory starts over with ``retry`` with the same batch and RNG draws, and nothing of the
+failed attempt has reached the parameters (gradients are added, and the optimizer steps, only after a segment).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from .boundary import task_work
 from .checkpoint import Position, put_entries
 from .data import close_workers, data_generators, epoch_data, is_factory, restore_generators, sampler_state, set_epoch
 from .loss import nonfinite_policy
+from .evaluate import epoch_metrics, run_eval_fn, schedule_on_metric
 from .metrics import MetricSums, measure
 from .optstep import OptimizerStep
 from .epoch_run import Attempt, EpochRun, batch_size
@@ -177,7 +178,8 @@ class TrainingLoop:
             with state.home.locked():  # the gradients may be on a device: no eviction while they are added
                 state.store.flush_grads()
                 state.store.clear()
-            run.samples += batch_size(batch)
+            run.samples += (size := batch_size(batch))
+            state.samples_trained += size
             run.pending += 1
             if run.pending < task.grad_accumulation:
                 state.home.settle()  # no step due: its gradients are in, evictions may go on (state_cache.py)
@@ -207,10 +209,11 @@ class TrainingLoop:
         """Evaluate (with eval_data), step a metric-driven scheduler, and emit the metrics (``final``: the last
         ones; the task is ``trained`` before its caller sees them)."""
         state = self.state
-        metrics = self._epoch_metrics(epoch, run)
+        metrics = epoch_metrics(state, epoch, run.losses, run.samples, run.skipped)
         if state.eval_iterable is not None:
             metrics.update((yield from self._evaluate()))
-        self._epoch_schedule(metrics)
+        metrics.update(run_eval_fn(state, metrics))  # the whole model, on this host thread (evaluate.py)
+        schedule_on_metric(state, metrics)
         metrics["seconds"] = time.perf_counter() - self._start
         self._reported, self._reported_at = dict(metrics), state.steps
         state.trained = state.trained or final
@@ -234,17 +237,6 @@ class TrainingLoop:
         resume, self.state.resume = self.state.resume, None
         if resume is not None:
             self.state.rng.restore((resume.rng, resume.accel_rng))
-
-    def _epoch_metrics(self, epoch: int, run: EpochRun) -> dict[str, Any]:
-        state = self.state
-        metrics: dict[str, Any] = {
-            "epoch": epoch, "train_loss": sum(run.losses) / len(run.losses) if run.losses else math.nan,
-            "steps": state.steps, "samples": run.samples, "lr": state.optimizer.param_groups[0]["lr"]}
-        if state.task.nonfinite_loss == "skip_step":
-            metrics["skipped_batches"] = run.skipped
-        if state.scaler is not None:
-            metrics["loss_scale"] = state.scaler.get_scale()
-        return metrics
 
     def _batches(self, data: Any, what: str) -> Iterator[Any]:
         # Data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it runs in
@@ -346,16 +338,6 @@ class TrainingLoop:
         self._optimizer_step()  # optstep.py: where the task's state is (or lazily per shard: lazy.py)
         self.state.home.settle()  # its step went first: evictions may go on (state_cache.py)
 
-    def _epoch_schedule(self, metrics: dict[str, Any]) -> None:
-        """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
-        scheduler steps with the named metric; ``lr`` then reports the learning rate it left."""
-        state = self.state
-        name = state.task.lr_scheduler_metric
-        if state.scheduler is None or name is None:
-            return
-        state.scheduler.step(metrics[name])
-        metrics["lr"] = state.optimizer.param_groups[0]["lr"]
-
     def _evaluate(self) -> Generator[Segment, None, dict[str, float]]:
         """One pass over the eval data: ``eval_loss`` (the mean of the batches' losses) and the task's metrics."""
         state = self.state
@@ -390,7 +372,8 @@ class TrainingLoop:
 
         def run_last(d: Device) -> None:
             def on_outputs(out: Any, batch: Any) -> None:  # on the device, inside the unit (metrics.py)
-                measured.append(measure(fns, out, batch))
+                measured.append(measure(fns, out, batch, task=state.task.name, step=state.steps,
+                                        epoch=state.epoch, eval_batch=state.eval_in_epoch))
             losses.append(last.evaluate(d, store, rng, loss_fn, on_outputs if fns else None))
 
         units.append(("E", last, run_last, lambda d: last.prefetch(d, store, "E")))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import rule_error
+from ..errors import EvaluationError, rule_error
 
 MetricFn = Callable[[Any, Any], Any]
 _RULE = ("a metric returns (sum, count) or one value, each a Python int or float or a one-element tensor "
@@ -42,11 +42,21 @@ def _number(name: str, value: Any) -> int | float:
     raise rule_error(_RULE, _FIX, kind=TypeError, metric=name, returned=got)
 
 
-def measure(fns: Mapping[str, MetricFn], outputs: Any, batch: Any) -> dict[str, tuple[Any, Any]]:
-    """Each metric on one eval batch, as Python numbers: name -> (sum, count) or (value, None)."""
+def measure(fns: Mapping[str, MetricFn], outputs: Any, batch: Any, **where: Any) -> dict[str, tuple[Any, Any]]:
+    """Each metric on one eval batch, as Python numbers: name -> (sum, count) or (value, None). ``where`` (the
+    task, step, epoch and eval batch, given while the task trains): a metric that raises fails the task with
+    ``EvaluationError`` naming the metric and them, its exception as the cause."""
     out: dict[str, tuple[Any, Any]] = {}
     for name, fn in fns.items():
-        got = fn(outputs, batch)
+        try:
+            got = fn(outputs, batch)
+        except Exception as exc:
+            if not where:
+                raise
+            raise rule_error("each metric runs on the task's outputs and each eval batch", "fix the metric (its "
+                             "error is the cause above) so it runs on `(outputs, batch)` as the model returns them",
+                             kind=EvaluationError, metric=name, **where,
+                             error=f"{type(exc).__name__}: {exc}") from exc
         if isinstance(got, (tuple, list)):
             if len(got) != 2:
                 raise rule_error(_RULE, _FIX, kind=TypeError, metric=name, returned=f"{type(got).__name__} of "

@@ -61,6 +61,7 @@ class TaskState:
         self.scaler = torch.amp.GradScaler("cpu") if task.precision == "fp16" else None
         # Progress, written by the training loop (loop.py) only
         self.steps = 0
+        self.samples_trained = 0  # samples of the minibatches trained here (a resumed task's earlier ones not)
         self.epoch = 0
         self.batch_in_epoch = 0
         self.eval_in_epoch = 0
