@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
+from test_node import _wait
 
 from hydra_tune import node
 
@@ -41,15 +41,6 @@ def node_dir(monkeypatch):
     monkeypatch.setenv("HYDRA_TUNE_NODE_DIR", base)
     monkeypatch.setenv("HYDRA_TUNE_NODE_LINGER", "2")
     return base
-
-
-def _wait(cond, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_server_runs_at_most_one_unit_of_a_killed_clients_task_after_seeing_it_go(node_dir):
