@@ -81,6 +81,7 @@ class Estimator:
     alpha: float = 0.5
     _times: dict[str, dict[str, float]] = field(default_factory=dict)
     _counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    _mean: float | None = None  # unit_time of a task with no measurement yet (None: to be computed)
 
     def observe(self, task: str, kind: str, seconds: float) -> None:
         per = self._times.setdefault(task, {})
@@ -90,19 +91,25 @@ class Estimator:
         # The first unit of a kind pays warm-up costs (first-touch allocations, kernel selection): the second
         # replaces it instead of being averaged with it.
         per[kind] = seconds if old is None or seen == 1 else old + self.alpha * (seconds - old)
+        self._mean = None
 
     def unit_time(self, task: str, kind: str) -> float:
         per = self._times.get(task)
         if per:
-            return per.get(kind, sum(per.values()) / len(per))
-        known = [t for p in self._times.values() for t in p.values()]
-        return sum(known) / len(known) if known else 0.0
+            known = per.get(kind)
+            return known if known is not None else sum(per.values()) / len(per)
+        if self._mean is None:  # the mean over all tasks, kept until the next observe or forget
+            known_all = [t for p in self._times.values() for t in p.values()]
+            self._mean = sum(known_all) / len(known_all) if known_all else 0.0
+        return self._mean
 
     def remaining(self, task: str, counts: Mapping[str, int]) -> float:
         """Estimated seconds for ``counts`` more units of each kind."""
-        return sum(n * self.unit_time(task, kind) for kind, n in counts.items())
+        # asked for every ready task whenever a device picks one: kinds with no unit left add nothing
+        return sum((n * self.unit_time(task, kind) for kind, n in counts.items() if n), 0.0)
 
     def forget(self, task: str) -> None:
+        self._mean = None
         self._times.pop(task, None)
         for key in [k for k in self._counts if k[0] == task]:
             del self._counts[key]
