@@ -44,3 +44,28 @@ def test_a_submodule_used_under_two_names_trains_exactly_and_keeps_its_parameter
         model = trained(rt.submit(_task(_Reused)))
     assert isinstance(model.first.weight, nn.Parameter) and model.first.weight is model.again.weight
     assert max_param_diff(ref, model) == 0.0
+
+
+def test_lrtf_affinity_band_prefers_a_task_whose_state_is_here_only_within_the_band():
+    from hydra_tune.policy.schedule import Ready, lrtf
+
+    ready = [Ready("there", 1, 1, remaining=10.0), Ready("here", 2, 0, remaining=8.0)]
+    assert lrtf(ready, 0) == 0                       # no band (the simulator): the longest
+    assert lrtf(ready, 0, affinity=0.3) == 1         # 8 >= 0.7 * 10: no state moves both ways
+    assert lrtf(ready, 0, affinity=0.1) == 0         # 8 < 0.9 * 10: the longest still goes first
+    three = [Ready("there", 1, 1, 10.0), Ready("there too", 2, 1, 9.5), Ready("here", 3, 0, 8.0)]
+    assert lrtf(three, 0, idle=(2,), affinity=0.3) == 0  # another device idle: the window rule alone, as before
+    fresh = [Ready("new", 1, None, remaining=10.0), Ready("here", 2, 0, remaining=9.0)]
+    assert lrtf(fresh, 0, affinity=0.3) == 0         # the longest never ran: nothing to move, it goes first
+
+
+def test_many_small_trials_on_two_devices_stay_exact():
+    # Many equal tasks on two devices: the affinity band and running a local ready task instead of waiting for a
+    # kept one's host thread change only the order; every task ends with exactly the plain loop's weights.
+    tasks = [_task(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 8)),
+                   name=f"s{i}") for i in range(6)]
+    refs = [plain_train(t)[0] for t in tasks]
+    with ht.Runtime(devices=["cpu", "cpu"]) as rt:
+        handles = [rt.submit(t) for t in tasks]
+        models = [trained(h) for h in handles]
+    assert [max_param_diff(r, m) for r, m in zip(refs, models)] == [0.0] * len(tasks)

@@ -42,18 +42,29 @@ def round_robin(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -
     return min(range(len(ready)), key=lambda i: (ready[i].turns, ready[i].admitted, ready[i].seq))
 
 
-def lrtf(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
+def lrtf(ready: Sequence[Ready], device: int, idle: Sequence[int] = (), affinity: float = 0.0) -> int:
     """Sharded-LRTF with affinity.
 
     Rank by estimated remaining time (longest first, then the longest waiting). The first ``1 + len(idle)`` of
     that ranking start now whatever this device takes, so within that window prefer a task that last ran here,
     then one that did not last run on another idle device (that device will take it), then the longest.
+    ``affinity`` (a fraction; the runtime's board passes one, the simulator 0): when no other device is idle and
+    the longest last ran on another device, a task that last ran here whose remaining time is at least
+    ``(1 - affinity)`` times the longest's runs instead (its state is here: no move both ways).
     """
     order = sorted(range(len(ready)), key=lambda i: (-ready[i].remaining, ready[i].seq))
     window = order[:1 + len(idle)]
     for i in window:
         if ready[i].last_device == device:
             return i
+    top = ready[window[0]]
+    if affinity and not idle and top.last_device is not None:
+        floor = top.remaining * (1 - affinity)
+        for i in order[1:]:
+            if ready[i].remaining < floor:
+                break
+            if ready[i].last_device == device:
+                return i
     others = set(idle)
     for i in window:
         if ready[i].last_device not in others:
