@@ -300,6 +300,15 @@ def bookkeeping(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def plain_call(fn: Callable[..., Any], t: Any, *args: Any) -> Any:
+    """``fn(t, *args)`` (a copy of the runtime's) outside this thread's torch-function modes when ``t`` is a plain
+    tensor (see ``bookkeeping``); a tensor subclass keeps its own ``__torch_function__``."""
+    if type(t) is not torch.Tensor:
+        return fn(t, *args)
+    with torch._C.DisableTorchFunction():
+        return fn(t, *args)
+
+
 def _leave_task_modes() -> None:
     """In a forked child: drop the UnitModes and RandomRouters the forking thread was in (their dispatch stacks are
     thread-local state, copied by fork); any other mode stays, in its order."""

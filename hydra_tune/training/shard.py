@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
-from ..device.dispatch import bookkeeping, paused_accounting
+from ..device.dispatch import bookkeeping, paused_accounting, plain_call
 from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
@@ -292,7 +292,7 @@ class ShardExec:
             batch = self.to_device(device, store.batch, "batches")
             with self.precision(device):
                 loss = model_loss(loss_fn, out, batch)
-            value = device.copier.read(loss)
+            value = plain_call(device.copier.read, loss)
             if measure is not None:
                 measure(out, batch)
             return value
@@ -312,7 +312,7 @@ class ShardExec:
             scaled.backward()
             self._write_back_buffers(copies, device, store, mode)
             self._grads_out(device, store, copies, leaves, mode)
-            return device.copier.read(loss)
+            return plain_call(device.copier.read, loss)
 
     def backward(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
         """B: backward through the kept graph, or recompute the forward from the saved input with the saved RNG
@@ -359,7 +359,8 @@ class ShardExec:
     # -- copies and inputs (also used by profile.py) -----------------------------------------------------
     @staticmethod
     def to_device(device: Device, tree: Any, what: str = "activations") -> Any:
-        return tree_map(lambda t: device.copier.to_device(t, what) if isinstance(t, torch.Tensor) else t, tree)
+        return tree_map(lambda t: plain_call(device.copier.to_device, t, what) if isinstance(t, torch.Tensor) else t,
+                        tree)
 
     @property
     def carry_kind(self) -> str:
