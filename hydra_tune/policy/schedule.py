@@ -119,6 +119,10 @@ class Estimator:
         # asked for every ready task whenever a device picks one: kinds with no unit left add nothing
         return sum((n * self.unit_time(task, kind) for kind, n in counts.items() if n), 0.0)
 
+    def measured(self, task: str) -> bool:
+        """Whether a unit of ``task`` was observed (else its estimate follows the mean over all tasks)."""
+        return task in self._times
+
     def forget(self, task: str) -> None:
         self._mean = None
         self._times.pop(task, None)

@@ -60,6 +60,7 @@ class Admitted:
         # Written under the board's lock:
         self.opening = False        # its host thread is advancing the chain now
         self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
+        self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (_estimate)
         self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
         self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
         self.open_seconds = 0.0     # how long its last opening took
@@ -237,7 +238,7 @@ class Scheduler:
             # (many small tasks: waiting for each host thread's wake-up and step idles the device about as long
             # as it computes; a task from another device would move its state, costing more than the wait)
             self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task
-                               or self._local(index, floor) is not None, wait)
+                               or any(self._mine(a, index, floor) for _, a in self._ready), wait)
             opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
             task.kept_by = None
             if self._closed:
@@ -296,6 +297,7 @@ class Scheduler:
         """``task``'s units changed (a re-plan): its measured unit times no longer apply."""
         with self.cond:
             self._estimator.forget(task.name)
+            task.left = None
 
     # -- reading ---------------------------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
@@ -377,16 +379,28 @@ class Scheduler:
         self._seq += 1
         return self._seq
 
+    def _estimate(self, task: Admitted, current: bool = False) -> float:
+        """``task``'s estimated seconds left, kept while it waits in the ready queue (its state and unit times
+        change only when it runs; a task not measured yet follows the mean over all, so it is asked anew)."""
+        if task.left is not None and not current:
+            return task.left
+        left = self._estimator.remaining(task.name, task.state.remaining())
+        if not current and self._estimator.measured(task.name):
+            task.left = left
+        return left
+
     def _push(self, task: Admitted) -> None:
+        task.left = None  # its next segment is open: its estimate is asked anew
         self._ready.append((task.since, task))
         self.cond.notify_all()  # every waiter: a device waiting for a kept task must not swallow the wake-up
+
+    def _mine(self, task: Admitted, index: int, floor: float) -> bool:
+        return task.last_device == index and task.set_aside in (None, index) and self._estimate(task) >= floor
 
     def _local(self, index: int, floor: float) -> tuple[int, Admitted] | None:
         """The ready-queue entry the policy picks among the tasks that last ran on device ``index`` with at least
         ``floor`` estimated seconds left (None: there is none)."""
-        local = [(seq, a, self._estimator.remaining(a.name, a.state.remaining())) for seq, a in self._ready
-                 if a.last_device == index and a.set_aside in (None, index)]
-        local = [entry for entry in local if entry[2] >= floor]
+        local = [(seq, a, self._estimate(a)) for seq, a in self._ready if self._mine(a, index, floor)]
         if not local:
             return None
         records = [Ready(a.name, seq, index, left, a.turns, a.order) for seq, a, left in local]
@@ -408,7 +422,7 @@ class Scheduler:
         if not cands:
             return None
         records = [Ready(a.name, seq, index if a is current else a.last_device,
-                         self._estimator.remaining(a.name, a.state.remaining()),
+                         self._estimate(a, a is current),
                          a.turns + (a is current), a.order) for seq, a in cands]
         pos = self._pick(records, index, idle)
         return cands[pos][1] if pos == len(ready) else self._ready.pop(ready[pos][0])[1]
