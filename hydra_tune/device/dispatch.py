@@ -19,9 +19,11 @@ once (``os.register_at_fork``): it is no unit of the task, and PyTorch seeds a w
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -275,6 +277,36 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
         # generator without any lock, so concurrent devices do not serialise on attention or dropout.
         with UnitMode(self.generator):
             return func(*args, **kwargs)
+
+
+def bookkeeping(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a method of an object with a ``plain_tensors`` attribute: while that is true, the method runs
+    outside this thread's torch-function modes (a unit's RandomRouter).
+
+        @bookkeeping
+        def load(self, device): ...        # detach, requires_grad_, .grad: no Python call each through the router
+
+    For the runtime's own work inside a unit (copies in, gradients out): it draws no random numbers, and each of
+    its tensor calls would otherwise go through the router's Python hook (about 40 per unit of a small model,
+    costing about as much as its forward). Only for plain tensors and Parameters (``plain_tensors``): a tensor
+    subclass's own ``__torch_function__`` would be skipped too."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.plain_tensors:
+            return method(self, *args, **kwargs)
+        with torch._C.DisableTorchFunction():  # no public form: torch's guard that turns the hooks off
+            return method(self, *args, **kwargs)
+    return run
+
+
+def plain_call(fn: Callable[..., Any], t: Any, *args: Any) -> Any:
+    """``fn(t, *args)`` (a copy of the runtime's) outside this thread's torch-function modes when ``t`` is a plain
+    tensor (see ``bookkeeping``); a tensor subclass keeps its own ``__torch_function__``."""
+    if type(t) is not torch.Tensor:
+        return fn(t, *args)
+    with torch._C.DisableTorchFunction():
+        return fn(t, *args)
 
 
 def _leave_task_modes() -> None:

@@ -42,18 +42,29 @@ def round_robin(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -
     return min(range(len(ready)), key=lambda i: (ready[i].turns, ready[i].admitted, ready[i].seq))
 
 
-def lrtf(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
+def lrtf(ready: Sequence[Ready], device: int, idle: Sequence[int] = (), affinity: float = 0.0) -> int:
     """Sharded-LRTF with affinity.
 
     Rank by estimated remaining time (longest first, then the longest waiting). The first ``1 + len(idle)`` of
     that ranking start now whatever this device takes, so within that window prefer a task that last ran here,
     then one that did not last run on another idle device (that device will take it), then the longest.
+    ``affinity`` (a fraction; the runtime's board passes one, the simulator 0): when no other device is idle and
+    the longest last ran on another device, a task that last ran here whose remaining time is at least
+    ``(1 - affinity)`` times the longest's runs instead (its state is here: no move both ways).
     """
     order = sorted(range(len(ready)), key=lambda i: (-ready[i].remaining, ready[i].seq))
     window = order[:1 + len(idle)]
     for i in window:
         if ready[i].last_device == device:
             return i
+    top = ready[window[0]]
+    if affinity and not idle and top.last_device is not None:
+        floor = top.remaining * (1 - affinity)
+        for i in order[1:]:
+            if ready[i].remaining < floor:
+                break
+            if ready[i].last_device == device:
+                return i
     others = set(idle)
     for i in window:
         if ready[i].last_device not in others:
@@ -81,6 +92,7 @@ class Estimator:
     alpha: float = 0.5
     _times: dict[str, dict[str, float]] = field(default_factory=dict)
     _counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    _mean: float | None = None  # unit_time of a task with no measurement yet (None: to be computed)
 
     def observe(self, task: str, kind: str, seconds: float) -> None:
         per = self._times.setdefault(task, {})
@@ -90,19 +102,29 @@ class Estimator:
         # The first unit of a kind pays warm-up costs (first-touch allocations, kernel selection): the second
         # replaces it instead of being averaged with it.
         per[kind] = seconds if old is None or seen == 1 else old + self.alpha * (seconds - old)
+        self._mean = None
 
     def unit_time(self, task: str, kind: str) -> float:
         per = self._times.get(task)
         if per:
-            return per.get(kind, sum(per.values()) / len(per))
-        known = [t for p in self._times.values() for t in p.values()]
-        return sum(known) / len(known) if known else 0.0
+            known = per.get(kind)
+            return known if known is not None else sum(per.values()) / len(per)
+        if self._mean is None:  # the mean over all tasks, kept until the next observe or forget
+            known_all = [t for p in self._times.values() for t in p.values()]
+            self._mean = sum(known_all) / len(known_all) if known_all else 0.0
+        return self._mean
 
     def remaining(self, task: str, counts: Mapping[str, int]) -> float:
         """Estimated seconds for ``counts`` more units of each kind."""
-        return sum(n * self.unit_time(task, kind) for kind, n in counts.items())
+        # asked for every ready task whenever a device picks one: kinds with no unit left add nothing
+        return sum((n * self.unit_time(task, kind) for kind, n in counts.items() if n), 0.0)
+
+    def measured(self, task: str) -> bool:
+        """Whether a unit of ``task`` was observed (else its estimate follows the mean over all tasks)."""
+        return task in self._times
 
     def forget(self, task: str) -> None:
+        self._mean = None
         self._times.pop(task, None)
         for key in [k for k in self._counts if k[0] == task]:
             del self._counts[key]

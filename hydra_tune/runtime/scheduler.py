@@ -14,20 +14,22 @@ batch) runs in the task's own host thread, never a device's, so a data iterator 
 the queue holds only tasks whose segment is open, so a device never waits on data. The policy (policy/schedule.py)
 picks among the ready tasks with remaining-time estimates that include every unit measured so far; when it keeps a
 device on the task whose segment is ending, the device waits for that task's next segment while its host work
-takes about as long as it usually does (``KEEP_WAIT``), then runs other ready tasks. A task's failure or
-cancellation ends that task only; cancelling a task whose host thread is opening ends it at once, and its chain is
-let go when that thread returns (a thread that never returns is reported by ``wait_hosts``). One lock (``cond``)
-guards the board; ``on_end`` runs outside it.
+takes about as long as it usually does (``KEEP_WAIT``), then runs other ready tasks (one that last ran there with
+about as much work left runs at once instead of the wait; no device with other work takes the kept task then). A
+task's failure or cancellation ends that task only; cancelling a task whose host thread is opening ends it at
+once, and its chain is let go when that thread returns (a thread that never returns is reported by
+``wait_hosts``). One lock (``cond``) guards the board; ``on_end`` runs outside it.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
-from ..policy.schedule import POLICIES, Estimator, Ready
+from ..policy.schedule import POLICIES, Estimator, Ready, lrtf
 from ..training.footprint import Footprint
 from ..training.segments import Segment
 from ..training.state import TaskState
@@ -38,6 +40,9 @@ from .host import HostThread
 # (its host work: optimizer step, next batch), at least 50 ms, at most 1 s; past that it runs other ready tasks
 # (a data iterator that blocks holds no device longer than that).
 KEEP_WAIT = (4.0, 0.05, 1.0)
+# LRTF's affinity band here (policy/schedule.py lrtf): estimates of equal tasks differ by tens of percent on a busy
+# machine, and without it small tasks moved their state between devices about every fourth segment.
+AFFINITY = 0.3
 
 
 class Admitted:
@@ -55,6 +60,8 @@ class Admitted:
         # Written under the board's lock:
         self.opening = False        # its host thread is advancing the chain now
         self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
+        self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (_estimate)
+        self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
         self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
         self.open_seconds = 0.0     # how long its last opening took
         self.released = False       # ended, and on_end has run: what the chain holds goes next
@@ -92,7 +99,7 @@ class Scheduler:
         self.policy = policy
         self._history = history      # ended tasks' records kept (the newest; None: all)
         self._dropped = 0            # records dropped past it
-        self._pick = POLICIES[policy]
+        self._pick = functools.partial(lrtf, affinity=AFFINITY) if policy == "lrtf" else POLICIES[policy]
         self._on_end = on_end
         self.cond = threading.Condition()
         self._ready: list[tuple[int, Admitted]] = []  # (its place: when it left a device, task)
@@ -222,15 +229,31 @@ class Scheduler:
         """Wait for the next segment of ``task``, which the policy kept device ``index`` on (``ran(..., keep=True)``)
         while its host work takes no longer than it usually does (``KEEP_WAIT``): ``task`` once its segment is
         open; None when it ended, the board closed, or its host thread is still busy (it joins the ready queue
-        when done: a data iterator that blocks holds no device)."""
+        when done: a data iterator that blocks holds no device). While it is still opening, a ready task that
+        last ran on this device, with at least ``1 - AFFINITY`` of its estimated time left, is taken instead of
+        waiting (returned; ``task`` then joins the ready queue)."""
         factor, least, most = KEEP_WAIT
         with self.cond:
             wait = min(max(factor * task.open_seconds, least), most)
-            self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task,
-                               wait)
+            state = task.state  # (None once ended)
+            floor = (1 - AFFINITY) * self._estimator.remaining(task.name, state.remaining()) if state else 0.0
+            # (many small tasks: waiting for each host thread's wake-up and step idles the device about as long
+            # as it computes; a task from another device would move its state, costing more than the wait)
+            self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task
+                               or any(self._mine(a, index, floor) for _, a in self._ready), wait)
             opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
             task.kept_by = None
-            return task if opened and not self._closed else None
+            if self._closed:
+                return None
+            other = None if opened else self._local(index, floor)
+            if other is not None:
+                self._ready.remove(other)
+                # kept for this device's next choice: another device that has other work does not take it
+                task.set_aside = index
+        if other is not None:
+            other[1].handle.started()
+            return other[1]
+        return task if opened else None
 
     def choose_next(self, index: int, current: Admitted) -> Admitted | None:
         """For device ``index``, finishing ``current``'s segment: the task it runs next (its segment open), popped
@@ -276,6 +299,7 @@ class Scheduler:
         """``task``'s units changed (a re-plan): its measured unit times no longer apply."""
         with self.cond:
             self._estimator.forget(task.name)
+            task.left = None
 
     # -- reading ---------------------------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
@@ -357,23 +381,56 @@ class Scheduler:
         self._seq += 1
         return self._seq
 
+    def _estimate(self, task: Admitted, current: bool = False) -> float:
+        """``task``'s estimated seconds left, kept while it waits in the ready queue (its state and unit times
+        change only when it runs; a task not measured yet follows the mean over all, so it is asked anew)."""
+        if task.left is not None and not current:
+            return task.left
+        left = self._estimator.remaining(task.name, task.state.remaining())
+        if not current and self._estimator.measured(task.name):
+            task.left = left
+        return left
+
     def _push(self, task: Admitted) -> None:
+        task.left = None  # its next segment is open: its estimate is asked anew
         self._ready.append((task.since, task))
         self.cond.notify_all()  # every waiter: a device waiting for a kept task must not swallow the wake-up
+
+    def _mine(self, task: Admitted, index: int, floor: float) -> bool:
+        return task.last_device == index and task.set_aside in (None, index) and self._estimate(task) >= floor
+
+    def _local(self, index: int, floor: float) -> tuple[int, Admitted] | None:
+        """The ready-queue entry the policy picks among the tasks that last ran on device ``index`` with at least
+        ``floor`` estimated seconds left (None: there is none)."""
+        local = [(seq, a, self._estimate(a)) for seq, a in self._ready if self._mine(a, index, floor)]
+        if not local:
+            return None
+        records = [Ready(a.name, seq, index, left, a.turns, a.order) for seq, a, left in local]
+        seq, task, _ = local[self._pick(records, index, [])]
+        return seq, task
 
     def _choose(self, index: int, current: Admitted | None = None) -> Admitted | None:
         """Pop the ready task the policy gives device ``index``. ``current``, the task whose segment the device
         is finishing, competes too (as if ready now, last run here): picking it means the device continues with
-        it (returned, not popped)."""
+        it (returned, not popped); then a task set aside for another device (``take_kept``) is not taken from it."""
         idle = sorted(self._idle - {index})
         state = current.state if current is not None else None  # read once: end() clears it (under the lock)
         if state is None or not any(state.remaining().values()):
             current = None  # it ended (failed, cancelled) or its last segment is running: nothing to continue
-        cands = list(self._ready) + ([(self._seq + 1, current)] if current is not None else [])
+        ready = [(pos, seq, a) for pos, (seq, a) in enumerate(self._ready)
+                 if current is None or a.set_aside in (None, index)]
+        self._release_set_aside(index)
+        cands = [(seq, a) for _, seq, a in ready] + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
         records = [Ready(a.name, seq, index if a is current else a.last_device,
-                         self._estimator.remaining(a.name, a.state.remaining()),
+                         self._estimate(a, a is current),
                          a.turns + (a is current), a.order) for seq, a in cands]
         pos = self._pick(records, index, idle)
-        return cands[pos][1] if pos == len(self._ready) else self._ready.pop(pos)[1]
+        return cands[pos][1] if pos == len(ready) else self._ready.pop(ready[pos][0])[1]
+
+    def _release_set_aside(self, index: int) -> None:
+        """Device ``index`` chooses again: what ``take_kept`` set aside for it is anyone's now."""
+        for task in self._tasks.values():
+            if task.set_aside == index:
+                task.set_aside = None

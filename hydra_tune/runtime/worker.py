@@ -159,7 +159,8 @@ class DeviceWorker:
                 if device.states is not None:  # which of its entries are read now and next (state_cache.py)
                     device.states.using(state.home, [u.shard for u in units[j:]])
                 if later is not None:
-                    pending = self._copier.submit(self._prefetch, task, later)
+                    if self._copies(task, later):
+                        pending = self._copier.submit(self._prefetch, task, later)
                 elif not self.board.closed:
                     following.append(self._next_task(task))
                 self._run_unit(task, unit)
@@ -227,10 +228,18 @@ class DeviceWorker:
         states = self.device.states
         if states is not None:
             states.prefetched(task.state.home)  # its state, if here, is not evicted before it runs
+        if not self._copies(task, task.segment.units[0]):  # type: ignore[union-attr]
+            return task, None
         plan, budget = current.state.plan, self.device.plan_budget
         held = states.total() if states is not None else 0
         room = None if budget is None else budget - held - (plan.peak - plan.prefetch_bytes)
         return task, self._copier.submit(self._next_segment, room, task)
+
+    def _copies(self, task: Admitted, unit: Unit) -> bool:
+        """Whether preparing ``unit`` ahead may copy anything: not when its shard's state is here and it has no
+        buffers (a resident single-shard task), so the copy thread is not woken for nothing (a hand-off each
+        way per segment, about as long as a small model's unit on a busy machine)."""
+        return unit.kind == "B" or bool(task.state.execs[unit.shard].moving(self.device))
 
     @staticmethod
     def _following(following: Following) -> Admitted | None:

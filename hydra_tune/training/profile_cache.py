@@ -13,7 +13,9 @@ hooks. Costs are stored with parameters by their place in the key's walk and han
 
 Rules: a profile is reused only under an equal key and when every integer or boolean tensor of the new batch lies
 within the value range of the batch it was measured on (token ids, class labels, masks): a batch that would make
-the model or the loss raise (an id past the vocabulary) is measured, so its error still comes at submit. Float
+the model or the loss raise (an id past the vocabulary) is measured, so its error still comes at submit. The
+ranges of two profiled batches whose every such tensor's ranges overlap count as one range (trials over their own
+data: each would stick out a little and be measured again); disjoint ones stay apart. Float
 values are not compared: a float batch that makes the model or loss raise surfaces at its first unit when an equal
 architecture was profiled before. At most ``MAX_ENTRIES`` architectures are kept (least recently used goes first);
 the cache holds no model, tensor or function, only their keys, and classes in them by weak reference (an entry
@@ -90,6 +92,12 @@ class ProfileCache:
     def put(self, key: Any, ranges: Ranges, costs: list[StageCost]) -> None:
         with self._lock:
             kept = self._entries.setdefault(key, [])
+            for i, (seen, _) in enumerate(kept):  # overlapping ranges: one validated range (trials' own data)
+                merged = _union(ranges, seen)
+                if merged is not None:
+                    del kept[i]
+                    ranges = merged
+                    break
             kept.insert(0, (ranges, costs))
             del kept[MAX_PER_KEY:]
             self._entries.move_to_end(key)
@@ -136,6 +144,22 @@ def _ranges(batch: Any) -> Ranges:
             except RuntimeError as exc:  # a dtype aminmax does not take: measure this batch
                 raise Unkeyable(str(exc)) from None
             out.append((int(lo), int(hi)))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _union(a: Ranges, b: Ranges) -> Ranges | None:
+    """Both batches' ranges as one, when every leaf's two ranges overlap or touch (each value in the union was
+    within a profiled batch's range); None when some leaf's do not (nothing between them was profiled)."""
+    if len(a) != len(b) or any((x is None) != (y is None) for x, y in zip(a, b)):
+        return None
+    out: list[tuple[int, int] | None] = []
+    for x, y in zip(a, b):
+        if x is not None and y is not None:
+            if x[0] > y[1] + 1 or y[0] > x[1] + 1:
+                return None
+            out.append((min(x[0], y[0]), max(x[1], y[1])))
         else:
             out.append(None)
     return tuple(out)

@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
-from ..device.dispatch import paused_accounting
+from ..device.dispatch import bookkeeping, paused_accounting, plain_call
 from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
+from .bind import Bound
 from .loss import LossFn, model_loss
 from .pystate import ModuleState
 from .residency import Kept, ShardCache, offload_hooks
@@ -62,17 +62,18 @@ class ShardExec:
         self.autocast = autocast  # bf16/fp16 mixed precision: forwards (and the loss) run under torch.autocast
         self.names = tuple(s.name for s in stages)
         tensors: dict[int, torch.Tensor] = {}
-        self._bindings: list[list[tuple[str, int]]] = []
+        self._bound: list[Bound] = []
         for stage in self.stages:
             named = list(stage.module.named_parameters(remove_duplicate=False))
             named += list(stage.module.named_buffers(remove_duplicate=False))
-            self._bindings.append([(name, id(t)) for name, t in named])
+            self._bound.append(Bound(stage.module, [(name, id(t)) for name, t in named]))
             for _, t in named:
                 tensors[id(t)] = t
         self.tensors = tensors
         self.params = [t for t in tensors.values() if isinstance(t, nn.Parameter)]
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
+        self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
 
     # -- copies ---------------------------------------------------------------------------------------------
     def resident(self, device: Device) -> bool:
@@ -94,6 +95,7 @@ class ShardExec:
         return {key: device.copier.to_device(t, "buffers" if key in self.buffers else "state")
                 for key, t in self.moving(device).items()}
 
+    @bookkeeping
     def load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None,
              cache: bool = True) -> dict[int, torch.Tensor]:
         """The shard's state on ``device``: the resident copies when they are still exact, else fresh copies
@@ -124,16 +126,15 @@ class ShardExec:
         return torch.autocast(device.torch_device.type, dtype=self.autocast)
 
     def run(self, carry: Any, copies: dict[int, torch.Tensor], device: Device) -> Any:
-        """The shard's forward over ``copies``; a buffer the forward assigns a new tensor (functional_call hands
-        it back in ``state``) replaces its copy in ``copies``, for the next stage and the write-back."""
+        """The shard's forward over ``copies`` (bind.py); a buffer the forward assigns a new tensor replaces its
+        copy in ``copies``, for the next stage and the write-back."""
         with self.precision(device):
-            for stage, binding in zip(self.stages, self._bindings):
-                state = {name: copies[key] for name, key in binding}
-                given = dict(state)
-                carry = functional_call(stage.module, state, (carry,), tie_weights=False, strict=False)
-                for name, key in binding:
-                    if state[name] is not given[name]:
-                        copies[key] = self._assigned(stage.name, name, self.tensors[key], state[name])
+            for stage, bound in zip(self.stages, self._bound):
+                given = {name: copies[key] for name, key in bound.binding}
+                carry, after = bound.call(carry, copies)
+                for name, key in bound.binding:
+                    if after[name] is not given[name]:
+                        copies[key] = self._assigned(stage.name, name, self.tensors[key], after[name])
         return carry
 
     @staticmethod
@@ -291,7 +292,7 @@ class ShardExec:
             batch = self.to_device(device, store.batch, "batches")
             with self.precision(device):
                 loss = model_loss(loss_fn, out, batch)
-            value = device.copier.read(loss)
+            value = plain_call(device.copier.read, loss)
             if measure is not None:
                 measure(out, batch)
             return value
@@ -311,7 +312,7 @@ class ShardExec:
             scaled.backward()
             self._write_back_buffers(copies, device, store, mode)
             self._grads_out(device, store, copies, leaves, mode)
-            return device.copier.read(loss)
+            return plain_call(device.copier.read, loss)
 
     def backward(self, device: Device, store: HostStore, rng: TaskRNG) -> None:
         """B: backward through the kept graph, or recompute the forward from the saved input with the saved RNG
@@ -359,7 +360,8 @@ class ShardExec:
     # -- copies and inputs (also used by profile.py) -----------------------------------------------------
     @staticmethod
     def to_device(device: Device, tree: Any, what: str = "activations") -> Any:
-        return tree_map(lambda t: device.copier.to_device(t, what) if isinstance(t, torch.Tensor) else t, tree)
+        return tree_map(lambda t: plain_call(device.copier.to_device, t, what) if isinstance(t, torch.Tensor) else t,
+                        tree)
 
     @property
     def carry_kind(self) -> str:
@@ -376,6 +378,7 @@ class ShardExec:
                     t.requires_grad_(True)
         return carry, leaves
 
+    @bookkeeping
     def _grads_out(self, device: Device, store: HostStore, copies: dict[int, torch.Tensor], leaves: list[Any],
                    mode: Any) -> None:
         resident = self.resident(device)
