@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
-from ..policy.schedule import POLICIES, Estimator, Ready
+from ..policy.schedule import POLICIES, Estimator, Ready, defers
 from ..training.footprint import Footprint
 from ..training.segments import Segment
 from ..training.state import TaskState
@@ -209,8 +209,11 @@ class Scheduler:
         """Block until a task is ready for device ``index`` (its next segment open); None once closed."""
         with self.cond:
             self._idle.add(index)
-            self.cond.wait_for(lambda: self._closed or self._ready)
+            # Ready tasks whose state another idle device holds are left to it (policy.schedule.defers).
+            self.cond.wait_for(lambda: self._closed or self._ready and not defers(self._records(index), index,
+                                                                                   sorted(self._idle - {index})))
             self._idle.discard(index)
+            self.cond.notify_all()  # a device that deferred to this one decides again
             if self._closed:
                 return None
             task = self._choose(index)
@@ -357,6 +360,13 @@ class Scheduler:
         self._seq += 1
         return self._seq
 
+    def _records(self, index: int, cands: list[tuple[int, Admitted]] | None = None,
+                 current: Admitted | None = None) -> list[Ready]:
+        """The policy's view of ``cands`` (default: the ready queue) for device ``index``."""
+        return [Ready(a.name, seq, index if a is current else a.last_device,
+                      self._estimator.remaining(a.name, a.state.remaining()), a.turns + (a is current), a.order,
+                      *a.state.home.holder()) for seq, a in (self._ready if cands is None else cands)]
+
     def _push(self, task: Admitted) -> None:
         self._ready.append((task.since, task))
         self.cond.notify_all()  # every waiter: a device waiting for a kept task must not swallow the wake-up
@@ -372,8 +382,5 @@ class Scheduler:
         cands = list(self._ready) + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
-        records = [Ready(a.name, seq, index if a is current else a.last_device,
-                         self._estimator.remaining(a.name, a.state.remaining()),
-                         a.turns + (a is current), a.order) for seq, a in cands]
-        pos = self._pick(records, index, idle)
+        pos = self._pick(self._records(index, cands, current), index, idle)
         return cands[pos][1] if pos == len(self._ready) else self._ready.pop(pos)[1]
