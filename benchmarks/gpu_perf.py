@@ -221,7 +221,7 @@ def report(results: list[dict[str, Any]]) -> None:
                  f"{format_bytes(r['peaks'][other]) if r['peaks'][other] else '-':>11}",
                  f"{r['peak_ratio']:>8.3f}" if r["peak_ratio"] else f"{'-':>8}", f"{r['shards'] or '-':>7}",
                  f"{r['overlap']:>8.2f}" if r["overlap"] is not None else f"{'-':>8}",
-                 f"{format_bytes(r['state_bytes_per_step']) if r['state_bytes_per_step'] else '-':>13}",
+                 f"{format_bytes(r['state_bytes_per_step']) if r['state_bytes_per_step'] is not None else '-':>13}",
                  f"{format_bytes(r['predicted_state_bytes']) if r['predicted_state_bytes'] else '-':>11}",
                  f"{r['syncs_per_step'] if r['syncs_per_step'] is not None else '-':>11}",
                  f"{r['device_steps'] if r['device_steps'] is not None else '-':>10}",
