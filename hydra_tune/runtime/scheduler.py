@@ -209,9 +209,7 @@ class Scheduler:
         """Block until a task is ready for device ``index`` (its next segment open); None once closed."""
         with self.cond:
             self._idle.add(index)
-            # Ready tasks whose state another idle device holds are left to it (policy.schedule.defers).
-            self.cond.wait_for(lambda: self._closed or self._ready and not defers(self._records(index), index,
-                                                                                   sorted(self._idle - {index})))
+            self.cond.wait_for(lambda: self._closed or self._ready and not self._defers(index))
             self._idle.discard(index)
             self.cond.notify_all()  # a device that deferred to this one decides again
             if self._closed:
@@ -360,12 +358,21 @@ class Scheduler:
         self._seq += 1
         return self._seq
 
-    def _records(self, index: int, cands: list[tuple[int, Admitted]] | None = None,
-                 current: Admitted | None = None) -> list[Ready]:
-        """The policy's view of ``cands`` (default: the ready queue) for device ``index``."""
+    def _records(self, index: int, cands: list[tuple[int, Admitted]], current: Admitted | None) -> list[Ready]:
+        """The policy's view of ``cands`` for device ``index`` (``current``: as if ready now, last run here)."""
         return [Ready(a.name, seq, index if a is current else a.last_device,
                       self._estimator.remaining(a.name, a.state.remaining()), a.turns + (a is current), a.order,
-                      *a.state.home.holder()) for seq, a in (self._ready if cands is None else cands)]
+                      *a.state.home.holder()) for seq, a in cands]
+
+    def _defers(self, index: int) -> bool:
+        """Whether device ``index`` leaves every ready task to the other idle devices holding their state
+        (policy.schedule.defers); only where they hold state are the records built (cheap for the common case)."""
+        others = self._idle - {index}
+        if not others:
+            return False
+        held = [(a.last_device, *a.state.home.holder()) for _, a in self._ready]
+        return defers([Ready(a.name, seq, last, 0.0, 0, 0, on, nbytes)
+                       for (seq, a), (last, on, nbytes) in zip(self._ready, held)], index, sorted(others))
 
     def _push(self, task: Admitted) -> None:
         self._ready.append((task.since, task))
