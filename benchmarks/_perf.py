@@ -187,8 +187,20 @@ def run_hydra(case: Case, device: str, steps: Steps, budget: int | None, seed: i
             "shards": len(first["shards"]), "predicted_peak": first.get("predicted_peak"),
             "overlap": trace.overlap()[0], "copy_s": sum(e.seconds for e in trace.copies()),
             "prefetched_bytes": dev.get("prefetched_bytes"), "steps": steps.total * case.tasks,
+            **state_moves([stats["tasks"][f"t{i}"].get("residency") or {} for i in range(case.tasks)]),
             "counters": {"device": counters(dev), "tasks": [counters(stats["tasks"][f"t{i}"])
                                                             for i in range(case.tasks)]}}
+
+
+def state_moves(residency: list[dict[str, Any]]) -> dict[str, int]:
+    """Over the tasks: state bytes moved both ways after each one's first step (``state_moved``: the first
+    step's move-in and the final write-back not counted) and their entries' predicted device bytes
+    (``entry_bytes``); nothing when this runtime does not report them."""
+    after = [r.get("state_bytes_after_first_step") for r in residency]
+    out = {"state_moved": sum(after)} if after and None not in after else {}
+    if all("entry_bytes" in r for r in residency):
+        out["entry_bytes"] = sum(sum(r["entry_bytes"]) for r in residency)
+    return out
 
 
 def counters(stats: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,9 @@ one process, sides alternating (A B B A ...), >= 20 steady steps per run. Prints
 Sections (goals from issue 14 in brackets; they are reported, not asserted):
   (a) fits: GPT-2 12x768, seq 512, batch 8, AdamW, fp32 and bf16, and GPT-2 8x384 fp32, one unsharded task vs the
       plain loop [>= 0.95x samples/s and peak within plain + 5%; 8x384 >= 0.90x];
-  (b) spills: 12x768 forced into 2 and into 4 shards (a device budget whose plan has that many), and GPT-2 XL
+  (b) spills: 12x768 forced into 2 and into 4 shards (a device budget whose plan, re-cut for per-shard entries as
+      the runtime does, has that many shards with entries that move: _budget.py; 2 is never one for a tied
+      GPT-2, which then runs the nearest count), and GPT-2 XL
       (seq 256, batch 2) under a 12 GiB budget [>= 0.80x at 2 shards; state bytes per step within 10% of the
       prediction; copy/compute overlap >= 90%];
   (c) 4 and 8 tasks of 12x768 on the device at once, all resident, and with a budget that holds half of them
@@ -19,7 +21,12 @@ default, the others once (``--repeats`` caps them all). Cases run one of each se
 (8 tasks, GPT-2 XL), so that ``--time-budget`` (seconds) skips those first; skipped cases are named in the output.
 The runtime's counters (bytes moved per step, synchronisations, steps on the device or the host, evictions) are
 read from ``Runtime.stats()`` when this version reports them, and shown as "-" when it does not (state bytes per
-step then fall back to the device's prefetched bytes per step). Exit status 0 unless a case raised.
+step then fall back to the device's prefetched bytes per step): "state B/step" is the state moved either way after
+each task's first step, "entries" the runtime's predicted device bytes of the tasks' state entries. A "k shards"
+case runs under the largest budget whose plan, as the runtime makes it (its re-cut for per-shard entries
+included), has k shards whose entries move in for their units (_budget.py); a tied GPT-2 never spills in 2 (its
+head reads the embedding's entry), so that case runs the nearest count and says so. Exit status 0 unless a case
+raised.
 """
 from __future__ import annotations
 
@@ -32,11 +39,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _budget import ShardBudget
 from _common import Size
 from _perf import (
     Case,
     Result,
     Steps,
+    adamw,
     batches,
     cuda,
     gpt2_factory,
@@ -85,6 +94,7 @@ class Bench:
     def __init__(self, device: str, steps: Steps, repeats: int, deadline: float) -> None:
         self.device, self.steps, self.repeats, self.deadline = device, steps, repeats, deadline
         self.probe: dict[str, Any] | None = None
+        self.predicted: dict[str, int] = {}  # case -> its entries' predicted bytes, from the budget finder
 
     def runtime_facts(self) -> dict[str, Any]:
         """The device's own overhead and copy rate, as every runtime plans with them (one probe runtime)."""
@@ -111,27 +121,19 @@ class Bench:
         return partition(costs, budget, bandwidth=facts["rate"], keep=facts["keep"])
 
     def budget(self, case: Case) -> int | None:
-        """``case.budget``, or the largest device budget whose plan has ``case.shards`` shards (the runtime's own
-        planner over the profile it measures at submit)."""
+        """``case.budget``, or the largest device budget under which the runtime runs the task in ``case.shards``
+        shards: its units plan and then its re-cut for per-shard entries, as the runtime plans it (_budget.py).
+        The entries' predicted bytes go into ``self.predicted`` (compared with the runtime's own in the table)."""
         if case.shards is None:
             return case.budget
-        costs = self.costs(case)
-        whole = self.plan(costs, None).peak
-        above: tuple[int, int] | None = None  # (shards, plan budget): the first plan past the wanted count
-        for step in range(200, 0, -1):
-            plan_budget = whole * step // 200
-            try:
-                shards = len(self.plan(costs, plan_budget).shards)
-            except PlanError:
-                break
-            if shards == case.shards:
-                return plan_budget + self.runtime_facts()["overhead"]
-            if shards > case.shards and above is None:
-                above = (shards, plan_budget)
-        if above is None:
-            raise PlanError(f"no budget plans {case.name} in {case.shards} or more shards")
-        print(f"note: no budget gives exactly {case.shards} shards; using {above[0]}")
-        return above[1] + self.runtime_facts()["overhead"]
+        task = ht.ModelTask(gpt2_factory(case.size, case.dropout), adamw, batches(case.size, Steps(0, 1), 0),
+                            epochs=1, seed=0, precision=case.precision, name=case.name)
+        found = ShardBudget(task, self.device).find(case.shards)
+        self.predicted[case.name] = sum(found["entries"])
+        print(f"  budget {format_bytes(found['budget'])}: {found['shards']} shards, entries "
+              f"{[format_bytes(e) for e in found['entries']]} ({found['planned']})", flush=True)
+        budget = found["budget"]
+        return budget
 
     def half_budget(self, case: Case) -> int:
         """A budget that holds the state (parameters, gradients, AdamW's two moments) of half the tasks next to
@@ -162,7 +164,9 @@ class Bench:
                 runs[name].append(res)
                 print(f"  ({case.name}) {name:<14} run {r + 1}: {res['steady_sps']:8.2f} samples/s, "
                       f"wall {res.get('wall_s', float('nan')):6.1f} s", flush=True)
-        return {"case": case.name, "kind": kind, "sides": names, "runs": runs, **summary(runs, names, case)}
+        out = {"case": case.name, "kind": kind, "sides": names, "runs": runs, **summary(runs, names, case)}
+        out["planned_state_bytes"] = self.predicted.get(case.name)
+        return out
 
 
 def summary(runs: dict[str, list[Result]], names: list[str], case: Case) -> dict[str, Any]:
@@ -177,9 +181,10 @@ def summary(runs: dict[str, list[Result]], names: list[str], case: Case) -> dict
            "shards": last.get("shards"), "overlap": last.get("overlap"),
            "prefetched_bytes": last.get("prefetched_bytes"),
            "counters": last.get("counters")}
-    out["state_bytes_per_step"] = pick(found, "state", "per_step") or (
+    after_first = max(steps - case.tasks, 1)  # every step but each task's first
+    out["state_bytes_per_step"] = last["state_moved"] / after_first if "state_moved" in last else (
         last["prefetched_bytes"] / steps if last.get("prefetched_bytes") else None)
-    out["predicted_state_bytes"] = pick(found, "predicted", "state")
+    out["predicted_state_bytes"] = last.get("entry_bytes")  # the runtime's own prediction of its entries
     out["syncs_per_step"] = pick(found, "sync")
     out["device_steps"] = pick(found, "device", "step")
     out["evictions"] = pick(found, "evict")
@@ -209,7 +214,7 @@ def pcie_bound(device: str, case: Case, res: dict[str, Any]) -> float | None:
 
 def report(results: list[dict[str, Any]]) -> None:
     print(f"\n{'section':<8}{'case':<22}{'base sps':>10}{'sps':>10}{'ratio':>7}{'goal':>6}{'peak':>11}{'vs base':>8}"
-          f"{'shards':>7}{'overlap':>8}{'state B/step':>13}{'syncs/step':>11}{'dev steps':>10}{'evict':>6}")
+          f"{'shards':>7}{'overlap':>8}{'state B/step':>13}{'entries':>11}{'syncs/step':>11}{'dev steps':>10}{'evict':>6}")
     for r in results:
         base, other = r["sides"]
         goal = r.get("goal")
@@ -218,7 +223,8 @@ def report(results: list[dict[str, Any]]) -> None:
                  f"{format_bytes(r['peaks'][other]) if r['peaks'][other] else '-':>11}",
                  f"{r['peak_ratio']:>8.3f}" if r["peak_ratio"] else f"{'-':>8}", f"{r['shards'] or '-':>7}",
                  f"{r['overlap']:>8.2f}" if r["overlap"] is not None else f"{'-':>8}",
-                 f"{format_bytes(r['state_bytes_per_step']) if r['state_bytes_per_step'] else '-':>13}",
+                 f"{format_bytes(r['state_bytes_per_step']) if r['state_bytes_per_step'] is not None else '-':>13}",
+                 f"{format_bytes(r['predicted_state_bytes']) if r['predicted_state_bytes'] else '-':>11}",
                  f"{r['syncs_per_step'] if r['syncs_per_step'] is not None else '-':>11}",
                  f"{r['device_steps'] if r['device_steps'] is not None else '-':>10}",
                  f"{r['evictions'] if r['evictions'] is not None else '-':>6}"]

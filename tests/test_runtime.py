@@ -231,3 +231,27 @@ def test_a_task_cancelled_after_its_last_metrics_ends_done():
 
 def data_list(data):
     return [(data.tensors[0][i:i + 4], data.tensors[1][i:i + 4]) for i in range(0, len(data), 4)]
+
+
+def test_a_fault_of_the_board_fails_the_tasks_instead_of_hanging_them():
+    """A bug in the scheduling policy (injected here) raised in a device thread's take(): the thread died and every
+    task waited for ever. Now the admitted tasks fail with an error naming the device and the fault, and tasks
+    submitted after the fault is gone train as usual."""
+    calls = {"n": 0}
+    with ht.Runtime(devices=["cpu"]) as rt:
+        pick = rt.scheduler._pick  # fault injection: the policy raises once
+
+        def broken(records, index, idle):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ZeroDivisionError("estimate / 0")
+            return pick(records, index, idle)
+
+        rt.scheduler._pick = broken
+        h = rt.submit(ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=2, name="victim"))
+        assert h.wait(30), "the task hung"
+        assert h.status == "failed" and "scheduler failed on device cpu:0" in str(h.error)
+        assert isinstance(h.error.__cause__, ZeroDivisionError)
+        task = ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=2, name="after")
+        h2 = rt.submit(task)
+        assert max_param_diff(plain_train(task)[0], trained(h2)) == 0.0

@@ -3,11 +3,16 @@
     ready = [Ready("a", seq=3, last_device=1, remaining=9.0), Ready("b", seq=1, last_device=0, remaining=2.0)]
     lrtf(ready, device=0, idle=()) == 0          # Sharded-LRTF: the longest remaining work first
     fifo(ready, device=0, idle=()) == 1          # the task that has waited longest
+    held = Ready("c", seq=2, last_device=1, held_on=1, held_bytes=4096)   # its state entries are on device 1
+    defers([held], device=0, idle=(1,)) is True  # device 1 is free too and takes it: its state stays put
 
 A policy sees only small records, never tensors or threads, so it is tested with exact expected choices and the
 simulator replays the very same functions. The runtime asks a policy whenever a device needs its next minibatch
 of work: a task's units within one minibatch stay on the device that holds its shards and activations (that is
 the affinity that never idles another device: the task has no other unit that could run elsewhere meanwhile).
+Between minibatches the affinity weighs what a device already holds (``held_on``, ``held_bytes``: the task's
+state entries, training/resident.py), only among the tasks that start now anyway (``lrtf``), and a device leaves
+ready tasks whose state another idle device holds to that device (``defers``, asked by the board's ``take``).
 """
 from __future__ import annotations
 
@@ -25,6 +30,12 @@ class Ready:
     remaining: float = 0.0    # estimated seconds of work left (Estimator.remaining)
     turns: int = 0            # how many times a device has taken it so far
     admitted: int = 0         # admission order
+    held_on: int | None = None  # the device holding its state entries now (None: host memory)
+    held_bytes: int = 0         # predicted bytes of those entries: what moving it elsewhere writes back and copies in
+
+    def held_by(self, devices: Sequence[int] | set[int]) -> bool:
+        """Whether one of ``devices`` holds some of its state."""
+        return self.held_on is not None and self.held_bytes > 0 and self.held_on in devices
 
 
 Policy = Callable[[Sequence[Ready], int, Sequence[int]], int]
@@ -33,8 +44,10 @@ waiting for work right now (each will ask right after)."""
 
 
 def fifo(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
-    """The task that has waited longest; among equals, one that last ran on this device."""
-    return min(range(len(ready)), key=lambda i: (ready[i].seq, ready[i].last_device != device))
+    """The task that has waited longest; among equals, one whose state this device holds, then one that last ran
+    on it."""
+    return min(range(len(ready)), key=lambda i: (ready[i].seq, not ready[i].held_by({device}),
+                                                 ready[i].last_device != device))
 
 
 def round_robin(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> int:
@@ -46,30 +59,57 @@ def lrtf(ready: Sequence[Ready], device: int, idle: Sequence[int] = (), affinity
     """Sharded-LRTF with affinity.
 
     Rank by estimated remaining time (longest first, then the longest waiting). The first ``1 + len(idle)`` of
-    that ranking start now whatever this device takes, so within that window prefer a task that last ran here,
-    then one that did not last run on another idle device (that device will take it), then the longest.
-    ``affinity`` (a fraction; the runtime's board passes one, the simulator 0): when no other device is idle and
-    the longest last ran on another device, a task that last ran here whose remaining time is at least
-    ``(1 - affinity)`` times the longest's runs instead (its state is here: no move both ways).
+    that ranking start now whatever this device takes, so within that window (never beyond it: no task waits
+    for affinity) prefer, in this order: a task whose state this device holds (the most bytes first: the other
+    one moves), one that last ran here, one whose state no other idle device holds and that did not last run
+    on one (that device will take it: moving a resident task writes its state back and copies it in again),
+    then the longest. ``affinity`` (a fraction; the runtime's board passes one, the simulator 0): when no other
+    device is idle and nothing in the window is here, a task held here or that last ran here whose remaining
+    time is at least ``(1 - affinity)`` times the longest's runs instead (its state is here: no move both ways).
     """
     order = sorted(range(len(ready)), key=lambda i: (-ready[i].remaining, ready[i].seq))
     window = order[:1 + len(idle)]
+    if affinity and not idle and not any(_here(ready[i], device) for i in window):
+        top = ready[window[0]]
+        if top.last_device is not None or top.held_on is not None:
+            floor = top.remaining * (1 - affinity)
+            for i in order[1:]:
+                if ready[i].remaining < floor:
+                    break
+                if _here(ready[i], device):
+                    return i
+    return pick_in_window(ready, window, device, idle)
+
+
+def _here(r: Ready, device: int) -> bool:
+    return r.held_on == device or r.last_device == device
+
+
+def pick_in_window(ready: Sequence[Ready], window: Sequence[int], device: int, idle: Sequence[int]) -> int:
+    """Within ``window`` (indices into ``ready``, in the policy's order, all of which start now), the one device
+    ``device`` takes: see ``lrtf``."""
+    here = [i for i in window if ready[i].held_by({device})]
+    if here:
+        return max(here, key=lambda i: ready[i].held_bytes)  # max keeps the first of equals
     for i in window:
         if ready[i].last_device == device:
             return i
-    top = ready[window[0]]
-    if affinity and not idle and top.last_device is not None:
-        floor = top.remaining * (1 - affinity)
-        for i in order[1:]:
-            if ready[i].remaining < floor:
-                break
-            if ready[i].last_device == device:
-                return i
     others = set(idle)
     for i in window:
-        if ready[i].last_device not in others:
+        if not ready[i].held_by(others) and ready[i].last_device not in others:
+            return i
+    for i in window:
+        if not ready[i].held_by(others):
             return i
     return window[0]
+
+
+def defers(ready: Sequence[Ready], device: int, idle: Sequence[int] = ()) -> bool:
+    """Whether ``device`` should leave every ready task to the other idle devices (it waits meanwhile): each
+    one's state is held by one of them, which takes it when it asks (a device leaving the idle ones wakes the
+    others). Taking one here would write its state back and copy it in again."""
+    others = set(idle)
+    return bool(ready) and bool(others) and all(r.held_by(others) for r in ready)
 
 
 POLICIES: dict[str, Policy] = {"lrtf": lrtf, "fifo": fifo, "round_robin": round_robin}

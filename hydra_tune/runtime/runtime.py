@@ -29,10 +29,11 @@ from ..training.entry_plan import plan_entries
 from ..training.footprint import Footprint
 from ..training.shard import ShardExec
 from ..training.state import TaskState
+from .admitted import Admitted
 from .gate import GateHooks, HostGate
 from .handle import TaskHandle
 from .progress import ProgressLog, progress_seconds
-from .scheduler import Admitted, Scheduler
+from .scheduler import Scheduler
 from .trace import Recorder, Trace
 from .worker import DeviceWorker, WorkerHooks
 

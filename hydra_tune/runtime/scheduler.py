@@ -29,10 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
-from ..policy.schedule import POLICIES, Estimator, Ready, lrtf
+from ..policy.schedule import POLICIES, Estimator, Ready, defers, lrtf
 from ..training.footprint import Footprint
-from ..training.segments import Segment
 from ..training.state import TaskState
+from .admitted import Admitted
 from .handle import TaskHandle
 from .host import HostThread
 
@@ -43,50 +43,6 @@ KEEP_WAIT = (4.0, 0.05, 1.0)
 # LRTF's affinity band here (policy/schedule.py lrtf): estimates of equal tasks differ by tens of percent on a busy
 # machine, and without it small tasks moved their state between devices about every fourth segment.
 AFFINITY = 0.3
-
-
-class Admitted:
-    """One admitted task between its segments: its handle, state, chain of segments, host thread and scheduling
-    record. ``open_next(task)`` is what its host thread runs: open the task's next segment."""
-
-    def __init__(self, handle: TaskHandle, state: TaskState, order: int, footprint: Footprint | None,
-                 open_next: Callable[["Admitted"], None]) -> None:
-        self.handle, self.state, self.order, self.footprint = handle, state, order, footprint
-        self.chain = state.segments(handle.emit)
-        self.segment: Segment | None = None  # taken from the chain, not yet run
-        self.last_device: int | None = None
-        self.units = 0
-        self.turns = 0
-        # Written under the board's lock:
-        self.opening = False        # its host thread is advancing the chain now
-        self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
-        self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (_estimate)
-        self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
-        self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
-        self.open_seconds = 0.0     # how long its last opening took
-        self.released = False       # ended, and on_end has run: what the chain holds goes next
-        self.host = HostThread(handle.name, lambda: open_next(self))
-
-    def let_go(self) -> None:
-        """Close the chain and clear the host buffers: only once the task ended and no thread advances it."""
-        self.chain.close()
-        self.state.store.clear()
-
-    @property
-    def name(self) -> str:
-        return self.handle.name
-
-    def stats(self) -> dict[str, Any]:
-        """What ``Runtime.stats()`` reports for this task (read under the board's lock)."""
-        st = self.state
-        return {"state": self.handle.status, "shards": [list(ex.names) for ex in st.execs],
-                "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
-                "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
-                "samples_trained": st.samples_trained,
-                "epoch": st.epoch, "units": self.units, "host_bytes": st.held_bytes, "replans": st.replans,
-                "predicted_peak": st.plan.peak,
-                "host_footprint": self.footprint.parts() if self.footprint is not None else None,
-                "residency": st.home.stats()}
 
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
@@ -190,6 +146,14 @@ class Scheduler:
             self._ready = [(q, a) for q, a in self._ready if a is not task]
         return task
 
+    def fail_all(self, error: BaseException) -> None:
+        """A fault of the board itself (a device could not take work): end every admitted task with ``error``
+        rather than leave it waiting for a device that cannot pick it."""
+        with self.cond:
+            tasks = list(self._tasks.values())
+        for task in tasks:
+            self.end(task, "failed", error)
+
     def close(self) -> list[Admitted] | None:
         """Stop handing out work (waiting devices wake up and get None); the tasks still admitted, or None when
         the board was closed already."""
@@ -216,8 +180,9 @@ class Scheduler:
         """Block until a task is ready for device ``index`` (its next segment open); None once closed."""
         with self.cond:
             self._idle.add(index)
-            self.cond.wait_for(lambda: self._closed or self._ready)
+            self.cond.wait_for(lambda: self._closed or self._ready and not self._defers(index))
             self._idle.discard(index)
+            self.cond.notify_all()  # a device that deferred to this one decides again
             if self._closed:
                 return None
             task = self._choose(index)
@@ -391,6 +356,22 @@ class Scheduler:
             task.left = left
         return left
 
+    def _records(self, index: int, cands: list[tuple[int, Admitted]], current: Admitted | None) -> list[Ready]:
+        """The policy's view of ``cands`` for device ``index`` (``current``: as if ready now, last run here)."""
+        return [Ready(a.name, seq, index if a is current else a.last_device,
+                      self._estimate(a, a is current), a.turns + (a is current), a.order,
+                      *a.state.home.holder()) for seq, a in cands]
+
+    def _defers(self, index: int) -> bool:
+        """Whether device ``index`` leaves every ready task to the other idle devices holding their state
+        (policy.schedule.defers); only where they hold state are the records built (cheap for the common case)."""
+        others = self._idle - {index}
+        if not others:
+            return False
+        held = [(a.last_device, *a.state.home.holder()) for _, a in self._ready]
+        return defers([Ready(a.name, seq, last, 0.0, 0, 0, on, nbytes)
+                       for (seq, a), (last, on, nbytes) in zip(self._ready, held)], index, sorted(others))
+
     def _push(self, task: Admitted) -> None:
         task.left = None  # its next segment is open: its estimate is asked anew
         self._ready.append((task.since, task))
@@ -423,10 +404,7 @@ class Scheduler:
         cands = [(seq, a) for _, seq, a in ready] + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
-        records = [Ready(a.name, seq, index if a is current else a.last_device,
-                         self._estimate(a, a is current),
-                         a.turns + (a is current), a.order) for seq, a in cands]
-        pos = self._pick(records, index, idle)
+        pos = self._pick(self._records(index, cands, current), index, idle)
         return cands[pos][1] if pos == len(ready) else self._ready.pop(ready[pos][0])[1]
 
     def _release_set_aside(self, index: int) -> None:

@@ -34,7 +34,8 @@ from ..training.residency import ShardCache
 from ..training.segments import Unit
 from ..training.shard import ShardExec
 from ..training.state_cache import StateCache
-from .scheduler import Admitted, Scheduler
+from .admitted import Admitted
+from .scheduler import Scheduler
 from .trace import COPY, Recorder
 
 Following = list[tuple["Admitted | None", "Future[None] | None"]]  # the device's next task, the copy of its 1st shard
@@ -103,17 +104,30 @@ class DeviceWorker:
         task: Admitted | None = None  # the device's next task, its segment open (kept: being opened)
         kept = False
         while not self.board.closed:  # close() ends every task still admitted, the one picked for us included
-            if kept:  # the policy kept the device on this task: its host thread is opening the next segment
-                task = self.board.take_kept(self.index, task)  # type: ignore[arg-type]
-            if task is None:  # waiting holds no task (a done task's model, an error's frames)
-                task = self.board.take(self.index)
-                if task is None:
-                    return
+            try:
+                if kept:  # the policy kept the device on this task: its host thread is opening the next segment
+                    task = self.board.take_kept(self.index, task)  # type: ignore[arg-type]
+                if task is None:  # waiting holds no task (a done task's model, an error's frames)
+                    task = self.board.take(self.index)
+            except BaseException as exc:  # a fault of the board or policy: fail the tasks, never leave them waiting
+                self._board_failed(exc)
+                task, kept = None, False
+                continue
+            if task is None:
+                return
             try:
                 task, kept = self._run_segment(task)
             except BaseException as exc:  # a fault of ours outside the units: fail that task, keep the device
                 self.board.end(task, "failed", exc)
                 task, kept = None, False
+
+    def _board_failed(self, exc: BaseException) -> None:
+        error = RuntimeError(f"hydra_tune's scheduler failed on device {self.device.name} while choosing its next "
+                             f"task ({type(exc).__name__}: {exc}); every admitted task was failed rather than left "
+                             "waiting. This is a bug in hydra_tune: please report it with this traceback.")
+        error.__cause__ = exc
+        self.board.fail_all(error)
+        time.sleep(0.05)  # a fault that repeats with no task admitted must not spin this thread
 
     def _run_segment(self, task: Admitted) -> tuple[Admitted | None, bool]:
         """Run the open segment's units in order; returns the device's next task with its segment open (picked

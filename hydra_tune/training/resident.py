@@ -179,6 +179,11 @@ class StateHome(HomeSteps):
         """Predicted device bytes of the entries on its device now."""
         return self.entry_bytes(list(self._slots))
 
+    def holder(self) -> tuple[int | None, int]:
+        """(the index of the device holding its entries, their predicted bytes); (None, 0): in host memory."""
+        cache = self.cache  # plain reads (the board's policy, any thread): a guess that may be a moment old
+        return (None, 0) if cache is None else (cache.index, self.held_bytes())
+
     def resident_shards(self) -> set[int]:
         return set(self._slots)
 

@@ -1,0 +1,63 @@
+"""One admitted task as the board (scheduler.py) holds it between its segments.
+
+    task = Admitted(handle, state, order, footprint, open_next=board._open)   # made by Scheduler.admit
+    task.segment        # its open segment (taken from its chain by its host thread), None while it runs
+    task.stats()        # what Runtime.stats()["tasks"][name] reports
+
+Rules: the fields under "Written under the board's lock" change only with ``Scheduler.cond`` held; ``let_go``
+runs once, after the task ended and no thread advances its chain.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..training.footprint import Footprint
+from ..training.segments import Segment
+from ..training.state import TaskState
+from .handle import TaskHandle
+from .host import HostThread
+
+
+class Admitted:
+    """One admitted task between its segments: its handle, state, chain of segments, host thread and scheduling
+    record. ``open_next(task)`` is what its host thread runs: open the task's next segment."""
+
+    def __init__(self, handle: TaskHandle, state: TaskState, order: int, footprint: Footprint | None,
+                 open_next: Callable[["Admitted"], None]) -> None:
+        self.handle, self.state, self.order, self.footprint = handle, state, order, footprint
+        self.chain = state.segments(handle.emit)
+        self.segment: Segment | None = None  # taken from the chain, not yet run
+        self.last_device: int | None = None
+        self.units = 0
+        self.turns = 0
+        # Written under the board's lock:
+        self.opening = False        # its host thread is advancing the chain now
+        self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
+        self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (_estimate)
+        self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
+        self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
+        self.open_seconds = 0.0     # how long its last opening took
+        self.released = False       # ended, and on_end has run: what the chain holds goes next
+        self.host = HostThread(handle.name, lambda: open_next(self))
+
+    def let_go(self) -> None:
+        """Close the chain and clear the host buffers: only once the task ended and no thread advances it."""
+        self.chain.close()
+        self.state.store.clear()
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    def stats(self) -> dict[str, Any]:
+        """What ``Runtime.stats()`` reports for this task (read under the board's lock)."""
+        st = self.state
+        return {"state": self.handle.status, "shards": [list(ex.names) for ex in st.execs],
+                "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
+                "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
+                "samples_trained": st.samples_trained,
+                "epoch": st.epoch, "units": self.units, "host_bytes": st.held_bytes, "replans": st.replans,
+                "predicted_peak": st.plan.peak,
+                "host_footprint": self.footprint.parts() if self.footprint is not None else None,
+                "residency": st.home.stats()}
