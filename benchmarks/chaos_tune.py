@@ -267,10 +267,10 @@ def search(cluster: Any, args: argparse.Namespace, root: str, name: str, faults:
     return {"wall_s": wall, "first_result_s": (watch.first_result or t0) - t0, "trials": trials,
             "faults": [] if chaos is None else chaos.done,
             "planned": len(faults), "recovered": watch.recovered, "at_end": watch.at_end,
-            "orphans": _orphans(watch, root, scratch)}
+            "orphans": orphans(watch, root, scratch)}
 
 
-def _orphans(watch: Watch, root: str, scratch: str) -> dict[str, Any]:
+def orphans(watch: Watch, root: str, scratch: str) -> dict[str, Any]:
     """After the experiment: runtime actors left, processes alive (given 15 s to exit), checkpoint temp files."""
     deadline = time.time() + 15
     alive = sorted(watch.pids)

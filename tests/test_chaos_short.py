@@ -91,3 +91,93 @@ def test_optuna_worker_killed_mid_trial_is_failed_cancelled_and_replaced():
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- Tune: a trial's proxy SIGKILLed and the runtime actor killed, each once, in an ASHA search ------------------------
+TRIALS, TUNE_EPOCHS = 4, 4   # ASHA (grace 1, reduction 2, max_t 4): a trial ends at epoch 1, 2 or 4
+
+
+def _faults_callback():
+    """A Tune callback that SIGKILLs the proxy of the first trial to report epoch 2 and kills the runtime actor at the
+    first report of epoch 3 (the first trial past ASHA's rung 2 always goes on to epoch 4, so both happen)."""
+    import signal
+
+    import ray
+    from ray import tune
+
+    from hydra_tune.integrations import _tune_proxy
+
+    class Faults(tune.Callback):
+        def __init__(self) -> None:
+            self.done: list[tuple[str, str, int]] = []   # (kind, trial id, epoch it reported)
+
+        def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+            kinds = [k for k, _, _ in self.done]
+            if result["epoch"] == 2 and "proxy" not in kinds:
+                os.kill(result["pid"], signal.SIGKILL)
+                self.done.append(("proxy", trial.trial_id, 2))
+            elif result["epoch"] == 3 and "actor" not in kinds:
+                actor = ray.get_actor(_tune_proxy.actor_name(result["proxy_node"]), namespace=_tune_proxy.NAMESPACE)
+                ray.kill(actor, no_restart=True)
+                self.done.append(("actor", trial.trial_id, 3))
+
+    return Faults()
+
+
+def _direct_losses(config: dict) -> list[tuple[int, float]]:
+    """The trial's task run straight on an in-process runtime, fault-free: (epoch, train loss) for every epoch."""
+    import chaos_tune
+
+    import hydra_tune as ht
+
+    with ht.Runtime(devices=["cpu"]) as rt:
+        return [(m["epoch"], m["train_loss"]) for m in ht.train(chaos_tune.make_task(config, "direct", None), rt)]
+
+
+def test_tune_search_with_killed_proxy_and_runtime_actor_loses_nothing_and_resumes_exactly(local_ray, tmp_path):
+    ray = pytest.importorskip("ray")
+    import chaos_tune
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    import hydra_tune as ht
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    ex = ht.HydraExecutor(devices=["cpu"], report_proxy_modules=True)
+    watch, faults = chaos_tune.Watch(ex), _faults_callback()
+    space = {"i": tune.grid_search(list(range(TRIALS))), "n": TRIALS, "nb": 16, "epochs": TUNE_EPOCHS,
+             "scratch": str(scratch)}
+    tuner = tune.Tuner(ex.wrap(chaos_tune.train_fn), param_space=space,
+                       tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=TRIALS,
+                                                   scheduler=ASHAScheduler(max_t=TUNE_EPOCHS, grace_period=1,
+                                                                           reduction_factor=2)),
+                       run_config=tune.RunConfig(name="short", storage_path=str(tmp_path / "storage"), verbose=0,
+                                                 callbacks=[faults, watch, ex],   # watch sees the runtimes before ex
+                                                 failure_config=tune.FailureConfig(max_failures=2)))   # stops them
+    try:
+        results = tuner.fit()
+    finally:
+        ex.shutdown()
+    assert [k for k, _, _ in faults.done] == ["proxy", "actor"], faults.done
+    assert watch.recovered >= 2   # the proxy's trial, and every trial the runtime actor trained then
+    assert results.num_errors == 0, [r.error for r in results]
+    # no trial lost: each ended at one of its scheduler's ends (an ASHA rung or max_t)
+    assert sorted(r.config["i"] for r in results) == list(range(TRIALS))
+    assert all(r.metrics["training_iteration"] in (1, 2, TUNE_EPOCHS) for r in results), \
+        [r.metrics["training_iteration"] for r in results]
+    # exact resume: every report, repeated epochs after a restore included, equals the fault-free direct run's
+    resumed = 0
+    for r in results:
+        df = r.metrics_dataframe
+        direct = dict(_direct_losses(r.config))
+        rows = [(int(e), float(v)) for e, v in zip(df["epoch"], df["loss"])]
+        assert [(e, direct[e]) for e, _ in rows] == rows, r.config["i"]
+        assert max(e for e, _ in rows) == r.metrics["training_iteration"]
+        resumed += bool(df["resumed"].any())
+    assert resumed >= 1   # at least the proxy's trial restarted from a checkpoint
+    # no orphans: no train_fn thread nor task alive in the runtime at the end, no runtime actor after shutdown, no
+    # proxy/runtime process, no checkpoint temp file, no trial folder left
+    left = chaos_tune.orphans(watch, str(tmp_path), str(scratch))
+    assert chaos_tune.orphan_count(left) == 0, left
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("hydra_rt_")]
