@@ -94,7 +94,7 @@ def test_optuna_worker_killed_mid_trial_is_failed_cancelled_and_replaced():
 
 
 # -- Tune: a trial's proxy SIGKILLed and the runtime actor killed, each once, in an ASHA search ------------------------
-TRIALS, TUNE_EPOCHS = 4, 4   # ASHA (grace 1, reduction 2, max_t 4): a trial ends at epoch 1, 2 or 4
+TRIALS, TUNE_EPOCHS = 3, 4   # ASHA (grace 1, reduction 2, max_t 4): a trial ends at epoch 1, 2 or 4
 
 
 def _faults_callback():
@@ -146,7 +146,7 @@ def test_tune_search_with_killed_proxy_and_runtime_actor_loses_nothing_and_resum
     scratch.mkdir()
     ex = ht.HydraExecutor(devices=["cpu"], report_proxy_modules=True)
     watch, faults = chaos_tune.Watch(ex), _faults_callback()
-    space = {"i": tune.grid_search(list(range(TRIALS))), "n": TRIALS, "nb": 16, "epochs": TUNE_EPOCHS,
+    space = {"i": tune.grid_search(list(range(TRIALS))), "n": TRIALS, "nb": 8, "epochs": TUNE_EPOCHS,
              "scratch": str(scratch)}
     tuner = tune.Tuner(ex.wrap(chaos_tune.train_fn), param_space=space,
                        tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=TRIALS,
