@@ -12,6 +12,10 @@ many units the server ran of them after the kill and how long the cancel took (s
 stats(), so they include the polling's delay), whether the node server outlived its clients (goal: it lingers
 out), wall time. Exit status 1 when a goal is missed.
 
+tests/test_chaos_short.py (in `make test`) reuses ``Worker``, ``kill_and_replace``, ``study_end`` and
+``server_outlives`` for one kill at an event instead of a random time: once a worker (running one trial at a time)
+has a trial that reported epoch 1, recorded a heartbeat and trains in the server.
+
 ``--journal``: the study lives in an Optuna JournalStorage (a journal file) instead. Optuna has no heartbeat for
 journal storage (checked in optuna 5.0.0: ``JournalStorage`` does not implement ``BaseHeartbeat``, so
 ``is_heartbeat_enabled`` is False and ``fail_stale_trials`` does nothing): a killed worker's trial stays RUNNING
@@ -21,7 +25,7 @@ still cancels the dead worker's task at once, and the driver then fails the tria
 left RUNNING are exactly killed ones, and every one of those is FAIL after the tell).
 
     .venv/bin/python benchmarks/chaos_optuna.py                 # 24 trials, 3 workers, 6 kills
-    .venv/bin/python benchmarks/chaos_optuna.py --quick         # what tests/test_chaos.py runs
+    .venv/bin/python benchmarks/chaos_optuna.py --quick         # what tests/test_chaos.py runs (opt-in)
     .venv/bin/python benchmarks/chaos_optuna.py --quick --journal   # the same on JournalStorage
 """
 from __future__ import annotations
