@@ -12,6 +12,10 @@ many units the server ran of them after the kill and how long the cancel took (s
 stats(), so they include the polling's delay), whether the node server outlived its clients (goal: it lingers
 out), wall time. Exit status 1 when a goal is missed.
 
+tests/test_chaos_short.py (in `make test`) reuses ``Worker``, ``kill_and_replace``, ``study_end`` and
+``server_outlives`` for one kill at an event instead of a random time: once a worker (running one trial at a time)
+has a trial that reported epoch 1, recorded a heartbeat and trains in the server.
+
 ``--journal``: the study lives in an Optuna JournalStorage (a journal file) instead. Optuna has no heartbeat for
 journal storage (checked in optuna 5.0.0: ``JournalStorage`` does not implement ``BaseHeartbeat``, so
 ``is_heartbeat_enabled`` is False and ``fail_stale_trials`` does nothing): a killed worker's trial stays RUNNING
@@ -21,7 +25,7 @@ still cancels the dead worker's task at once, and the driver then fails the tria
 left RUNNING are exactly killed ones, and every one of those is FAIL after the tell).
 
     .venv/bin/python benchmarks/chaos_optuna.py                 # 24 trials, 3 workers, 6 kills
-    .venv/bin/python benchmarks/chaos_optuna.py --quick         # what tests/test_chaos.py runs
+    .venv/bin/python benchmarks/chaos_optuna.py --quick         # what tests/test_chaos.py runs (opt-in)
     .venv/bin/python benchmarks/chaos_optuna.py --quick --journal   # the same on JournalStorage
 """
 from __future__ import annotations
@@ -43,8 +47,16 @@ DEVICES, BUDGET, LINGER = ["cpu", "cpu"], "64KiB", 2
 
 
 # -- a worker process -----------------------------------------------------------------------------------------------
-def worker(storage: str, name: str, n_trials: int) -> None:
-    """Join the study and optimize until it has ``n_trials`` complete trials; prints each trial as it trains."""
+def say(line: str) -> None:
+    """One line to the driver in one write: trials run in threads, and print's separate write of the newline could
+    interleave with another thread's line (the driver then read "START 0START 1")."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def worker(storage: str, name: str, n_trials: int, epochs: int = 6, jobs: int | None = None) -> None:
+    """Join the study and optimize until it has ``n_trials`` complete trials, ``jobs`` trials at once (default: the
+    study's concurrency); prints each trial as it trains."""
     import optuna
     import torch
     import torch.nn.functional as F
@@ -56,10 +68,10 @@ def worker(storage: str, name: str, n_trials: int) -> None:
     study = ht.optuna_study(direction="minimize", storage=open_storage(storage), study_name=name, load_if_exists=True,
                             sampler=optuna.samplers.RandomSampler(seed=os.getpid()), heartbeat_interval=1,
                             devices=DEVICES, device_memory=BUDGET)
-    print(f"SERVER {study.runtime_stats()['server']['pid']}", flush=True)
+    say(f"SERVER {study.runtime_stats()['server']['pid']}")
 
     def objective(trial: optuna.Trial) -> float:
-        print(f"START {trial.number}", flush=True)
+        say(f"START {trial.number}")
         lr = trial.suggest_float("lr", 0.01, 0.1)
         g = torch.Generator().manual_seed(trial.number)
         data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(8)]
@@ -71,16 +83,16 @@ def worker(storage: str, name: str, n_trials: int) -> None:
         task = ht.ModelTask(lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                                         torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                                         torch.nn.Linear(32, 4)),
-                            lambda m: torch.optim.SGD(m.parameters(), lr=lr), data, loss=loss, epochs=6)
+                            lambda m: torch.optim.SGD(m.parameters(), lr=lr), data, loss=loss, epochs=epochs)
         for m in ht.train(task):
             if m["epoch"] == 1:
-                print(f"TRIAL {trial.number} {ht.current_handle().server_name}", flush=True)
+                say(f"TRIAL {trial.number} {ht.current_handle().server_name}")
             trial.report(m["train_loss"], m["epoch"])
-        print(f"DONE {trial.number}", flush=True)
+        say(f"DONE {trial.number}")
         return m["train_loss"]
 
     stop = optuna.study.MaxTrialsCallback(n_trials, states=(optuna.trial.TrialState.COMPLETE,))
-    study.optimize(objective, n_trials=10 * n_trials, callbacks=[stop])
+    study.optimize(objective, n_trials=10 * n_trials, callbacks=[stop], n_jobs=jobs)
     study.close()
 
 
@@ -143,6 +155,27 @@ def _after_kill(observer: Any, running: dict[int, str], units: dict[str, int], t
     return out
 
 
+def kill_and_replace(pool: list[Worker], victim: Worker, observer: Any, args: list[str],
+                     env: dict[str, str]) -> tuple[list[dict[str, Any]], set[int]]:
+    """SIGKILL ``victim``, start a new worker with ``args`` in its place in ``pool``, and wait until the server ended
+    the victim's tasks. Returns ``_after_kill``'s entries (one per trial it was training) and every trial it had
+    begun."""
+    running, begun = dict(victim.running), set(victim.started)
+    units = {task: (_task_state(observer, task) or {}).get("units", 0) for task in running.values()}
+    victim.proc.send_signal(signal.SIGKILL)
+    t_kill = time.perf_counter()
+    victim.proc.wait()
+    pool[pool.index(victim)] = Worker(args, env)
+    return _after_kill(observer, running, units, t_kill), begun
+
+
+def node_env(base: str) -> dict[str, str]:
+    """The environment of the driver's workers (and, set in ``os.environ``, of the driver's own node client): the
+    node server's folder ``base`` and its linger."""
+    os.environ.update(HYDRA_TUNE_NODE_DIR=base, HYDRA_TUNE_NODE_LINGER=str(LINGER))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
 def chaos(trials: int, workers: int, kills: int, seed: int, journal: bool = False) -> dict[str, Any]:
     import warnings
 
@@ -154,9 +187,7 @@ def chaos(trials: int, workers: int, kills: int, seed: int, journal: bool = Fals
 
     rng = random.Random(seed)
     base = tempfile.mkdtemp(prefix="hto", dir="/tmp")   # short: socket paths are limited to 107 bytes
-    env = dict(os.environ, HYDRA_TUNE_NODE_DIR=base, HYDRA_TUNE_NODE_LINGER=str(LINGER),
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    os.environ.update(HYDRA_TUNE_NODE_DIR=base, HYDRA_TUNE_NODE_LINGER=str(LINGER))
+    env = node_env(base)
     storage, name = f"journal:{base}/study.log" if journal else f"sqlite:///{base}/study.db", "chaos"
     optuna.create_study(storage=open_storage(storage), study_name=name, direction="minimize")
     observer = node.connect(devices=DEVICES, device_memory=BUDGET)   # reads the server's stats (same config)
@@ -171,14 +202,8 @@ def chaos(trials: int, workers: int, kills: int, seed: int, journal: bool = Fals
             busy = [w for w in pool if w.proc.poll() is None and w.running]
             if not busy:
                 continue
-            victim = rng.choice(busy)
-            running, begun = dict(victim.running), set(victim.started)
-            units = {task: (_task_state(observer, task) or {}).get("units", 0) for task in running.values()}
-            victim.proc.send_signal(signal.SIGKILL)
-            t_kill = time.perf_counter()
-            victim.proc.wait()
-            pool[pool.index(victim)] = Worker([storage, name, str(trials)], env)
-            killed += _after_kill(observer, running, units, t_kill)
+            entries, begun = kill_and_replace(pool, rng.choice(busy), observer, [storage, name, str(trials)], env)
+            killed += entries
             killed_begun |= begun
             kills_done += 1
         for w in pool:
@@ -194,13 +219,8 @@ def chaos(trials: int, workers: int, kills: int, seed: int, journal: bool = Fals
         states, stuck = _journal_end(storage, name, killed_begun)
         no_beat: list[int] = []
     else:
-        (states, no_beat), stuck = _study_end(storage, name, f"{base}/study.db"), []
-    deadline = time.monotonic() + LINGER + 20
-    while time.monotonic() < deadline and _alive(server_pid):
-        time.sleep(0.2)
-    server_left = _alive(server_pid)
-    if server_left:
-        os.kill(server_pid, signal.SIGTERM)
+        (states, no_beat), stuck = study_end(storage, name, f"{base}/study.db"), []
+    server_left = server_outlives(server_pid)
     shutil.rmtree(base, ignore_errors=True)
     return {"trials": trials, "workers": workers, "kills": kills_done, "seed": seed, "killed": killed,
             "states": states, "complete": sum(s == "COMPLETE" for s in states.values()),
@@ -213,7 +233,7 @@ def chaos(trials: int, workers: int, kills: int, seed: int, journal: bool = Fals
             "wall_s": wall}
 
 
-def _study_end(storage: str, name: str, db_path: str) -> tuple[dict[str, str], list[int]]:
+def study_end(storage: str, name: str, db_path: str) -> tuple[dict[str, str], list[int]]:
     """Fail the stale trials as Optuna does (heartbeat grace: 2 x 1 s); every trial's state (str keys: the same
     after a JSON round trip), and the RUNNING ones that never recorded a heartbeat (fail_stale_trials cannot see
     those)."""
@@ -245,6 +265,27 @@ def _journal_end(storage: str, name: str, killed: set[int]) -> tuple[dict[str, s
     for number in sorted(killed & set(stuck)):
         study.tell(number, state=optuna.trial.TrialState.FAIL)
     return {str(t.number): t.state.name for t in study.trials}, stuck
+
+
+def server_outlives(server_pid: int) -> bool:
+    """Whether the node server is still alive ``LINGER`` + 20 s after its last client left (then it is SIGTERMed)."""
+    deadline = time.monotonic() + LINGER + 20
+    while time.monotonic() < deadline and _alive(server_pid):
+        time.sleep(0.2)
+    left = _alive(server_pid)
+    if left:
+        os.kill(server_pid, signal.SIGTERM)
+    return left
+
+
+def has_heartbeat(db_path: str, number: int) -> bool:
+    """Whether trial ``number`` of the (only) study in the SQLite file ``db_path`` recorded a heartbeat: only then
+    can ``fail_stale_trials`` fail it once its process is dead."""
+    import sqlite3
+
+    with sqlite3.connect(db_path) as db:
+        return db.execute("SELECT 1 FROM trial_heartbeats JOIN trials USING (trial_id) WHERE trials.number = ?",
+                          (number,)).fetchone() is not None
 
 
 def _alive(pid: int) -> bool:
@@ -282,10 +323,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--journal", action="store_true", help="JournalStorage (a journal file) instead of SQLite")
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--worker", nargs=3, metavar=("STORAGE", "STUDY", "TRIALS"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)   # STORAGE STUDY TRIALS [EPOCHS [JOBS]]
     args = p.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        worker(args.worker[0], args.worker[1], *map(int, args.worker[2:]))
         return 0
     trials, kills = args.trials or (4 if args.quick else 24), args.kills or (2 if args.quick else 6)
     args.workers = args.workers or (2 if args.quick else 3)

@@ -15,6 +15,10 @@ The same seeded search runs twice on the cluster: fault-free, then with faults a
   * actor: ``ray.kill`` a node's runtime actor under its running trials;
   * proxy: SIGKILL a running trial's proxy process (its train_fn thread in the runtime actor is left behind).
 
+The node-removal fault lives only here (a cluster costs 35-60 s to start); tests/test_chaos_short.py (in `make
+test`) reuses ``train_fn``, ``Watch``, ``orphans`` and ``orphan_count`` for a search on the tests' local Ray with
+the proxy and runtime-actor faults at given reports instead of times.
+
 Figures (a table, then one JSON line): faults injected by kind; trials lost (errored, or ended at an iteration
 that is neither an ASHA rung nor ``max_t``: goal 0); trials whose metrics differ from the fault-free run at an
 iteration both runs reached, repeated iterations after a restore included (goal 0: exact resume; which trials ASHA
@@ -26,7 +30,7 @@ incarnation removes its own; a killed one's is taken over by its restart); wall 
 when a goal is missed.
 
     .venv/bin/python benchmarks/chaos_tune.py                  # 24 trials x 8 epochs, 4 faults (~4-6 min on 2 cores)
-    .venv/bin/python benchmarks/chaos_tune.py --quick          # what tests/test_chaos_tune.py runs
+    .venv/bin/python benchmarks/chaos_tune.py --quick          # what tests/test_tune_chaos.py runs (opt-in)
 """
 from __future__ import annotations
 
@@ -267,10 +271,10 @@ def search(cluster: Any, args: argparse.Namespace, root: str, name: str, faults:
     return {"wall_s": wall, "first_result_s": (watch.first_result or t0) - t0, "trials": trials,
             "faults": [] if chaos is None else chaos.done,
             "planned": len(faults), "recovered": watch.recovered, "at_end": watch.at_end,
-            "orphans": _orphans(watch, root, scratch)}
+            "orphans": orphans(watch, root, scratch)}
 
 
-def _orphans(watch: Watch, root: str, scratch: str) -> dict[str, Any]:
+def orphans(watch: Watch, root: str, scratch: str) -> dict[str, Any]:
     """After the experiment: runtime actors left, processes alive (given 15 s to exit), checkpoint temp files."""
     deadline = time.time() + 15
     alive = sorted(watch.pids)

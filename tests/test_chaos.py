@@ -1,8 +1,10 @@
-"""Faults at search scale, short versions of the chaos benchmarks: an Optuna study on SQLite whose worker processes
-are SIGKILLed mid-trial and restarted reaches its trials; every killed trial that recorded a heartbeat is failed
-(one killed before its first heartbeat stays RUNNING: an Optuna limitation the benchmark lists), the
-node server cancels the dead worker's task and lingers out after the last client (benchmarks/chaos_optuna.py);
-the same on JournalStorage, which has no heartbeat; and the Ray Tune chaos search (benchmarks/chaos_tune.py)."""
+"""Faults at search scale, the long Optuna chaos studies (opt-in: HYDRA_TUNE_CHAOS=1): an Optuna study on SQLite
+whose worker processes are SIGKILLed at seeded random moments mid-trial and restarted reaches its trials; every
+killed trial that recorded a heartbeat is failed (one killed before its first heartbeat stays RUNNING: an Optuna
+limitation the benchmark lists), the node server cancels the dead worker's task and lingers out after the last
+client (benchmarks/chaos_optuna.py --quick); the same on JournalStorage, which has no heartbeat. `make test` runs
+the short, event-driven version: tests/test_chaos_short.py (one kill, exactly when a trial has reported its first
+epoch, recorded a heartbeat and trains in the server)."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,9 @@
 """Faults in a Ray Tune search. In `make test`: a trial Tune restarts after a failure (FailureConfig) whose proxy died
 without a word (SIGKILL, the OOM killer, its node lost) leaves no train_fn thread nor task behind in the runtime
-actor, and its restart is not touched. With HYDRA_TUNE_CHAOS=1 also the short chaos search
-(benchmarks/chaos_tune.py --quick: a 3-node cluster, node loss, a killed runtime actor, a killed proxy; 1.5-3 min on
-2 cores, timing-sensitive under load, so out of `make test`)."""
+actor, and its restart is not touched (and tests/test_chaos_short.py: an ASHA search on the shared local Ray with a
+proxy SIGKILLed and the runtime actor killed at given reports). With HYDRA_TUNE_CHAOS=1 also the short chaos search
+(benchmarks/chaos_tune.py --quick: a 3-node cluster, node loss, a killed runtime actor, a killed proxy, at seeded
+random times; 1.5-3 min on 2 cores, timing-sensitive under load, so out of `make test`)."""
 from __future__ import annotations
 
 import json
