@@ -1,11 +1,12 @@
 """The torch releases hydra_tune supports, and the error at ``import hydra_tune`` outside them.
 
-    require_torch(torch.__version__)   # ImportError: `torch>=2.4` (the releases hydra_tune is tested with) must
+    require_torch(torch.__version__)   # ImportError: `torch>=2.4` (the releases hydra_tune supports) must
                                        #   hold, but got (torch='2.3.1', supported='>=2.4'). Fix: pip install ...
 
-Rules: ``TORCH_MIN`` is the lowest release whose APIs the code calls (torch.amp.GradScaler("cpu"), the dispatch and
-function mode stacks, torch.utils._foreach_utils' grouping, ...: see benchmarks/compat.sh's cells torch-low and
-torch-top, which run the torch-dependent tests at both ends); pyproject.toml declares the same bound
+Rules: ``TORCH_MIN`` is the lowest release that has every torch API the code calls (the last to arrive: the
+top-level ``torch.OutOfMemoryError``, 2.4; ``torch.amp.GradScaler("cpu")`` and ``_foreach_utils.
+_device_has_foreach_support`` came in 2.3); benchmarks/compat.sh's cells torch-low and torch-top run the
+torch-dependent tests at both ends; pyproject.toml declares the same bound
 (tests/test_torch_range.py compares them). No upper bound: the newest release tested is torch-top's. The check runs
 before any other hydra_tune module touches torch, so an old torch fails with this message, not with an
 AttributeError from deep inside: hydra_tune/__init__.py imports this module first, which checks the installed torch.
@@ -43,8 +44,9 @@ def supported(version: str) -> bool:
 def require_torch(version: str) -> None:
     """Raise ImportError naming the installed and the supported torch when ``version`` is below ``TORCH_MIN``."""
     if not supported(version):
-        raise rule_error(f"`torch{spec()}` (the releases hydra_tune is tested with)",
-                         f"pip install 'torch{spec()}' (or an older hydra_tune for this torch)", kind=ImportError,
+        raise rule_error(f"`torch{spec()}` (the releases hydra_tune supports)",
+                         f"pip install 'torch{spec()}' (hydra_tune calls APIs torch {TORCH_MIN[0]}.{TORCH_MIN[1]} added: "
+                         "torch.OutOfMemoryError)", kind=ImportError,
                          torch=version, supported=spec())
 
 
