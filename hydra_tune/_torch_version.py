@@ -16,6 +16,9 @@ from __future__ import annotations
 from .errors import rule_error
 
 TORCH_MIN = (2, 4)
+# The hf extra's own lower bound (pyproject.toml): no transformers release imports its models on torch 2.4 (5.9
+# declares torch>=2.4 but imports torch.distributed.tensor.device_mesh, which 2.5 added); transformers raises itself.
+HF_TORCH_MIN = (2, 5)
 
 
 def _parse(version: str) -> tuple[int, int]:

@@ -25,6 +25,13 @@ def test_declared_torch_is_the_checked_range():
     assert f"torch{_torch_version.spec()}" in deps
 
 
+def test_hf_extra_declares_the_torch_transformers_imports_on():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    low = ".".join(map(str, _torch_version.HF_TORCH_MIN))
+    assert f"torch>={low}" in extras["hf"] and f"torch>={low}" in extras["test"]
+
+
 def test_installed_torch_is_supported():
     _torch_version.require_torch(torch.__version__)
 
