@@ -2,8 +2,12 @@
 # The version matrix: one fresh venv per combination at the ends of each supported range, the integration and
 # family tests that depend on those versions run in each, a markdown table at the end (also $COMPAT_DIR/matrix.md).
 #
-#   nice -n 15 bash benchmarks/compat.sh    # every cell (make compat): 17 min measured on 2 cores shared with other
-#                                           # jobs (1-min load mean 11, max 32), pip cache empty; goal: < 30 min
+#   nice -n 15 bash benchmarks/compat.sh    # every cell (make compat); goal: < 30 min on 2 cores shared with
+#       # other jobs. high+low+opt-edge: 17 min measured (1-min load mean 11). torch-top: 138 s install + 87-204 s
+#       # tests; torch-low: 31-82 s + 30 s; once per $COMPAT_DIR, torch 2.14.1 (123 s, from disk) and 2.4.0
+#       # (201 s: 2.8 GB from PyPI). Sum: ~31 min the first time on a busy machine, ~24-26 min after (each cell
+#       # measured alone, not the five in one run)
+#   CELLS="high low opt-edge torch-top" bash benchmarks/compat.sh   # without the 2.8 GB torch 2.4 download
 #   CELLS="high low" bash benchmarks/compat.sh
 #   COMPAT_DIR=/tmp/ht-compat KEEP=1 bash benchmarks/compat.sh   # keep the venvs for a look afterwards
 #   CELLS=low TESTS="tests/test_optuna.py" bash benchmarks/compat.sh
@@ -21,7 +25,7 @@ DIR=${COMPAT_DIR:-/tmp/hydra_tune_compat}
 PY=${PY:-python3}
 FIND_LINKS=$([ -d /opt/wheels ] && echo "--find-links /opt/wheels")
 export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$DIR/pip-cache}
-# Which tests where (the choice that keeps the matrix under 20 min): high is the version set of the development venv,
+# Which tests where (the choice that keeps the matrix under 30 min): high is the version set of the development venv,
 # where `make test` runs everything; its cell checks what make test cannot: a fresh resolve of the pins, the wheel
 # installed with [all] (benchmarks/wheel_check.py: imports and the examples' --help from outside the checkout) and
 # one run of each integration in that environment. low runs every integration and family test that depends on
