@@ -4,9 +4,9 @@
 #
 #   nice -n 15 bash benchmarks/compat.sh    # every cell (make compat); goal: < 30 min on 2 cores shared with
 #       # other jobs. high+low+opt-edge: 17 min measured (1-min load mean 11). torch-top: 138 s install + 87-204 s
-#       # tests; torch-low: 31-82 s + 30 s; once per $COMPAT_DIR, torch 2.14.1 (123 s, from disk) and 2.4.0
-#       # (201 s: 2.8 GB from PyPI). Sum: ~31 min the first time on a busy machine, ~24-26 min after (each cell
-#       # measured alone, not the five in one run)
+#       # tests (load 3-7); torch-low: 32 s + 31 s; once per $COMPAT_DIR, torch 2.14.1 (123 s, from disk) and 2.4.0
+#       # (201 s: 2.8 GB from PyPI). Sum: 27-29 min the first time, 22-24 min after (each cell measured alone, not
+#       # the five in one run)
 #   CELLS="high low opt-edge torch-top" bash benchmarks/compat.sh   # without the 2.8 GB torch 2.4 download
 #   CELLS="high low" bash benchmarks/compat.sh
 #   COMPAT_DIR=/tmp/ht-compat KEEP=1 bash benchmarks/compat.sh   # keep the venvs for a look afterwards
@@ -55,7 +55,7 @@ high|2.13.0|2.60.0|5.0.0|5.24.0|$HIGH
 low|2.13.0|2.41.0|3.1.1|5.9.0|$LOW
 opt-edge|2.13.0|-|-|5.23.0|tests/test_stages_opt.py tests/test_compat.py
 torch-top|2.14.1|-|5.0.0|5.24.0|$TORCH_TESTS
-torch-low|2.4.0|-|3.1.1|-|$TORCH_LOW
+torch-low|2.4.0|-|-|-|$TORCH_LOW
 "
 WHEEL_CELL=${WHEEL_CELL:-high}
 CELLS=${CELLS:-$(echo "$MATRIX" | cut -d'|' -f1 | xargs)}
