@@ -47,10 +47,10 @@ def supported(version: str) -> bool:
 def require_torch(version: str) -> None:
     """Raise ImportError naming the installed and the supported torch when ``version`` is below ``TORCH_MIN``."""
     if not supported(version):
+        added = f"{TORCH_MIN[0]}.{TORCH_MIN[1]}"
         raise rule_error(f"`torch{spec()}` (the releases hydra_tune supports)",
-                         f"pip install 'torch{spec()}' (hydra_tune calls APIs torch {TORCH_MIN[0]}.{TORCH_MIN[1]} added: "
-                         "torch.OutOfMemoryError)", kind=ImportError,
-                         torch=version, supported=spec())
+                         f"pip install 'torch{spec()}' (hydra_tune calls APIs torch {added} added: "
+                         "torch.OutOfMemoryError)", kind=ImportError, torch=version, supported=spec())
 
 
 def require_installed() -> None:
