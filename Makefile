@@ -30,8 +30,8 @@ demo-optuna: venv
 	$(BIN)/python examples/optuna_gpt2.py
 
 # The version matrix (benchmarks/compat.sh): one fresh venv per combination at the ends of the supported ranges,
-# the version-dependent integration and family tests in each, the wheel checked in cell high, a markdown table at the
-# end. Niced: it is meant to run beside other work. Not in `test`.
+# the version-dependent integration and family tests in each (torch's ends in cells torch-top and torch-low), the
+# wheel checked in cell high, a markdown table at the end. Niced: it is meant to run beside other work. Not in `test`.
 compat:
 	nice -n 15 bash benchmarks/compat.sh
 

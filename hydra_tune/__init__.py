@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _torch_version  # noqa: F401  (first: it refuses an old torch before a module below touches its internals)
 from .api import configure, current_handle, default_runtime, save_checkpoint, train
 from .config import RuntimeConfig
 from .errors import EvaluationError, HydraError, NonFiniteLoss, PlanError, RuntimeClosed, TaskCancelled

@@ -79,6 +79,8 @@ SEED_CALLS = {
 
 @pytest.mark.parametrize("call", list(SEED_CALLS), ids=list(SEED_CALLS))
 def test_model_factory_that_seeds_trains_as_the_plain_loop(call):
+    if call.startswith("transformers"):
+        pytest.importorskip("transformers")   # compat.sh's cell torch-low has none (no release imports on torch 2.4)
     # Before: the call reseeded torch's global generator, which the task does not read (max diff 0.49)
     assert _diff(lambda: _task(_seeded_by(SEED_CALLS[call]))) == 0.0
 

@@ -21,7 +21,8 @@ Rules: ``install`` runs once, when hydra_tune is imported, and again is a no-op;
 functions where they are still ours (a wrapper someone installed after us stays, and keeps reaching ours). A forked
 child (a DataLoader worker) starts with no target: PyTorch's worker seeding is its own. Not reached: a function
 bound before hydra_tune was imported (``from torch import seed`` then ``import hydra_tune``; ``torch.manual_seed``
-so bound is reached through ``torch.random._manual_seed_impl`` where torch has it), the methods of torch's
+so bound is reached through ``torch.random._manual_seed_impl``, which ``_split_manual_seed`` gives the torch
+releases that lack it), the methods of torch's
 generator objects (``torch.default_generator.manual_seed``), ``torch.cuda.get_rng_state``/``set_rng_state``, and
 Python's ``random`` and numpy's global seeds.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -160,6 +162,27 @@ def _namespaces() -> list[tuple[Any, dict[str, Callable[..., Any]]]]:
     return [(torch, _ROUTES), (torch.random, _ROUTES), (torch.cuda, _CUDA_ROUTES), (cuda_random, _CUDA_ROUTES)]
 
 
+def _split(seed: Any) -> Any:
+    # the code torch.random.manual_seed runs once split: the name resolves in torch.random, the function's module
+    return _manual_seed_impl(seed)  # noqa: F821
+
+
+def _split_manual_seed() -> None:
+    """Where ``torch.random.manual_seed`` seeds by itself (no ``_manual_seed_impl``: torch 2.4 to at least 2.8), give
+    it newer torch's split: its body moves to ``torch.random._manual_seed_impl`` (which ``install`` wraps) and the
+    function object, kept, runs ``return _manual_seed_impl(seed)``. So a ``manual_seed`` bound before hydra_tune was
+    imported reaches the task's stream too, as on newer torch; outside a task it seeds exactly as before."""
+    fn = torch.random.manual_seed
+    params = getattr(fn, "__code__", _split.__code__).co_varnames[:1]
+    if (hasattr(torch.random, "_manual_seed_impl") or not isinstance(fn, types.FunctionType) or fn.__closure__
+            or fn.__globals__ is not vars(torch.random) or fn.__code__.co_argcount != 1 or params != ("seed",)):
+        return   # newer torch (already split), or a manual_seed this code does not know: left as it is
+    impl = types.FunctionType(fn.__code__, fn.__globals__, "_manual_seed_impl", fn.__defaults__)
+    impl.__doc__ = fn.__doc__
+    torch.random._manual_seed_impl = impl  # type: ignore[attr-defined]
+    fn.__code__ = _split.__code__
+
+
 def install() -> None:
     """Put the routing wrappers in torch's namespaces (once; a name torch lacks is skipped)."""
     if _installed:
@@ -186,5 +209,6 @@ def _forget_targets() -> None:
     _local.__dict__.pop("stack", None)
 
 
+_split_manual_seed()   # before install: it wraps the split-off _manual_seed_impl
 install()
 os.register_at_fork(after_in_child=_forget_targets)  # a forked DataLoader worker seeds as PyTorch seeds it
