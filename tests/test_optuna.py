@@ -79,7 +79,10 @@ def test_pruned_trials_tasks_are_cancelled_and_freed():
         assert [t.state for t in trials].count(optuna.trial.TrialState.COMPLETE) >= 2
         for t in early:
             (name,) = names[t.number]
-            assert stats["tasks"][name]["state"] == "cancelled", (t.number, stats["tasks"][name])
+            task = stats["tasks"][name]
+            # the task trains ahead of its trial: on a loaded machine it may have trained its 5 epochs (and be
+            # done: nothing left to cancel) before the trial read epoch 2; otherwise the prune cancelled it
+            assert task["state"] == "cancelled" or (task["state"] == "done" and task["epoch"] == 5), (t.number, task)
         deadline = time.time() + 5   # a cancelled task is dropped at its unit boundary, by the device's worker
         alive = [t.number for t in early for ref in models[t.number] if ref() is not None]
         while alive and time.time() < deadline:
