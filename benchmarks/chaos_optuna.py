@@ -31,7 +31,6 @@ left RUNNING are exactly killed ones, and every one of those is FAIL after the t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -42,6 +41,8 @@ import tempfile
 import threading
 import time
 from typing import Any
+
+from _checks import finish  # benchmarks/ is on sys.path
 
 DEVICES, BUDGET, LINGER = ["cpu", "cpu"], "64KiB", 2
 
@@ -346,11 +347,7 @@ def main() -> int:
         print(f"journal storage (no heartbeat): Optuna left RUNNING {r['left_running_by_optuna']} (the killed "
               f"workers' trials: {r['killed_begun']}); failed by the driver's study.tell")
     bad = failures(r)
-    print("checks:", "all passed" if not bad else "FAILED: " + "; ".join(bad))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(r) + "\n")
-    return 1 if bad else 0
+    return finish(r, bad, args.json)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import tempfile
 import time
 from typing import Any
 
+from _checks import finish  # benchmarks/ is on sys.path
+
 HISTORY, TRACE_EVENTS = 50, 2000     # the server's bounds in this soak (the defaults are 1000, 200,000)
 QUICK_HISTORY = 8                    # --quick: reached within its few tasks
 CONFIG = dict(devices=["cpu", "cpu"], device_memory=None, history=HISTORY, trace_events=TRACE_EVENTS)
@@ -203,11 +205,7 @@ def main() -> int:
     print(f"server history: {a['history']}; tasks counted {r['tasks_counted']} of {r['tasks_total']}; "
           f"{r['rounds']} rounds, wall {r['wall_s']:.1f} s")
     bad = failures(r)
-    print("checks:", "all passed" if not bad else "FAILED: " + "; ".join(bad))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(r) + "\n")
-    return 1 if bad else 0
+    return finish(r, bad, args.json)
 
 
 if __name__ == "__main__":

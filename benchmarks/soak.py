@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import threading
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _checks import finish
 from _memory import deep_size, fix_malloc_thresholds, malloc_in_use, rss, trim
 
 import hydra_tune as ht
@@ -386,13 +386,7 @@ def main() -> int:
     print("cancelled at:", ", ".join(f"{k} {v}" for k, v in sorted(r["moments"].items())),
           f"(prefetches still copying when cancel() returned: {r['prefetch_confirmed']})")
     bad = failures(r, fixed)
-    print("checks:", "all passed" if not bad else "FAILED: " + "; ".join(bad))
-    line = json.dumps(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
-    print(line)
-    return 1 if bad else 0
+    return finish(r, bad, args.json, echo=True)
 
 
 if __name__ == "__main__":
