@@ -255,21 +255,25 @@ def _run(code: str) -> str:
     return out.stdout.strip()
 
 
+# A factory calling a `manual_seed` bound before hydra_tune was imported; prints the max parameter diff vs plain.
+BOUND_BEFORE_IMPORT = """
+from torch import manual_seed          # bound to torch's own function
+import torch, hydra_tune as ht
+from reference import max_param_diff, plain_train, trained
+from test_seed_exactness import _mlp, _task
+
+def make():
+    manual_seed(123)
+    return _mlp()
+
+with ht.Runtime(devices=["cpu"]) as rt:
+    got = trained(rt.submit(_task(make)))
+print(max_param_diff(plain_train(_task(make))[0], got))
+"""
+
+
 def test_manual_seed_bound_before_hydra_tune_is_imported():
-    assert _run("""
-        from torch import manual_seed          # bound to torch's own function
-        import torch, hydra_tune as ht
-        from reference import max_param_diff, plain_train, trained
-        from test_seed_exactness import _mlp, _task
-
-        def make():
-            manual_seed(123)
-            return _mlp()
-
-        with ht.Runtime(devices=["cpu"]) as rt:
-            got = trained(rt.submit(_task(make)))
-        print(max_param_diff(plain_train(_task(make))[0], got))
-    """) == "0.0"
+    assert _run(BOUND_BEFORE_IMPORT) == "0.0"
 
 
 def test_install_is_once_and_uninstall_gives_torch_its_functions_back():

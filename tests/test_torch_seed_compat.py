@@ -5,7 +5,7 @@ benchmarks/compat.sh's cell torch-low runs the real one (tests/test_seed_exactne
 """
 from __future__ import annotations
 
-from test_seed_exactness import _run
+from test_seed_exactness import BOUND_BEFORE_IMPORT, _run
 
 # torch 2.4's torch.random.manual_seed (its body, cut to the CPU and CUDA parts): it seeds the default generator
 # itself, with no module-level helper a wrapper could reach
@@ -25,20 +25,7 @@ torch.manual_seed = R.manual_seed
 
 
 def test_manual_seed_bound_before_import_on_a_torch_without_manual_seed_impl():
-    assert _run(OLD_TORCH + """
-from torch import manual_seed          # bound to torch's own (old-style) function
-import hydra_tune as ht
-from reference import max_param_diff, plain_train, trained
-from test_seed_exactness import _mlp, _task
-
-def make():
-    manual_seed(123)
-    return _mlp()
-
-with ht.Runtime(devices=["cpu"]) as rt:
-    got = trained(rt.submit(_task(make)))
-print(max_param_diff(plain_train(_task(make))[0], got))
-""") == "0.0"
+    assert _run(OLD_TORCH + BOUND_BEFORE_IMPORT) == "0.0"   # manual_seed: torch's own (old-style) function
 
 
 def test_old_style_manual_seed_outside_a_task_seeds_torch():
