@@ -107,6 +107,26 @@ class HostCopier:
         """Block until every ``to_host(wait=False)`` this thread issued has landed (CPU: they have)."""
         self._waited()
 
+    # -- activation offload (device/offload.py): a storage's bytes out to host memory and back --------------
+    offload_min_bytes = 0  # storages smaller than this stay on the device (CPU stand-ins: move all, as measured)
+
+    def stash(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A host copy of device bytes ``src`` (uint8) and the event that says it has landed (None: it has)."""
+        self._count(src, "d2h")
+        return torch.empty(src.shape, dtype=torch.uint8).copy_(src), None
+
+    def unstash(self, host: torch.Tensor, event: Any, device: torch.device) -> torch.Tensor:
+        """Host bytes back on ``device``, ordered after ``event`` (the copy out that filled ``host``)."""
+        self._count(host, "h2d")
+        return torch.empty(host.shape, dtype=torch.uint8, device=device).copy_(host)
+
+    def landed(self, event: Any) -> bool:
+        """Whether a ``stash`` copy's event has completed."""
+        return True
+
+    def wait_event(self, event: Any) -> None:
+        """Block the host until a ``stash`` copy's event has completed."""
+
     def release(self, t: torch.Tensor) -> None:
         """Free ``t``'s device bytes but keep the tensor (and autograd's references to it) for ``refill``."""
         st = t.untyped_storage()
@@ -150,17 +170,62 @@ class HostCopier:
         """Make host tensors that are copied in often cheap to copy (CPU: nothing to do)."""
 
 
-class CudaCopier(HostCopier):
-    """Copies on a side stream; the compute stream waits for them through an event."""
+class CudaStreams:
+    """The ``torch.cuda`` calls the CUDA copier makes, in one place: a test substitutes a stand-in that records
+    which stream each copy ran on, what each stream waited for and where a tensor crossed streams."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self.stream = torch.cuda.Stream(device=device)
-        self._lock = threading.Lock()
-        self._pending: list[torch.cuda.Event] = []
+        self.device = device
 
-    def _join(self, compute: torch.cuda.Stream) -> None:
-        done = torch.cuda.Event()
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def on_device(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def pinned(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_pinned() else t.pin_memory()
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.is_pinned()
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        """``t``'s block is not reused before the work queued on ``stream`` so far has run (caching allocator)."""
+        t.record_stream(stream)
+
+
+class CudaCopier(HostCopier):
+    """Copies on side streams; the compute stream waits for them through events.
+
+    Stream rules (each checked on CPU with a recording stand-in, tests/test_keep_path.py): a tensor made on a
+    side stream and used on the compute stream is recorded on the compute stream; a tensor read by a side stream
+    is recorded on that stream (and, for an activation going out, held until its event); every copy that fills
+    device memory the compute stream reads is joined by an event the compute stream waits on."""
+
+    offload_min_bytes = 1024  # as torchtune's: tiny saved tensors (seeds, scalars) are not worth a copy
+
+    def __init__(self, device: torch.device, streams: CudaStreams | None = None) -> None:
+        super().__init__(device)
+        self.cuda = streams or CudaStreams(device)
+        self.stream = self.cuda.new_stream()  # copies in (prefetch, refill)
+        self.out_stream = self.cuda.new_stream()  # activations out: must not delay the copies in
+        self._lock = threading.Lock()
+        self._pending: list[Any] = []
+
+    def _join(self, compute: Any) -> None:
+        done = self.cuda.event()
         done.record(self.stream)
         if getattr(self._local, "deferred", False):
             with self._lock:
@@ -174,75 +239,111 @@ class CudaCopier(HostCopier):
     def wait_prefetched(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.cuda.current()
         for done in pending:
             compute.wait_event(done)
 
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
         self._count(t, "h2d", what)
-        src = t.detach()
-        if not src.is_pinned():
-            src = src.pin_memory()
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
+        src = self.cuda.pin(t.detach())
+        compute = self.cuda.current()
+        with self.cuda.use(self.stream):
             out = src.to(self.device, non_blocking=True)
         self._join(compute)
-        out.record_stream(compute)
+        self.cuda.record(out, compute)
         return out
 
+    def release(self, t: torch.Tensor) -> None:
+        # The block goes back to the caching allocator now; the compute stream's queued kernels may still read it,
+        # so it is recorded there first (a no-op when it was made on the compute stream: same-stream reuse is
+        # ordered), and another stream's allocation waits for them.
+        if t.untyped_storage().nbytes():
+            self.cuda.record(t, self.cuda.current())
+        super().release(t)
+
     def _fill(self, t: torch.Tensor, src: torch.Tensor) -> None:
-        if not src.is_pinned():
-            src = src.pin_memory()
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
+        src = self.cuda.pin(src)
+        compute = self.cuda.current()
+        with self.cuda.use(self.stream):
             # Allocated from the copy stream's pool: a block the compute stream freed may still be read by its
             # queued kernels, so it must not be written here before they ran.
             t.untyped_storage().resize_(t.numel() * t.element_size())
             dst = _alias(t)
             dst.copy_(src, non_blocking=True)
         self._join(compute)
-        dst.record_stream(compute)  # freed later by the compute stream: the allocator waits for its use
+        self.cuda.record(dst, compute)  # freed later by the compute stream: the allocator waits for its use
+
+    def stash(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self._count(src, "d2h")
+        compute = self.cuda.current()
+        host = self.cuda.pinned(src.shape, torch.uint8)
+        self.out_stream.wait_stream(compute)  # after the kernels that wrote ``src``
+        with self.cuda.use(self.out_stream):
+            host.copy_(src, non_blocking=True)
+        self.cuda.record(src, self.out_stream)  # freed on the compute stream: not reused before this copy read it
+        done = self.cuda.event()
+        done.record(self.out_stream)
+        return host, done
+
+    def unstash(self, host: torch.Tensor, event: Any, device: torch.device) -> torch.Tensor:
+        # On the compute stream (autograd's device thread runs the node there): the buffer is made, filled and
+        # read on one stream, so the allocator needs no cross-stream record; the copy waits for the copy out.
+        self._count(host, "h2d")
+        compute = self.cuda.current()
+        if event is not None:
+            compute.wait_event(event)
+        out = torch.empty(host.shape, dtype=torch.uint8, device=device)
+        out.copy_(host, non_blocking=True)
+        return out
+
+    def landed(self, event: Any) -> bool:
+        return event is None or bool(event.query())
+
+    def wait_event(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
 
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         self._count(t, "d2h", what)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out = self.cuda.pinned(t.shape, t.dtype)
         out.copy_(t.detach(), non_blocking=True)
         if wait:  # else the unit's last waiting copy out (its output carry) covers this one: same stream
             self._waited()
-            torch.cuda.current_stream(self.device).synchronize()
+            self.cuda.current().synchronize()
         return out
 
     def host_like(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return self.cuda.pinned(t.shape, t.dtype)
 
     def write_back(self, home: torch.Tensor, t: torch.Tensor, what: str = "state") -> None:
         # On this thread's current stream (the default stream, which the units and the task's optimizer step also
         # run on): the copy is ordered after every kernel that wrote ``t``. ``wait_written`` waits for it.
         self._count(t, "d2h", what)
-        with torch.no_grad(), torch.cuda.device(self.device):
-            home.copy_(t.detach(), non_blocking=home.is_pinned())
+        with torch.no_grad(), self.cuda.on_device():
+            home.copy_(t.detach(), non_blocking=self.cuda.is_pinned(home))
 
     def wait_written(self) -> None:
         self._waited()
-        torch.cuda.current_stream(self.device).synchronize()
+        self.cuda.current().synchronize()
 
     def wait_copies_out(self) -> None:
         # One event behind the copies on the compute stream: the host waits for them, not for other streams
         self._waited()
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
+        done = self.cuda.event()
+        done.record(self.cuda.current())
         done.synchronize()
 
     def synchronize(self) -> None:
         self._waited()
         self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
+        self.out_stream.synchronize()
+        self.cuda.current().synchronize()
 
     def prepare_host(self, tensors: list[torch.Tensor]) -> None:
         # Page-locked once, so every unit's copy-in is a direct DMA instead of a staging copy plus DMA.
         for t in tensors:
-            if not t.is_pinned():
-                t.data = t.data.pin_memory()
+            if not self.cuda.is_pinned(t):
+                t.data = self.cuda.pin(t.data)
 
 
 def make_copier(device: torch.device, account: Any = None) -> HostCopier:

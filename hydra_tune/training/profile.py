@@ -36,7 +36,7 @@ from ..policy.partition import StageCost
 from ..stages import ModelStages, Stage
 from .profile_cache import PROFILES
 from .pystate import ModuleState
-from .residency import offload_hooks
+from .residency import offloading
 from .shard import ShardExec
 from .store import tree_bytes
 
@@ -82,7 +82,7 @@ def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any) -> tupl
     carry_dev, _ = ex.grad_inputs(dev, carry)
     base = acct.current
     acct.reset_peak()
-    with torch.autograd.graph.saved_tensors_hooks(*offload_hooks(dev, copies, mode)):
+    with offloading(dev, copies, mode):
         out = ex.run(carry_dev, copies, dev)
     fwd = acct.peak - base
     return fwd, _backward_peak(dev, out)

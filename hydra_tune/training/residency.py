@@ -3,7 +3,7 @@
     device.resident = ShardCache()                       # one per device: shard copies left or made ahead
     device.resident.prefetch(ex, device)                 # the copy thread copies ``ex``'s shard in early
     store.kept[i] = Kept(out, leaves, copies)            # a kept forward's graph, waiting for its B unit
-    pack, unpack = offload_hooks(device, copies, mode)   # an offloading forward's saved activations go to host
+    with offloading(device, copies, mode): ...           # an offloading forward's saved activations go to host
 
 Rules: a resident copy is used only while the host tensors it was made from are unchanged (identity and version
 of each); it holds what a unit copies in (``ShardExec.moving``: only the buffers while the shard's parameters,
@@ -23,6 +23,7 @@ import torch
 
 from ..device.devices import Device
 from ..device.dispatch import paused_accounting
+from ..device.offload import Offloader
 
 if TYPE_CHECKING:
     from .shard import ShardExec
@@ -87,27 +88,9 @@ class ShardCache:
         return len(self._entries)
 
 
-class _OnHost:
-    """A saved activation moved to host memory by an offloading forward."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-def offload_hooks(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> tuple[Any, Any]:
-    """Saved-tensor hooks: parameters and buffers stay referenced (their bytes are released and refilled like a
-    kept forward's); every other saved tensor is copied to host memory now and back when the backward needs it."""
-    state = {c.untyped_storage().data_ptr() for c in copies.values()}
-
-    def pack(t: torch.Tensor) -> Any:
-        if t.untyped_storage().data_ptr() in state:
-            return t
-        with paused_accounting(mode):
-            return _OnHost(device.copier.to_host(t, wait=False))
-
-    def unpack(x: Any) -> torch.Tensor:
-        return device.copier.to_device(x.tensor) if isinstance(x, _OnHost) else x
-
-    return pack, unpack
+def offloading(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> Offloader:
+    """The saved-tensor hooks of an offloading forward, to enter around it (device/offload.py has the rules):
+    parameters and buffers (``copies``) stay referenced, their bytes released and refilled like a kept forward's;
+    every other saved tensor on the device goes to host memory now and comes back when the backward needs it."""
+    keep = {c.untyped_storage()._cdata for c in copies.values()}
+    return Offloader(device.copier, keep, pause=lambda: paused_accounting(mode))

@@ -43,7 +43,7 @@ from ..stages import Stage
 from .bind import Bound
 from .loss import LossFn, model_loss
 from .pystate import ModuleState
-from .residency import Kept, ShardCache, offload_hooks
+from .residency import Kept, ShardCache, offloading
 from .store import HostStore
 
 
@@ -249,7 +249,7 @@ class ShardExec:
                 device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             if offload:
-                with torch.autograd.graph.saved_tensors_hooks(*offload_hooks(device, copies, mode)):
+                with offloading(device, copies, mode):
                     out = self.run(carry, copies, device)
             else:
                 out = self.run(carry, copies, device)

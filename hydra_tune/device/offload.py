@@ -1,0 +1,137 @@
+"""Saved-tensor hooks that send a forward's activations to host memory and bring each back where it came from.
+
+    hooks = Offloader(copier, keep={storage ids of the shard's parameters}, pause=lambda: paused_accounting(mode))
+    with hooks:                      # torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) inside
+        out = forward(...)           # on exit: every copy out has landed and no source is held any more
+    out.backward(g)                  # each saved tensor comes back on its own device, with its own layout
+
+Rules (each one a way the CUDA autograd engine has crashed or could read wrong values):
+* Only a tensor on the copier's device, of plain strided layout, not a parameter/buffer (``keep``) and holding at
+  least ``copier.offload_min_bytes`` bytes is moved. Everything else is returned as it was saved: CPU scalars that
+  CUDA kernels read on the host (SDPA's ``philox_seed``/``philox_offset``), other devices' tensors, tiny tensors.
+* What moves is the tensor's whole storage, once per storage: the tensor comes back as a view with its dtype,
+  storage offset, sizes and strides (a transposed or sliced activation stays so; ``q``, ``k`` and ``v`` viewed
+  from one ``qkv`` come back as views of one copy, as the forward left them).
+* The copy out may run on a side stream: the source is held (and recorded on that stream) until its event has
+  completed, and the copy back waits for that event before it reads the host buffer.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+class _Span:
+    """One storage's bytes in host memory: the copy's event, and its source until the event completed."""
+
+    __slots__ = ("host", "event", "source", "device", "version", "users", "on_device")
+
+    def __init__(self, host: torch.Tensor, event: Any, source: torch.Tensor | None, t: torch.Tensor) -> None:
+        self.host = host
+        self.event = event
+        self.source = source  # held until the copy out completed: its bytes must not be reused before
+        self.device = t.device
+        self.version = t._version  # shared by every view of the storage: a later in-place write changes it
+        self.users: list[weakref.ref[torch.Tensor]] = []  # packed tensors over this storage, while alive
+        self.on_device: torch.Tensor | None = None  # the copy back, shared by every tensor over this storage
+
+
+class _Packed:
+    """A saved tensor whose storage is in host memory: where and how to rebuild it."""
+
+    __slots__ = ("span", "dtype", "offset", "size", "stride")
+
+    def __init__(self, span: _Span, t: torch.Tensor) -> None:
+        self.span = span
+        self.dtype = t.dtype
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = t.stride()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over ``t``'s whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _movable(t: torch.Tensor, device: torch.device, min_bytes: int) -> bool:
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.device == device
+            and not t.is_conj() and not t.is_neg() and t.untyped_storage().nbytes() >= max(min_bytes, 1))
+
+
+class Offloader:
+    """Pack/unpack hooks for one offloading forward; enter it around the forward (see the module's rules)."""
+
+    def __init__(self, copier: Any, keep: set[int] | None = None,
+                 pause: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+        self.copier = copier
+        self.device = torch.device(copier.device)
+        self.keep = keep or set()
+        self.pause = pause
+        self._spans: dict[int, _Span] = {}  # storage id -> its host copy, while a tensor over it is alive
+        self._flying: list[_Span] = []  # spans whose source is still held
+
+    def pack(self, t: torch.Tensor) -> Any:
+        key = t.untyped_storage()._cdata
+        if key in self.keep or not _movable(t, self.device, self.copier.offload_min_bytes):
+            return t
+        self._land(wait=False)
+        span = self._spans.get(key)
+        if span is None or span.version != t._version or not any(
+                u() is not None and u().untyped_storage()._cdata == key for u in span.users):
+            # new, written since, or every tensor over that storage is gone (its id may name another storage now)
+            with self.pause():
+                src = _bytes_of(t)
+                host, event = self.copier.stash(src)
+            span = _Span(host, event, src if event is not None else None, t)
+            self._spans[key] = span
+            if event is not None:
+                self._flying.append(span)
+        span.users.append(weakref.ref(t))
+        return _Packed(span, t)
+
+    def unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Packed):
+            return x
+        span = x.span
+        if span.on_device is None:
+            span.on_device = self.copier.unstash(span.host, span.event, span.device)
+        return torch.empty(0, dtype=x.dtype, device=span.device).set_(
+            span.on_device.untyped_storage(), x.offset, x.size, x.stride)
+
+    def _land(self, wait: bool) -> None:
+        """Drop the sources of copies out that completed (all of them, waiting, with ``wait``)."""
+        still = []
+        for span in self._flying:
+            if wait or self.copier.landed(span.event):
+                if wait:
+                    self.copier.wait_event(span.event)
+                span.source = None
+            else:
+                still.append(span)
+        self._flying = still
+
+    def settle(self) -> None:
+        """Wait until every copy out has landed; hold no source and no storage id any more."""
+        self._land(wait=True)
+        self._spans.clear()
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self.settle()
+
+    def __enter__(self) -> Offloader:
+        self._cm = self.hooks()
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cm.__exit__(*exc)
