@@ -112,10 +112,10 @@ def trained(handle: Any) -> torch.nn.Module:
     return handle.model()
 
 
-def run_in_mode(state: Any, mode: str) -> Any:
-    """Run all of ``state``'s segments on one fresh CPU device with every shard but the last in ``mode``
-    (recompute, keep or offload: the last shard's L unit never recomputes); the device, its resident copies cleared
-    (``device.account.current`` is then what the run left behind)."""
+def run_in_mode(state: Any, mode: str, device: Any = None) -> Any:
+    """Run all of ``state``'s segments on one fresh CPU device (or ``device``) with every shard but the last in
+    ``mode`` (recompute, keep or offload: the last shard's L unit never recomputes); the device, its resident copies
+    cleared (``device.account.current`` is then what the run left behind)."""
     import dataclasses
 
     from hydra_tune.device.devices import CpuDevice
@@ -125,7 +125,7 @@ def run_in_mode(state: Any, mode: str) -> Any:
     flags = tuple(i < k - 1 for i in range(k))
     state.plan = dataclasses.replace(state.plan, keep=flags if mode == "keep" else (False,) * k,
                                      offload=flags if mode == "offload" else (False,) * k)
-    device = CpuDevice("cpu:0", None)
+    device = device or CpuDevice("cpu:0", None)
     device.resident = ShardCache()
     for seg in state.segments(lambda m: None):
         for unit in seg.units:

@@ -12,6 +12,7 @@ NVML (pynvml, imported lazily) for free memory and falls back to ``torch.cuda``.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -27,6 +28,28 @@ from .seeding import OnDevice, seeding_to
 from .streams import HostCopier, make_copier
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
+
+
+RECOMPUTE_ENV = "HYDRA_TUNE_CUDA_RECOMPUTE"
+
+
+def releases_graphs(device_type: str) -> bool:
+    """Whether plans on a device of ``device_type`` may keep or offload a forward's graph for its backward.
+
+        releases_graphs("cuda")   # True, unless HYDRA_TUNE_CUDA_RECOMPUTE=1: every CUDA backward recomputes
+
+    CPU: always. CUDA: yes by default. Offloaded activations come back on the device they came from with their
+    layout and after their copy out (device/offload.py: the first CUDA run crashed when CPU-resident SDPA seeds
+    were moved to the GPU), and every tensor that crosses streams is recorded on the stream that uses it
+    (device/streams.py; both checked on CPU with a recording stand-in). ``HYDRA_TUNE_CUDA_RECOMPUTE=1`` forces
+    recompute on CUDA should a GPU still find a problem there (``0`` or unset: keep and offload allowed)."""
+    if device_type != "cuda":
+        return True
+    value = os.environ.get(RECOMPUTE_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise rule_error(f"{RECOMPUTE_ENV} is 0 or 1", f"set {RECOMPUTE_ENV}=1 to make every CUDA plan "
+                         "recompute its backward, or unset it", **{RECOMPUTE_ENV: value})
+    return value != "1"
 
 
 class Device:
@@ -47,9 +70,8 @@ class Device:
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
         self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
         # Kept and offloaded forwards free storages their graph still references (resize_(0)) and refill them
-        # for the backward. Only where that is proven exact (CPU): on CUDA an offloaded backward has crashed the
-        # autograd engine and a kept one's refill from the copy thread is untested, so CUDA plans recompute.
-        self.releases_graphs = torch_device.type == "cpu"
+        # for the backward: see releases_graphs() for CUDA.
+        self.releases_graphs = releases_graphs(torch_device.type)
         # Whether a task's fp16 GradScaler (torch.amp.GradScaler("cpu"), in host memory) may unscale and step
         # gradients on this device. Not on CUDA: its update() copies found_inf device->host non-blocking into
         # page-locked memory and reads it at once, so fp16 tasks keep their state in host memory there.

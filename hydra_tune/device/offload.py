@@ -74,10 +74,16 @@ class Offloader:
         self.pause = pause
         self._spans: dict[int, _Span] = {}  # storage id -> its host copy, while a tensor over it is alive
         self._flying: list[_Span] = []  # spans whose source is still held
+        self._held: set[int] = set()  # storages the graph still references as they are (not moved)
+
+    def references(self, t: torch.Tensor) -> bool:
+        """Whether the graph saved a tensor over ``t``'s storage as it is (not moved): its bytes must stay."""
+        return t.untyped_storage()._cdata in self._held
 
     def pack(self, t: torch.Tensor) -> Any:
         key = t.untyped_storage()._cdata
         if key in self.keep or not _movable(t, self.device, self.copier.offload_min_bytes):
+            self._held.add(key)
             return t
         self._land(wait=False)
         span = self._spans.get(key)

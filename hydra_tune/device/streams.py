@@ -248,7 +248,8 @@ class CudaCopier(HostCopier):
         src = self.cuda.pin(t.detach())
         compute = self.cuda.current()
         with self.cuda.use(self.stream):
-            out = src.to(self.device, non_blocking=True)
+            out = torch.empty_like(src, device=self.device)  # from the copy stream's pool, strides kept
+            out.copy_(src, non_blocking=True)
         self._join(compute)
         self.cuda.record(out, compute)
         return out

@@ -249,7 +249,7 @@ class ShardExec:
                 device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             if offload:
-                with offloading(device, copies, mode):
+                with offloading(device, copies, mode) as hooks:
                     out = self.run(carry, copies, device)
             else:
                 out = self.run(carry, copies, device)
@@ -261,10 +261,10 @@ class ShardExec:
                 for p in self.params:
                     device.copier.release(copies[id(p)])
             if offload:
-                # Every activation the backward reads is on the host now: the output and input tensors are only
-                # the graph's ends (shapes and .grad), so their bytes go too.
+                # Every activation the backward reads is on the host now (but those the hooks left in place, e.g.
+                # tiny ones): the output and input tensors are only the graph's ends, so their bytes go too.
                 for t in {id(t): t for t in tree_flatten(out)[0] + leaves if isinstance(t, torch.Tensor)
-                          and t.untyped_storage().nbytes() > 0}.values():
+                          and t.untyped_storage().nbytes() > 0 and not hooks.references(t)}.values():
                     device.copier.release(t)
         store.kept[self.index] = Kept(out, leaves, copies, filled=resident)
 
