@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,10 +77,34 @@ class Device:
         # page-locked memory and reads it at once, so fp16 tasks keep their state in host memory there.
         self.steps_loss_scaler = torch_device.type == "cpu"
 
-    def start(self) -> None:
-        """Called once in the device's worker thread before its first unit."""
+    def start(self, elsewhere: Sequence[Callable[[Callable[[], None]], Any]] = ()) -> None:
+        """Called once in the device's worker thread before its first unit; ``elsewhere``: one callable per other
+        runtime thread that works on this device (the copy thread), running a function there and waiting."""
         self.copy_bandwidth = self._measure_bandwidth()
+        self.overhead = self.warm_up(elsewhere)
         self.copier.counts.reset()  # the counters are the tasks' copies and waits, not this measurement's
+
+    def warm_up(self, elsewhere: Sequence[Callable[[Callable[[], None]], Any]] = ()) -> int:
+        """Run a warm-up unit in this thread and in each of ``elsewhere``'s, then return the bytes the device holds:
+        its start-up overhead (what no unit's plan may use).
+
+            device.overhead = device.warm_up([lambda fn: copy_pool.submit(fn).result()])
+
+        Rule: every runtime thread that runs device work has run a forward and a backward first, so the library
+        workspaces each thread (and autograd's device thread, which runs the backward) makes on first use are in
+        the overhead, not in the first unit's peak: the one CUDA run had the copy thread's and autograd's cuBLAS
+        workspaces (0.1 MiB) push a measured peak over its budget."""
+        self._warm_unit()
+        for run in elsewhere:
+            run(self._warm_unit)
+        return self._held_bytes()
+
+    def _warm_unit(self) -> None:
+        """One small forward and backward on this device, in the calling thread (CPU stand-ins: nothing to make)."""
+
+    def _held_bytes(self) -> int:
+        """What the device holds outside any unit now; its peak counter starts again from here."""
+        return 0
 
     def after_oom(self) -> None:
         """Called after a unit ran out of memory and its tensors were dropped, before the task is re-planned."""
@@ -207,13 +231,14 @@ class CpuDevice(Device):
     def current_bytes(self) -> int:
         return self.account.current
 
-    def start(self) -> None:
+    def start(self, elsewhere: Sequence[Callable[[Callable[[], None]], Any]] = ()) -> None:
         # A CPU stand-in's copies are host memory copies: their rate is the process's, measured once (each runtime
         # measuring again would cost ~0.1 s per start on a busy machine, a tenth of a small trial).
         with _CPU_RATE_LOCK:
             if not _CPU_RATE:
                 _CPU_RATE.append(self._measure_bandwidth())
         self.copy_bandwidth = _CPU_RATE[0]
+        self.overhead = self.warm_up(elsewhere)
         self.copier.counts.reset()  # the counters are the tasks' copies and waits, not this measurement's
 
 
@@ -227,19 +252,30 @@ class CudaDevice(Device):
     def __init__(self, name: str, budget: int | None) -> None:
         super().__init__(name, torch.device(name), budget)
 
-    def start(self) -> None:
-        # cuBLAS allocates a workspace per thread through the caching allocator (this worker, and autograd's
-        # device thread for backward): make them now and count them as overhead, not as any unit's memory.
+    def start(self, elsewhere: Sequence[Callable[[Callable[[], None]], Any]] = ()) -> None:
+        with torch.cuda.device(self.torch_device):
+            self.copy_bandwidth = self._measure_bandwidth(64 << 20)
+            self.overhead = self.warm_up(elsewhere)
+        self.copier.counts.reset()
+
+    def _warm_unit(self) -> None:
+        # cuBLAS and cuBLASLt allocate a workspace per thread and stream through the caching allocator (each
+        # runtime thread, and autograd's device thread for the backward): fp32 and bf16 matmuls make them now.
         dev = self.torch_device
         with torch.cuda.device(dev):
-            self.copy_bandwidth = self._measure_bandwidth(64 << 20)
             a = torch.ones(64, 64, device=dev, requires_grad=True)
             (a @ a).sum().backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                (a @ a).float().sum().backward()
             del a
             torch.cuda.synchronize(dev)
-            self.overhead = int(torch.cuda.memory_allocated(dev))
-            torch.cuda.reset_peak_memory_stats(dev)
-        self.copier.counts.reset()
+
+    def _held_bytes(self) -> int:
+        dev = self.torch_device
+        torch.cuda.synchronize(dev)
+        held = int(torch.cuda.memory_allocated(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+        return held
 
     @contextlib.contextmanager
     def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode]:

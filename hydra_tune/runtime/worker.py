@@ -96,7 +96,7 @@ class DeviceWorker:
     # -- the compute thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
         try:
-            self.device.start()
+            self.device.start(elsewhere=[lambda fn: self._copier.submit(fn).result()])  # the copy thread warms too
         except BaseException as exc:  # reported to the runtime, which is waiting for this device
             self._hooks.started(self.index, exc)
             return
