@@ -148,6 +148,10 @@ class Device:
     def forget(self, task: str) -> None:
         """``task`` ended: drop what ``measure`` learned of it (a later task may take its name)."""
 
+    def profile_device(self) -> Device | None:
+        """Where the memory model measures stages for this device (None: the CPU profile holds for it)."""
+        return None
+
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where the device's copy engine (the prefetch thread) makes device copies: counted, no RNG swap."""
         raise NotImplementedError
@@ -242,6 +246,24 @@ class CpuDevice(Device):
         self.copier.counts.reset()  # the counters are the tasks' copies and waits, not this measurement's
 
 
+class ProfileDevice(CpuDevice):
+    """Where a task's stages are measured for the memory model when its devices are GPUs: a private device on
+    ``torch_device`` whose memory is what the stage running in this thread allocates there, counted op by op as a
+    CPU stand-in counts it (other threads' units on the same GPU do not count), rounded as CUDA's caching
+    allocator rounds. The GPU's own kernels decide what is saved (fused attention saves far less than the CPU's
+    math path), so the plan predicts the device's units, not the CPU's.
+
+        costs = measure_costs(cut, batch, device=cuda_device)   # profile.py makes one of these
+
+    Random draws on the GPU come from its default generator, which the profile forks and puts back."""
+
+    def __init__(self, torch_device: torch.device) -> None:
+        super().__init__("profile", None)
+        self.torch_device = torch_device
+        self.account = MemoryAccount(types=(torch_device.type,), granule=512 if torch_device.type == "cuda" else 1)
+        self.copier = HostCopier(torch_device, self.account)  # plain copies onto the GPU, counted
+
+
 _CPU_RATE: list[float] = []  # the CPU stand-ins' copy rate, bytes/s, once measured
 _CPU_RATE_LOCK = threading.Lock()
 
@@ -295,6 +317,9 @@ class CudaDevice(Device):
         # kernels queue behind the units that made the gradients, and a later eviction's copy (same stream)
         # behind the step.
         return torch.cuda.device(self.torch_device)
+
+    def profile_device(self) -> Device | None:
+        return ProfileDevice(self.torch_device)  # the CPU's kernels save other tensors (SDPA's math path)
 
     def after_oom(self) -> None:
         torch.cuda.empty_cache()  # give the failed unit's cached blocks back, so the smaller plan starts clean

@@ -40,8 +40,10 @@ _generator_arg: dict[Any, bool] = {}
 class MemoryAccount:
     """Bytes of live storages created under a UnitMode with this account: current and peak (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, types: tuple[str, ...] = ("cpu", "meta"), granule: int = 1) -> None:
         self._lock = threading.Lock()
+        self.types = types  # the device types whose storages count (a profile on a GPU: ("cuda",))
+        self.granule = granule  # allocation size rounding (CUDA's caching allocator: 512 bytes)
         self._live: dict[int, tuple[int, Any]] = {}  # storage identity -> (bytes, a weak reference to it)
         self.current = 0
         self.peak = 0
@@ -55,6 +57,7 @@ class MemoryAccount:
         key, nbytes = storage._cdata, storage.nbytes()
         if nbytes == 0:
             return
+        nbytes = -(-nbytes // self.granule) * self.granule
         with self._lock:
             if key in self._live:
                 return
@@ -210,7 +213,7 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
 
     def _count(self, t: torch.Tensor, args: tuple) -> None:
         """Track ``t``'s storage unless it is one we know or an input's (a view, or an in-place result)."""
-        if t.device.type not in ("cpu", "meta"):
+        if t.device.type not in self.account.types:  # type: ignore[union-attr]
             return
         key = t.untyped_storage()._cdata
         account = self.account

@@ -73,7 +73,8 @@ class HostCopier:
 
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
         self._count(t, "h2d", what)
-        return t.detach().clone()
+        src = t.detach()
+        return src.clone() if src.device == self.device else src.to(self.device, copy=True)  # a profile's GPU
 
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
@@ -81,7 +82,8 @@ class HostCopier:
         self._count(t, "d2h", what)
         if wait:
             self._waited()
-        return t.detach().clone()
+        src = t.detach()
+        return src.clone() if src.device.type == "cpu" else src.to("cpu", copy=True)
 
     def read(self, t: torch.Tensor) -> float:
         """A device scalar's value on the host (a loss): the host waits for the device."""

@@ -56,6 +56,7 @@ class HostGate:
     def __init__(self, budget: int | None, plan: tuple[int | None, float | None, bool], hooks: GateHooks) -> None:
         self.host = HostAdmission(budget)
         self._plan, self._hooks = plan, hooks
+        self.profile_on: Any = None  # the device tasks are profiled on (GPUs; set by the runtime), None: the CPU
         self._cv = threading.Condition()  # guards host and _waiting; the runtime's lock is never taken inside it
         self._waiting: dict[str, _Waiting] = {}
         self._building: TaskHandle | None = None  # the waiting task the gate's thread is building now
@@ -72,7 +73,7 @@ class HostGate:
         try:
             return estimate_footprint(task, *self._plan), None
         except Unmeasurable:
-            state = TaskState.build(task, *self._plan)
+            state = TaskState.build(task, *self._plan, device=self.profile_on)
             return footprint_of_state(state), state
 
     def submit(self, task: ModelTask) -> tuple[TaskHandle | None, Footprint, TaskState | None]:
@@ -81,7 +82,7 @@ class HostGate:
         try:
             base = state_footprint(task)
         except Unmeasurable:  # its model cannot be built on the meta device: built here, measured, then decided
-            state = TaskState.build(task, *self._plan)
+            state = TaskState.build(task, *self._plan, device=self.profile_on)
             footprint = footprint_of_state(state)
         else:
             with self._cv:
@@ -108,7 +109,7 @@ class HostGate:
     def _build_reserved(self, task: ModelTask, base: Footprint) -> tuple[Footprint, TaskState] | None:
         """Build a task admitted for its state part; its plan's activations added, keep it if it still fits."""
         try:
-            state = TaskState.build(task, *self._plan)
+            state = TaskState.build(task, *self._plan, device=self.profile_on)
             footprint = footprint_of_state(state, (base.optimizer, base.optimizer_measured))
         except BaseException:
             self.release(task.name)

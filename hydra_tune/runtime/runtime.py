@@ -73,6 +73,9 @@ class Runtime:
         self._start_devices()
         self._gate = HostGate(self.config.host_memory, self._plan,
                               GateHooks(self._new_handle, self.scheduler.held_bytes, self._start))
+        # GPUs measure the memory model on the device itself (profile.py); any CPU stand-in: the CPU profile
+        profiled = [d for d in self.devices if d.profile_device() is not None]
+        self._gate.profile_on = profiled[0] if len(profiled) == len(self.devices) else None
         if self._start_errors:
             self.close()
             raise self._start_errors[0]
@@ -225,7 +228,7 @@ class Runtime:
                state: TaskState | None) -> TaskHandle:
         """Build an admitted task (unless built) and put it on the board; ``handle``: a waiting task's."""
         if state is None:
-            state = TaskState.build(task, *self._plan)
+            state = TaskState.build(task, *self._plan, device=self._gate.profile_on)
         self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
         state.home.set_optimizer_bytes(footprint.optimizer)  # measured for admission: what its state will hold
         if self.config.residency == "off":

@@ -77,9 +77,10 @@ class TaskState:
 
     @classmethod
     def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None,
-              keep: bool = True) -> TaskState:
+              keep: bool = True, device: Any = None) -> TaskState:
         """Build ``task``'s model, optimizer, scheduler and data, cut it into stages, measure them on its first
-        batch and plan shards for a device ``budget``; load ``task.resume_from`` when given."""
+        batch (on ``device`` where it measures itself: a GPU) and plan shards for a device ``budget``; load
+        ``task.resume_from`` when given."""
         rng = TaskRNG(task.seed)
         # init draws from the task's stream, as after manual_seed(seed); a factory's own torch.manual_seed(s)
         # seeds that stream (device/seeding.py), as it seeds the global generator the plain loop draws from
@@ -105,7 +106,7 @@ class TaskState:
         check_stages(model, cut, sample, UnitMode, task.seed, AUTOCAST_DTYPES[task.precision], task.name,
                      evaluate=task.eval_data is not None)
         check_metrics_run(task, model, sample, UnitMode)  # each metric tried once, on a copy of the model
-        costs = measure_costs(cut, sample, task.loss, task.seed, AUTOCAST_DTYPES[task.precision])
+        costs = measure_costs(cut, sample, task.loss, task.seed, AUTOCAST_DTYPES[task.precision], device)
         try:
             plan = partition(costs, budget, bandwidth=bandwidth, keep=keep)
         except PlanError as exc:
