@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Usage: benchmarks/gpu_all.sh [--cpu] [OUT.json]
 #
-# gpu_check.py (exactness, peaks, copies, spilling, memory model, OOM re-plan) and gpu_perf.py (hydra_tune vs plain
-# PyTorch: fits, spills, many tasks, separate processes) in one go, meant to finish in about 8 minutes on one H200;
-# gpu_perf gets what gpu_check left of that (--time-budget). Writes one JSON object to OUT.json (default
-# gpu_all.json in the current directory): {"gpu_check": ..., "gpu_perf": ..., "exit": {...}, "seconds": ...}, and
-# the two scripts' output to gpu_check.log and gpu_perf.log next to it. --cpu: the same as a dry run on CPU
-# stand-ins with tiny sizes. The Python used: $PY, else the repository's .venv, else python3.
+# One prepared GPU run, meant to finish in under 8 minutes on one H200: gpu_check.py (exactness, peaks, copies,
+# spilling, memory model profiled on the device, keep/offload/recompute bit-identical, real OOM re-plan), then
+# gpu_gil.py (Python time per minibatch that holds the GIL, and how many GPUs one process keeps busy), then
+# gpu_perf.py (hydra_tune vs plain PyTorch) with what is left of the time (--time-budget). Writes one JSON object to
+# OUT.json (default gpu_all.json in the current directory):
+#   {"gpu_check": ..., "gpu_gil": ..., "gpu_perf": ..., "exit": {...}, "seconds": ...}
+# the scripts' output to gpu_check.log, gpu_gil.log and gpu_perf.log next to it, and prints one summary table.
+# --cpu: the same as a dry run on CPU stand-ins with tiny sizes. The Python used: $PY, else the repository's .venv,
+# else python3. GPU_ALL_SECONDS (default 480) is the whole run's time; gpu_perf gets at least 60 s.
+# If (h) fails on a GPU (a crash or a difference between backward modes), HYDRA_TUNE_CUDA_RECOMPUTE=1 makes every
+# CUDA plan recompute until it is fixed.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 cpu=()
@@ -22,26 +27,13 @@ start=$(date +%s)
 
 "$py" "$here/gpu_check.py" "${cpu[@]}" 2>&1 | tee "$dir/gpu_check.log"
 check_rc=${PIPESTATUS[0]}
+"$py" "$here/gpu_gil.py" "${cpu[@]}" --json "$dir/gpu_gil.json" 2>&1 | tee "$dir/gpu_gil.log"
+gil_rc=${PIPESTATUS[0]}
 left=$(( total - ($(date +%s) - start) ))
 if [ "$left" -lt 60 ]; then left=60; fi
 "$py" "$here/gpu_perf.py" "${cpu[@]}" --time-budget "$left" --json "$dir/gpu_perf.json" 2>&1 | tee "$dir/gpu_perf.log"
 perf_rc=${PIPESTATUS[0]}
 
-"$py" - "$dir/gpu_check.log" "$dir/gpu_perf.json" "$out" "$check_rc" "$perf_rc" "$(( $(date +%s) - start ))" <<'PY'
-import json, sys
-check_log, perf_json, out, check_rc, perf_rc, seconds = sys.argv[1:]
-
-def last_json(path):
-    try:
-        lines = [l for l in open(path) if l.startswith("{")]
-        return json.loads(lines[-1]) if lines else None
-    except OSError:
-        return None
-
-result = {"gpu_check": last_json(check_log), "gpu_perf": last_json(perf_json),
-          "exit": {"gpu_check": int(check_rc), "gpu_perf": int(perf_rc)}, "seconds": int(seconds)}
-with open(out, "w") as f:
-    json.dump(result, f)
-print(f"gpu_all: wrote {out} (gpu_check exit {check_rc}, gpu_perf exit {perf_rc}, {seconds} s)")
-PY
-[ "$check_rc" -eq 0 ] && [ "$perf_rc" -eq 0 ]
+"$py" "$here/_gpu_summary.py" "$out" "$dir/gpu_check.log" "$dir/gpu_gil.json" "$dir/gpu_perf.json" \
+  "$check_rc" "$gil_rc" "$perf_rc" "$(( $(date +%s) - start ))"
+[ "$check_rc" -eq 0 ] && [ "$gil_rc" -eq 0 ] && [ "$perf_rc" -eq 0 ]

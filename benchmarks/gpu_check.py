@@ -14,7 +14,9 @@ batch 8 (--quick: 8x384, vocab 8192, seq 256, batch 4), spilled under an artific
 unsharded vs plain CUDA: steady-state samples/s (epoch 2 only), peaks, kept shards, prefetched bytes. (e) from the
 spilled run's trace (saved as gpu_check_sharded_trace.json): the share of prefetch copy time that overlapped a
 unit on the same device. (f) the memory model unit by unit: every unit of a small GPT-2 minibatch, recomputing
-and offloading, predicted bytes vs the device's measured peak.
+and offloading, predicted bytes (profiled on the device) vs the device's measured peak. (h) keep, offload and
+recompute forced on every shard of a GPT-2 with dropout: bit-identical weights between them. (g) a real
+out-of-memory mid-training re-plans and still matches plain.
 Without CUDA (and without --cpu) it prints "no CUDA device: skipped" and exits 0. Exit status 1 when a check fails.
 """
 from __future__ import annotations
@@ -251,9 +253,10 @@ def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
 
     data = token_batches(size, seed=4)[:1]
     task = ht.ModelTask(gpt2_factory(size, 0.1), adamw(1e-4), data, seed=5, name="memory-model")
-    state = TaskState.build(task, _plan_budget(task.model, data[0], 4))  # >= 4 shards when the model allows
-    rows = []
     [probe] = resolve_devices([device], None)
+    # >= 4 shards when the model allows; measured on the device, as the runtime measures for GPUs
+    state = TaskState.build(task, _plan_budget(task.model, data[0], 4), device=probe)
+    rows = []
     for mode in ("recompute", "offload") if probe.releases_graphs else ("recompute",):
         k = len(state.execs)
         flags = tuple(i < k - 1 for i in range(k))
@@ -276,6 +279,50 @@ def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
                          "measured": dev.peak_bytes() - start})
         state.store.clear()
     return rows
+
+
+def backward_modes(device: str) -> dict[str, Any]:
+    """(h) keep, offload and recompute, each forced on every shard but the last of a small GPT-2 with dropout on
+    (SDPA saves its dropout seed as CPU scalars on CUDA: the tensors the first CUDA run crashed on), trained on
+    this device: the three must give the same weights (bit-identical: same kernels, same draws), each close to
+    the plain loop on the device. HYDRA_TUNE_CUDA_RECOMPUTE=1 forces recompute in the runtime if this fails."""
+    import dataclasses
+
+    from hydra_tune.device.devices import resolve_devices
+    from hydra_tune.training.residency import ShardCache
+    from hydra_tune.training.state import TaskState
+
+    data = token_batches(SMALL, seed=6)
+
+    def task() -> ht.ModelTask:
+        return ht.ModelTask(gpt2_factory(SMALL, 0.1), adamw(1e-3), data, epochs=1, grad_clip_norm=1.0, seed=13,
+                            name="modes")
+    models: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for mode in ("recompute", "keep", "offload"):
+        free_cuda()
+        [dev] = resolve_devices([device], None)
+        dev.start()
+        dev.resident = ShardCache()
+        state = TaskState.build(task(), _plan_budget(task().model, data[0], 3), device=dev)
+        k = len(state.execs)
+        flags = tuple(i < k - 1 for i in range(k))
+        state.plan = dataclasses.replace(state.plan, keep=flags if mode == "keep" else (False,) * k,
+                                         offload=flags if mode == "offload" else (False,) * k)
+        try:
+            for seg in state.segments(lambda m: None):
+                for unit in seg.units:
+                    dev.copier.wait_prefetched()
+                    unit.run(dev)
+            sync(device)
+            models[mode] = state.model
+        except Exception as exc:  # noqa: BLE001  (reported: the check fails)
+            errors[mode] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        dev.resident.clear()
+    ref, _ = plain_train(task(), device)
+    diffs = {m: max_param_diff(models[m], models["recompute"]) for m in models if "recompute" in models}
+    return {"shards": k, "vs_recompute": diffs, "vs_plain": {m: max_param_diff(x, ref) for m, x in models.items()},
+            "errors": errors}
 
 
 def oom_replan(device: str) -> dict[str, Any]:
@@ -362,6 +409,15 @@ def report(res: dict[str, Any]) -> bool:
         for r in rows:
             print(f"    {r['mode']:<9} {r['unit']:<4} predicted {format_bytes(r['predicted']):>11}  measured "
                   f"{format_bytes(r['measured']):>11}")
+    bm = res.get("modes")
+    if bm:
+        good = not bm["errors"] and len(bm["vs_recompute"]) == 3 and max(bm["vs_recompute"].values()) == 0.0 \
+            and max(bm["vs_plain"].values()) <= EXACT_TOL
+        ok &= good
+        print(f"\n(h) backward modes, every shard but the last forced ({bm['shards']} shards, dropout on): max|w| vs "
+              "recompute " + ", ".join(f"{m} {d:.3g}" for m, d in bm["vs_recompute"].items()) + "; vs plain "
+              + ", ".join(f"{m} {d:.3g}" for m, d in bm["vs_plain"].items())
+              + "".join(f"; {m} FAILED {e}" for m, e in bm["errors"].items()) + f": {'PASS' if good else 'FAIL'}")
     om = res.get("oom")
     if om:
         good = om["replans"] >= 1 and om["diff"] is not None and om["diff"] <= EXACT_TOL
@@ -390,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     res["copy_gbps"] = None if args.cpu else bandwidth()
     res["throughput"] = throughput(device, TINY if args.cpu else QUICK if args.quick else FULL)
     res["unit_memory"] = unit_memory(device, SMALL)
+    res["modes"] = backward_modes(device)
     res["oom"] = oom_replan(device)
     ok = report(res)
     res["seconds"] = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from ..errors import rule_error
 from .dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
 from .rng import TaskRNG
 from .seeding import OnDevice, seeding_to
-from .streams import HostCopier, make_copier
+from .streams import CudaCopier, HostCopier, make_copier
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
 
@@ -205,6 +205,9 @@ class CpuDevice(Device):
         seen.add(key)
         return True
 
+    def sync(self) -> None:
+        """Wait for the work queued on this device (a CPU stand-in's is done)."""
+
     def forget(self, task: str) -> None:
         # Else a later task of that name and batch shapes would skip being measured, and could run on the light
         # router with a random op it does not know; and the records would grow with every task the runtime saw.
@@ -262,6 +265,12 @@ class ProfileDevice(CpuDevice):
         self.torch_device = torch_device
         self.account = MemoryAccount(types=(torch_device.type,), granule=512 if torch_device.type == "cuda" else 1)
         self.copier = HostCopier(torch_device, self.account)  # plain copies onto the GPU, counted
+        if torch_device.type == "cuda":  # the runtime's copier leaves tensors this small on the GPU: so here
+            self.copier.offload_min_bytes = CudaCopier.offload_min_bytes
+
+    def sync(self) -> None:
+        if self.torch_device.type == "cuda":  # a forward's measured time is its kernels', not their launches'
+            torch.cuda.synchronize(self.torch_device)
 
 
 _CPU_RATE: list[float] = []  # the CPU stand-ins' copy rate, bytes/s, once measured

@@ -51,8 +51,10 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             carry_dev = ex.to_device(dev, carry)
             base = acct.current
             acct.reset_peak()
+            dev.sync()
             t0 = time.perf_counter()
             out = ex.run(carry_dev, copies, dev)
+            dev.sync()
             fwd_seconds = time.perf_counter() - t0  # what recomputing it costs: the value of keeping it
             fwd_peak = acct.peak - base
             del copies, carry_dev
