@@ -89,6 +89,9 @@ class RecordingStreams:
     def pinned(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
+    def pinned_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t)  # CPU: strides of a dense tensor kept, others contiguous (the rule)
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
@@ -191,3 +194,14 @@ def test_cuda_releases_graphs_by_default_and_the_switch_forces_recompute(monkeyp
     monkeypatch.setenv(RECOMPUTE_ENV, "yes")
     with pytest.raises(ValueError, match=f"{RECOMPUTE_ENV} is 0 or 1 must hold"):
         releases_graphs("cuda")
+
+
+def test_copies_out_keep_a_dense_layout():
+    from hydra_tune.device.streams import _dense
+
+    x = torch.randn(6, 4)
+    assert _dense(x) and _dense(x.t()) and _dense(x.permute(1, 0)[None]) and not _dense(x[:, ::2])
+    assert not _dense(x[:, :1].expand(6, 3)) and _dense(torch.randn(3, 1, 5)[:, :, :])
+    copier, _ = _copier()
+    back = copier.to_host(x.t())  # a carry copied out, as the next shard's copy in will see it
+    assert back.stride() == x.t().stride() and torch.equal(back, x.t())

@@ -172,6 +172,16 @@ class HostCopier:
         """Make host tensors that are copied in often cheap to copy (CPU: nothing to do)."""
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class CudaStreams:
     """The ``torch.cuda`` calls the CUDA copier makes, in one place: a test substitutes a stand-in that records
     which stream each copy ran on, what each stream waited for and where a tensor crossed streams."""
@@ -196,6 +206,13 @@ class CudaStreams:
 
     def pinned(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def pinned_like(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-locked host memory with ``t``'s strides where they are dense (a transposed activation), else
+        contiguous: a copy out and back in leaves the layout the next kernel sees as it was (as on CPU)."""
+        if _dense(t):
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.is_pinned() else t.pin_memory()
@@ -308,7 +325,7 @@ class CudaCopier(HostCopier):
 
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         self._count(t, "d2h", what)
-        out = self.cuda.pinned(t.shape, t.dtype)
+        out = self.cuda.pinned_like(t)
         out.copy_(t.detach(), non_blocking=True)
         if wait:  # else the unit's last waiting copy out (its output carry) covers this one: same stream
             self._waited()
