@@ -96,7 +96,10 @@ def main(argv: list[str]) -> int:
     rows: list[tuple[str, str, str, str]] = []
     for name, part, make in (("gpu_check", result["gpu_check"], check_rows), ("gpu_gil", result["gpu_gil"], gil_rows),
                              ("gpu_perf", result["gpu_perf"], perf_rows)):
-        rows += make(part) if isinstance(part, dict) and "skipped" not in part else [(name, "no result", "-", "-")]
+        if not isinstance(part, dict) or isinstance(part.get("skipped"), str):  # no output, or "no CUDA device"
+            rows.append((name, "no result" if not isinstance(part, dict) else f"skipped: {part['skipped']}", "-", "-"))
+        else:
+            rows += make(part)
     width = max(len(r[1]) for r in rows)
     print(f"\n{'section':<10}{'what':<{width + 2}}{'figure':<44}result")
     for sec, what, fig, verdict in rows:
