@@ -112,3 +112,18 @@ def test_offloaded_gpt2_with_dropout_matches_plain_loop():
     device = run_in_mode(state, "offload")
     assert device.account.current == 0
     assert max_param_diff(ref, state.model) == 0.0
+
+
+def test_footprint_on_meta_offloads_as_the_real_profile_does():
+    # The admission footprint profiles the model built on the meta device: its offloading forward must move the
+    # same activations as the real one (meta stands for the device), so both predict the same offload peaks.
+    from hydra_tune.stages import extract_stages
+    from hydra_tune.training.profile import measure_costs
+
+    batch = lm_batches(1)[0]
+    real_cut = extract_stages(make_gpt2(n_layer=2, n_embd=40))
+    with torch.device("meta"):
+        meta_cut = extract_stages(make_gpt2(n_layer=2, n_embd=40))
+    real = measure_costs(real_cut, batch)
+    meta = measure_costs(meta_cut, meta_cut.meta_batch(batch))
+    assert [(c.off_fwd_peak, c.off_bwd_peak) for c in meta] == [(c.off_fwd_peak, c.off_bwd_peak) for c in real]

@@ -6,7 +6,7 @@
     out.backward(g)                  # each saved tensor comes back on its own device, with its own layout
 
 Rules (each one a way the CUDA autograd engine has crashed or could read wrong values):
-* Only a tensor on the copier's device, of plain strided layout, not a parameter/buffer (``keep``) and holding at
+* Only a tensor on the copier's device (or on ``meta``: a footprint's model), of plain strided layout, not a parameter/buffer (``keep``) and holding at
   least ``copier.offload_min_bytes`` bytes is moved. Everything else is returned as it was saved: CPU scalars that
   CUDA kernels read on the host (SDPA's ``philox_seed``/``philox_offset``), other devices' tensors, tiny tensors.
 * What moves is the tensor's whole storage, once per storage: the tensor comes back as a view with its dtype,
@@ -59,7 +59,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _movable(t: torch.Tensor, device: torch.device, min_bytes: int) -> bool:
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.device == device
+    # meta: a footprint's model built on the meta device stands for the device's tensors (no bytes to copy)
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+            and (t.device == device or t.device.type == "meta")
             and not t.is_conj() and not t.is_neg() and t.untyped_storage().nbytes() >= max(min_bytes, 1))
 
 

@@ -74,7 +74,9 @@ class HostCopier:
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
         self._count(t, "h2d", what)
         src = t.detach()
-        return src.clone() if src.device == self.device else src.to(self.device, copy=True)  # a profile's GPU
+        if src.device == self.device or src.device.type == "meta":  # a footprint's meta model stays on meta
+            return src.clone()
+        return src.to(self.device, copy=True)  # a profile device's GPU
 
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
@@ -83,7 +85,7 @@ class HostCopier:
         if wait:
             self._waited()
         src = t.detach()
-        return src.clone() if src.device.type == "cpu" else src.to("cpu", copy=True)
+        return src.clone() if src.device.type in ("cpu", "meta") else src.to("cpu", copy=True)
 
     def read(self, t: torch.Tensor) -> float:
         """A device scalar's value on the host (a loss): the host waits for the device."""
@@ -115,6 +117,8 @@ class HostCopier:
     def stash(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A host copy of device bytes ``src`` (uint8) and the event that says it has landed (None: it has)."""
         self._count(src, "d2h")
+        if src.device.type == "meta":  # a footprint's meta model: sizes only
+            return torch.empty_like(src), None
         return torch.empty(src.shape, dtype=torch.uint8).copy_(src), None
 
     def unstash(self, host: torch.Tensor, event: Any, device: torch.device) -> torch.Tensor:
