@@ -56,3 +56,18 @@ def test_device_profile_out_of_memory_falls_back_to_the_cpu_profile():
         state = TaskState.build(task, None, device=RoundingGpu(limit=GRANULE))
     cpu = TaskState.build(task, None)
     assert [c.bwd_peak for c in state.costs] == [c.bwd_peak for c in cpu.costs]
+
+
+def test_runtime_profiles_on_its_devices_when_each_profiles_itself(monkeypatch):
+    made: list[ProfileDevice] = []
+
+    def profile_device(self: CpuDevice) -> ProfileDevice:
+        made.append(RoundingGpu().profile_device())
+        return made[-1]
+
+    monkeypatch.setattr(CpuDevice, "profile_device", profile_device)
+    task = ht.ModelTask(lambda: make_gpt2(n_layer=2, n_embd=28), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        lm_batches(1), seed=13)  # an architecture no other test profiled on this "device"
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        rt.submit(task).result()
+    assert any(d.account.peak > 0 and d.account.peak % GRANULE == 0 for d in made), "not profiled on the device"
