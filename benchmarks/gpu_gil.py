@@ -17,7 +17,8 @@ device, after warm-up minibatches:
 * ``feeds``: how many such devices one process keeps busy (>= 90% of their time). From ``hydra_tune.simulate``:
   D devices with D tasks of 20 minibatches of ``device_ms`` each give the devices' makespan; the GIL serialises
   D x 20 x ``gil_ms`` of Python time, and a device cannot run faster than max(device_ms, gil_ms) per minibatch;
-  the largest D (up to 16) whose makespan is within 10% of the GIL-bound one is printed.
+  the largest D (up to 16) whose makespan is within 10% of the GIL-bound one is printed ("0 (GIL)": the Python
+  time of one device's minibatch alone exceeds its device time, so not even one device is kept busy).
 
 On a CPU stand-in the "device" time is itself CPU time in the same process, so the numbers show the structure,
 not a GPU's answer. Prints a table, then one JSON line.
@@ -149,7 +150,7 @@ def report(rows: list[dict[str, Any]]) -> None:
         if "error" in r:
             print(f"{r['model']:<8} {r['precision']:<5} failed: {r['error'][:60]}")
             continue
-        fed = f"{r['feeds']}" if r["feeds"] < MAX_DEVICES else f">={MAX_DEVICES}"
+        fed = {0: "0 (GIL)", MAX_DEVICES: f">={MAX_DEVICES}"}.get(r["feeds"], str(r["feeds"]))  # 0: not even one
         print(f"{r['model']:<8} {r['precision']:<5} {r['gil_ms']:>10.1f} {r['hydra_ms']:>12.1f} "
               f"{r['device_ms']:>13.1f} {r['gil_share']:>11.2f} {fed:>9}")
 
