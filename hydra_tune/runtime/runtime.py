@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..config import RuntimeConfig
@@ -28,6 +29,7 @@ from ..task import ModelTask
 from ..training.entry_plan import plan_entries
 from ..training.footprint import Footprint
 from ..training.shard import ShardExec
+from ..training.shared_frozen import SharedFrozen
 from ..training.state import TaskState
 from .admitted import Admitted
 from .gate import GateHooks, HostGate
@@ -39,6 +41,7 @@ from .worker import DeviceWorker, WorkerHooks
 
 __all__ = ["Runtime", "TaskHandle"]
 
+SHARED_POOL = "(shared frozen weights)"  # the admission charge of the pool of shared frozen weights
 CLOSE_WAIT = 2.0  # seconds close() waits for ended tasks' host threads before leaving them behind with a warning
 
 
@@ -71,6 +74,7 @@ class Runtime:
         self.scheduler = Scheduler(self.policy, self._release, history=self.config.history)
         self._recorder = Recorder([d.name for d in self.devices], time.perf_counter(), limit=self.config.trace_events)
         self._start_devices()
+        self.shared = SharedFrozen()  # frozen weights equal across tasks, held once (shared_frozen.py)
         self._gate = HostGate(self.config.host_memory, self._plan,
                               GateHooks(self._new_handle, self.scheduler.held_bytes, self._start))
         if self._start_errors:
@@ -154,6 +158,7 @@ class Runtime:
                    for w in self._workers]
         tasks.update(self._gate.waiting_stats())
         return {"devices": devices, "tasks": tasks, "policy": self.policy, "host": self.host_memory(),
+                "shared_frozen": self.shared.stats(),
                 "history": self._history()}
 
     def clock(self) -> float:
@@ -226,6 +231,7 @@ class Runtime:
         """Build an admitted task (unless built) and put it on the board; ``handle``: a waiting task's."""
         if state is None:
             state = TaskState.build(task, *self._plan)
+        footprint = self._share_frozen(task.name, state, footprint)
         self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
         state.home.set_optimizer_bytes(footprint.optimizer)  # measured for admission: what its state will hold
         if self.config.residency == "off":
@@ -237,6 +243,15 @@ class Runtime:
         handle.attach(state)
         self.scheduler.admit(handle, state, footprint)
         return handle
+
+    def _share_frozen(self, name: str, state: TaskState, footprint: Footprint) -> Footprint:
+        """Put the task's frozen weights in the pool; it is charged the rest, the pool its bytes once."""
+        shares = state.share_frozen(self.shared)
+        if not shares.params:
+            return footprint
+        own = replace(footprint, params=max(footprint.params - shares.nbytes, 0), shared=shares.nbytes)
+        self._gate.recharge({name: own.total, SHARED_POOL: self.shared.nbytes()})
+        return own
 
     def _cancel(self, handle: TaskHandle) -> None:
         if self._gate.withdraw(handle, TaskCancelled(f"task {handle.name!r} was cancelled")):
@@ -255,6 +270,9 @@ class Runtime:
         # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
         # it when it lets the task go (TrainingLoop.segments)
         task.state.home.release(wait=CLOSE_WAIT)
+        # its model keeps private copies of what others still share; the last holder frees the pool's entries
+        self.shared.release(task.name, task.state.model)
+        self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
         for d in self.devices:
             d.forget(task.name)
         task.handle.finish(status, error)

@@ -1,0 +1,231 @@
+"""Frozen weights several tasks of one runtime hold once: one host copy, one copy per device that ran them.
+
+    shared = SharedFrozen()                       # one per Runtime
+    shares = shared.share("trial-1", model)       # equal frozen parameters now point at one host tensor
+    shares.check()                                # after each optimizer step: raises if the task wrote into one
+    shared.device_copy(host_tensor, device)       # ShardExec.copy_in: one device copy for every task
+    shared.release("trial-1", model)              # the task ended (done, failed, cancelled); the last frees it
+    shared.stats()                                # {"tensors", "shared_bytes", "holders", "saved_bytes"}
+
+Rules:
+* What may be shared: parameters (``nn.Parameter``) with ``requires_grad=False`` when the task is built, in host
+  memory, that occupy their whole storage (a view into a larger storage stays the task's own). Never buffers
+  (BatchNorm running statistics and the like change during training), never a trainable parameter, never a
+  tensor the task's optimizer holds.
+* Equality: a tensor is merged with another only when their dtype, shape and strides are equal and a BLAKE2b
+  digest (256 bits) of their bytes is equal: bases that differ in one value, in one bit (-0.0 vs 0.0, NaN
+  payloads), are never merged. A tensor whose storage is already the shared one (the same pretrained source
+  handed to several tasks) is recognised by identity and version without hashing. Hashing reads every frozen
+  byte once at submit: about 1 s per GB on one core (benchmarks/lora_memory.py measures it: a 7B bf16 base,
+  14 GB, costs its measured rate x 14).
+* Read-only in effect: a task that writes into a shared tensor in place (its version counter moves) fails at its
+  next optimizer step with an error naming the tensor, and a device copy found written is never handed out again
+  (the unit that finds it raises); other tasks keep the values they were built with only if the write went
+  through the task's own parameter, so tasks must not write into frozen weights (writes through ``.data`` are not
+  seen by version counters: hydra_tune cannot detect them).
+* Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
+  private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
+  ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; an entry
+  nobody holds is forgotten, with its device copies.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..errors import rule_error
+
+#: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
+#: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
+DEVICE_SHARE = 0.25
+
+
+def content_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """(dtype, shape, strides, BLAKE2b digest of the elements' bytes): equal keys mean bit-equal tensors."""
+    flat = t.detach().contiguous().reshape(-1)
+    digest = hashlib.blake2b(flat.view(torch.uint8).numpy().data if flat.numel() else b"", digest_size=32)
+    return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest.hexdigest())
+
+
+def _qualifies(p: nn.Parameter) -> bool:
+    return (not p.requires_grad and p.device.type == "cpu" and type(p) is nn.Parameter and p.numel() > 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size() and p.storage_offset() == 0)
+
+
+@dataclass
+class _Entry:
+    tensor: torch.Tensor                      # the one host copy
+    nbytes: int
+    version: int                              # its version counter when pooled: moved means written
+    holders: dict[str, int] = field(default_factory=dict)   # task name -> parameters of it pointing here
+    devices: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # device -> (copy, its version)
+
+
+@dataclass
+class TaskShares:
+    """One task's shared parameters: (name in the model, parameter, entry key, version when shared)."""
+
+    task: str
+    params: list[tuple[str, nn.Parameter, Any, int]]
+    hash_seconds: float = 0.0
+
+    def check(self) -> None:
+        """Raise when the task wrote into a shared tensor in place (its version counter moved)."""
+        written = [name for name, p, _, v in self.params if p._version != v]  # torch's in-place counter
+        if written:
+            raise rule_error(
+                "a task changes no frozen parameter it shares with other tasks (requires_grad=False weights "
+                "equal across tasks are held once)", "do not write into frozen weights during training; make "
+                "them trainable (requires_grad_(True)) or buffers (register_buffer) if they must change",
+                task=self.task, written=written[:5], count=len(written))
+
+    def storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for _, p, _, _ in self.params}
+
+    def keys(self) -> set[int]:
+        """ids of the parameters whose device copies come from the shared pool."""
+        return {id(p) for _, p, _, _ in self.params}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p, _, _ in self.params)
+
+
+class SharedFrozen:
+    """The runtime's pool of frozen tensors (see the module docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Any, _Entry] = {}
+        self._by_ptr: dict[int, Any] = {}      # host storage pointer of an entry -> its key
+        self._tasks: dict[str, TaskShares] = {}
+        self.hash_seconds = 0.0
+        self.hashed_bytes = 0
+
+    def share(self, task: str, model: nn.Module) -> TaskShares:
+        """Point ``model``'s qualifying frozen parameters at the pool's tensors (equal ones found, new ones
+        added); what the task held before for them is freed unless the caller keeps it."""
+        shares = TaskShares(task, [])
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen or not _qualifies(p):
+                continue
+            seen.add(id(p))
+            key, seconds = self._key(p)
+            shares.hash_seconds += seconds
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
+                    self._by_ptr[p.data_ptr()] = key
+                entry.holders[task] = entry.holders.get(task, 0) + 1
+            if p.data_ptr() != entry.tensor.data_ptr():
+                with torch.no_grad():
+                    p.data = entry.tensor  # the task's own copy goes when nothing else holds it
+            shares.params.append((name, p, key, p._version))
+        with self._lock:
+            self._tasks[task] = shares
+        return shares
+
+    def _key(self, p: torch.Tensor) -> tuple[Any, float]:
+        with self._lock:
+            key = self._by_ptr.get(p.data_ptr())
+            entry = self._entries.get(key) if key is not None else None
+        if entry is not None and entry.tensor.stride() == p.stride() and entry.tensor.shape == p.shape \
+                and entry.tensor.dtype == p.dtype and entry.tensor._version == entry.version:
+            return key, 0.0  # the pool's own tensor, unchanged (a write in place would move its version)
+        start = time.perf_counter()
+        key = content_key(p)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self.hash_seconds += seconds
+            self.hashed_bytes += p.numel() * p.element_size()
+        return key, seconds
+
+    def release(self, task: str, model: nn.Module | None = None) -> None:
+        """``task`` ended: it holds its entries no more. Entries others still hold are copied for ``model`` (the
+        user's model keeps its values, independent of the pool); the rest are forgotten."""
+        with self._lock:
+            shares = self._tasks.pop(task, None)
+            if shares is None:
+                return
+            private: list[nn.Parameter] = []
+            for _, p, key, _ in shares.params:
+                entry = self._entries.get(key)
+                if entry is None or task not in entry.holders:
+                    continue
+                del entry.holders[task]
+                if entry.holders:
+                    private.append(p)
+                else:
+                    self._entries.pop(key)
+                    self._by_ptr.pop(entry.tensor.data_ptr(), None)
+                    entry.devices.clear()
+        if model is not None:
+            with torch.no_grad():
+                for p in {id(p): p for p in private}.values():
+                    if p.data_ptr() != 0 and p.device.type == "cpu":
+                        p.data = p.data.clone()
+
+    def device_copy(self, host: torch.Tensor, device: Any) -> torch.Tensor | None:
+        """The device's copy of the pooled tensor ``host`` (made now if there is none: its bytes counted by the
+        device's copier like any state copy); None when ``host`` is not pooled."""
+        with self._lock:
+            key = self._by_ptr.get(host.data_ptr())
+            entry = self._entries.get(key) if key is not None else None
+            held = entry.devices.get(device.name) if entry is not None else None
+        if entry is None:
+            return None
+        if held is not None:
+            copy, version = held
+            if copy._version != version:
+                raise rule_error("a unit changes no frozen parameter it shares with other tasks", "do not write "
+                                 "into frozen weights in forward; make them buffers or trainable",
+                                 device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
+            return copy
+        copy = device.copier.to_device(host, "state")
+        if self._keep_on(device, entry.nbytes):
+            with self._lock:
+                if key in self._entries:
+                    entry.devices[device.name] = (copy, copy._version)
+        return copy
+
+    def _keep_on(self, device: Any, nbytes: int) -> bool:
+        budget = getattr(device, "budget", None)
+        if budget is None:
+            return True
+        with self._lock:
+            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices)
+        return kept + nbytes <= DEVICE_SHARE * budget
+
+    def forget_device_copies(self) -> None:
+        """Drop every device copy (the runtime closes, or a device ran out of memory)."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.devices.clear()
+
+    def nbytes(self) -> int:
+        """Host bytes of the pooled tensors (each once)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def stats(self) -> dict[str, Any]:
+        """``tensors`` and ``shared_bytes`` held once; ``holders`` per task; ``saved_bytes``: what separate
+        copies would hold more; ``hash_seconds``/``hashed_bytes`` spent finding equal tensors."""
+        with self._lock:
+            holders: dict[str, int] = {}
+            saved = 0
+            for e in self._entries.values():
+                for name in e.holders:
+                    holders[name] = holders.get(name, 0) + e.nbytes
+                saved += e.nbytes * (len(e.holders) - 1)
+            return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
+                    "per_task_shared_bytes": holders, "saved_bytes": saved,
+                    "device_copies": sum(len(e.devices) for e in self._entries.values()),
+                    "hash_seconds": round(self.hash_seconds, 4), "hashed_bytes": self.hashed_bytes}
