@@ -25,8 +25,9 @@ Rules:
   seen by version counters: hydra_tune cannot detect them).
 * Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
-  ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; an entry
-  nobody holds is forgotten, with its device copies.
+  ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
+  weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
+  back at the end; an entry nobody holds is forgotten, with its device copies.
 """
 from __future__ import annotations
 
@@ -65,6 +66,19 @@ class _Entry:
     version: int                              # its version counter when pooled: moved means written
     holders: dict[str, int] = field(default_factory=dict)   # task name -> parameters of it pointing here
     devices: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # device -> (copy, its version)
+    # every holder's parameter and its version when pooled: each has its own in-place counter (``p.data = t``
+    # does not share counters), so a write shows only on the parameter it went through
+    params: list[tuple[str, str, nn.Parameter, int]] = field(default_factory=list)
+    poisoned: str = ""                        # "task: name" that wrote into it when no clean copy was left
+
+    def written(self) -> list[str]:
+        return [f"{task}: {name}" for task, name, p, v in self.params if p._version != v]
+
+
+_WRITE_RULE = ("a task changes no frozen parameter it shares with other tasks (requires_grad=False weights equal "
+               "across tasks are held once)")
+_WRITE_FIX = ("do not write into frozen weights during training; make them trainable (requires_grad_(True)) or "
+              "buffers (register_buffer) if they must change")
 
 
 @dataclass
@@ -73,17 +87,20 @@ class TaskShares:
 
     task: str
     params: list[tuple[str, nn.Parameter, Any, int]]
+    pool: SharedFrozen | None = None
     hash_seconds: float = 0.0
 
     def check(self) -> None:
-        """Raise when the task wrote into a shared tensor in place (its version counter moved)."""
-        written = [name for name, p, _, v in self.params if p._version != v]  # torch's in-place counter
+        """Raise when the task wrote into a shared tensor in place (its version counter moved: the pool puts the
+        values back from a clean device copy), or another task wrote into one it holds and none was left."""
+        if self.pool is None:
+            return
+        written, poisoned = self.pool.check(self.task, {key for _, _, key, _ in self.params})
         if written:
-            raise rule_error(
-                "a task changes no frozen parameter it shares with other tasks (requires_grad=False weights "
-                "equal across tasks are held once)", "do not write into frozen weights during training; make "
-                "them trainable (requires_grad_(True)) or buffers (register_buffer) if they must change",
-                task=self.task, written=written[:5], count=len(written))
+            raise rule_error(_WRITE_RULE, _WRITE_FIX, task=self.task, written=written[:5], count=len(written))
+        if poisoned:
+            raise rule_error(_WRITE_RULE, _WRITE_FIX + "; this task holds weights another task wrote into, "
+                             "with no clean copy left to restore", task=self.task, written_by=poisoned[:5])
 
     def storages(self) -> set[int]:
         return {p.untyped_storage().data_ptr() for _, p, _, _ in self.params}
@@ -105,13 +122,15 @@ class SharedFrozen:
         self._entries: dict[Any, _Entry] = {}
         self._by_ptr: dict[int, Any] = {}      # host storage pointer of an entry -> its key
         self._tasks: dict[str, TaskShares] = {}
+        self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
+        self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
         self.hash_seconds = 0.0
         self.hashed_bytes = 0
 
     def share(self, task: str, model: nn.Module) -> TaskShares:
         """Point ``model``'s qualifying frozen parameters at the pool's tensors (equal ones found, new ones
         added); what the task held before for them is freed unless the caller keeps it."""
-        shares = TaskShares(task, [])
+        shares = TaskShares(task, [], self)
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in seen or not _qualifies(p):
@@ -125,9 +144,10 @@ class SharedFrozen:
                     entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
                     self._by_ptr[p.data_ptr()] = key
                 entry.holders[task] = entry.holders.get(task, 0) + 1
-            if p.data_ptr() != entry.tensor.data_ptr():
-                with torch.no_grad():
-                    p.data = entry.tensor  # the task's own copy goes when nothing else holds it
+                if p.data_ptr() != entry.tensor.data_ptr():
+                    with torch.no_grad():
+                        p.data = entry.tensor  # the task's own copy goes when nothing else holds it
+                entry.params.append((task, name, p, p._version))
             shares.params.append((name, p, key, p._version))
         with self._lock:
             self._tasks[task] = shares
@@ -153,25 +173,58 @@ class SharedFrozen:
         user's model keeps its values, independent of the pool); the rest are forgotten."""
         with self._lock:
             shares = self._tasks.pop(task, None)
+            self._wrote.pop(task, None)
             if shares is None:
                 return
             private: list[nn.Parameter] = []
-            for _, p, key, _ in shares.params:
+            for key in {key for _, _, key, _ in shares.params}:
                 entry = self._entries.get(key)
-                if entry is None or task not in entry.holders:
+                if entry is None:
                     continue
-                del entry.holders[task]
-                if entry.holders:
-                    private.append(p)
-                else:
+                entry.holders.pop(task, None)
+                entry.params = [x for x in entry.params if x[0] != task]
+                if not entry.holders:
                     self._entries.pop(key)
                     self._by_ptr.pop(entry.tensor.data_ptr(), None)
                     entry.devices.clear()
+            first: set[Any] = set()
+            for _, p, key, _ in shares.params:
+                # the model gets back separate tensors: its own for entries others hold, and one per parameter
+                # for equal weights within it (LayerNorm ones, zero biases: pooled as one entry)
+                if key in self._entries or key in first:
+                    private.append(p)
+                first.add(key)
         if model is not None:
             with torch.no_grad():
                 for p in {id(p): p for p in private}.values():
                     if p.data_ptr() != 0 and p.device.type == "cpu":
                         p.data = p.data.clone()
+
+    def check(self, task: str, keys: set[Any]) -> tuple[list[str], list[str]]:
+        """(names of ``task``'s parameters it wrote into, who wrote into others it holds with no clean copy
+        left). A written entry gets its values back from a clean device copy (made before the write, its own
+        version unmoved), and every holder's counter is marked anew; one with none left is poisoned: each
+        holder's next check fails, and no device copy is made from it."""
+        own: list[str] = []
+        poisoned: list[str] = []
+        with self._lock:
+            for entry in [self._entries[k] for k in keys if k in self._entries]:
+                written = [(t, n) for t, n, p, v in entry.params if p._version != v]
+                for t, n in written:  # the writer fails at its own next check, whoever restores it
+                    self._wrote.setdefault(t, []).append(n)
+                if written and not entry.poisoned:
+                    clean = [c for c, v in entry.devices.values()
+                             if c._version == v and c.untyped_storage().nbytes()]
+                    if clean:
+                        with torch.no_grad():
+                            entry.tensor.copy_(clean[0].to(entry.tensor.device))
+                        entry.params = [(t, n, p, p._version) for t, n, p, _ in entry.params]
+                    else:
+                        entry.poisoned = ", ".join(f"{t}: {n}" for t, n in written)
+                if entry.poisoned:
+                    poisoned.append(entry.poisoned)
+            own = self._wrote.pop(task, [])
+        return own, [p for p in poisoned if not own]
 
     def device_copy(self, host: torch.Tensor, device: Any) -> torch.Tensor | None:
         """The device's copy of the pooled tensor ``host`` (made now if there is none: its bytes counted by the
@@ -182,6 +235,9 @@ class SharedFrozen:
             held = entry.devices.get(device.name) if entry is not None else None
         if entry is None:
             return None
+        written = entry.poisoned or ", ".join(entry.written())
+        if written:
+            raise rule_error(_WRITE_RULE, _WRITE_FIX, device=device.name, written=written)
         if held is not None:
             copy, version = held
             if copy._version != version:
@@ -190,6 +246,8 @@ class SharedFrozen:
                                  device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
             return copy
         copy = device.copier.to_device(host, "state")
+        with self._lock:
+            self.copied[device.name] = self.copied.get(device.name, 0) + entry.nbytes
         if self._keep_on(device, entry.nbytes):
             with self._lock:
                 if key in self._entries:
@@ -228,4 +286,5 @@ class SharedFrozen:
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
+                    "copied_bytes": dict(self.copied),
                     "hash_seconds": round(self.hash_seconds, 4), "hashed_bytes": self.hashed_bytes}
