@@ -9,7 +9,6 @@ import torch
 from reference import max_param_diff, plain_train, run_in_mode, trained
 
 import hydra_tune as ht
-from hydra_tune.training.shared_frozen import SharedFrozen
 from hydra_tune.training.state import TaskState
 
 pytest.importorskip("peft", reason="PEFT support needs the `peft` extra (pip install hydra_tune[peft])")
@@ -98,6 +97,8 @@ def test_lora_bert_sharded_matches_plain_peft_loop_and_frozen_get_no_grads():
 
 @pytest.mark.parametrize("mode", ["keep", "offload"])
 def test_lora_kept_and_offloaded_shards_with_a_pooled_base_match_plain_loop(mode):
+    from hydra_tune.training.shared_frozen import SharedFrozen
+
     state = TaskState.build(task("spill"), budget=BUDGET)
     assert len(state.execs) >= 3
     state.share_frozen(SharedFrozen())
