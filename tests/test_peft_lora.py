@@ -252,3 +252,12 @@ def test_lora_plans_fewer_shards_than_full_fine_tuning_of_the_same_base():
                              keep=False).plan for make, name in ((lora, "lora"), (wide, "full"))]
     assert len(plans[0].shards) < len(plans[1].shards), [[s.names for s in p.shards] for p in plans]
     assert all(p.peak <= 1_000_000 for p in plans)
+
+
+def test_share_frozen_false_keeps_each_trial_its_own_base_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match="`share_frozen` is True or False"):
+        ht.RuntimeConfig(share_frozen="yes")
+    with ht.Runtime(config=ht.RuntimeConfig(devices=["cpu"], share_frozen=False)) as rt:
+        model = trained(rt.submit(task("own", epochs=1)))
+        assert rt.stats()["shared_frozen"]["tensors"] == 0
+    assert max_param_diff(plain_train(task("own", epochs=1))[0], model) == 0.0

@@ -246,6 +246,8 @@ class Runtime:
 
     def _share_frozen(self, name: str, state: TaskState, footprint: Footprint) -> Footprint:
         """Put the task's frozen weights in the pool; it is charged the rest, the pool its bytes once."""
+        if not self.config.share_frozen:
+            return footprint
         shares = state.share_frozen(self.shared)
         if not shares.params:
             return footprint
