@@ -231,8 +231,10 @@ class Runtime:
         """Build an admitted task (unless built) and put it on the board; ``handle``: a waiting task's."""
         if state is None:
             state = TaskState.build(task, *self._plan)
-        footprint = self._share_frozen(task.name, state, footprint)
-        self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
+        footprint = self._share_frozen(task.name, state, footprint)  # pooled weights are pinned there, once
+        pooled = state.shares.keys() if state.shares is not None else set()
+        self.devices[0].copier.prepare_host([p for p in state.model.parameters() if id(p) not in pooled]
+                                            + list(state.model.buffers()))
         state.home.set_optimizer_bytes(footprint.optimizer)  # measured for admission: what its state will hold
         if self.config.residency == "off":
             state.home.disable("residency='off' (RuntimeConfig): its state stays in host memory")
@@ -248,7 +250,7 @@ class Runtime:
         """Put the task's frozen weights in the pool; it is charged the rest, the pool its bytes once."""
         if not self.config.share_frozen:
             return footprint
-        shares = state.share_frozen(self.shared)
+        shares = state.share_frozen(self.shared, self.devices[0].copier.prepare_host)
         if not shares.params:
             return footprint
         own = replace(footprint, params=max(footprint.params - shares.nbytes, 0), shared=shares.nbytes)

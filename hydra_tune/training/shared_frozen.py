@@ -127,9 +127,10 @@ class SharedFrozen:
         self.hash_seconds = 0.0
         self.hashed_bytes = 0
 
-    def share(self, task: str, model: nn.Module) -> TaskShares:
+    def share(self, task: str, model: nn.Module, prepare: Any = None) -> TaskShares:
         """Point ``model``'s qualifying frozen parameters at the pool's tensors (equal ones found, new ones
-        added); what the task held before for them is freed unless the caller keeps it."""
+        added); what the task held before for them is freed unless the caller keeps it. ``prepare([p])`` readies
+        a parameter that becomes a new entry (the CUDA copier pins it) before the pool takes its tensor."""
         shares = TaskShares(task, [], self)
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -141,6 +142,8 @@ class SharedFrozen:
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is None:
+                    if prepare is not None:
+                        prepare([p])
                     entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
                     self._by_ptr[p.data_ptr()] = key
                 entry.holders[task] = entry.holders.get(task, 0) + 1

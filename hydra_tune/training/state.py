@@ -148,9 +148,10 @@ class TaskState:
         self.execs = self._execs(plan)
         self.replans += int(replanned)
 
-    def share_frozen(self, pool: SharedFrozen) -> TaskShares:
-        """Hold the model's frozen parameters in ``pool`` (shared_frozen.py): equal ones of other tasks once."""
-        self.shares, self._pool = pool.share(self.task.name, self.model), pool
+    def share_frozen(self, pool: SharedFrozen, prepare: Any = None) -> TaskShares:
+        """Hold the model's frozen parameters in ``pool`` (shared_frozen.py): equal ones of other tasks once;
+        ``prepare``: readies a new entry's tensor (pinning)."""
+        self.shares, self._pool = pool.share(self.task.name, self.model, prepare), pool
         for ex in self.execs:
             ex.use_pool(pool, self.shares.keys())
         self.held_bytes = self.host_bytes()
