@@ -53,6 +53,7 @@ def lora_factory(path: str, r: int, alpha: int, dropout: float):
         from transformers.utils import logging
 
         logging.set_verbosity_error()
+        logging.disable_progress_bar()
         base = BertForSequenceClassification.from_pretrained(path, num_labels=2)  # the head: seeded by the task
         return get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                                target_modules=["query", "value"], modules_to_save=["classifier"]))
@@ -66,7 +67,7 @@ def objective_for(path: str, train: list, held_out: list, epochs: int):
         r = trial.suggest_categorical("r", [2, 4, 8, 16])
         alpha = trial.suggest_categorical("alpha", [4, 8, 16, 32])
         dropout = trial.suggest_float("dropout", 0.0, 0.2)
-        lr = trial.suggest_float("lr", 1e-4, 3e-3, log=True)
+        lr = trial.suggest_float("lr", 3e-4, 1e-2, log=True)
         task = ht.ModelTask(lora_factory(path, r, alpha, dropout),
                             lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr),
                             train, eval_data=held_out, epochs=epochs, seed=trial.number)
