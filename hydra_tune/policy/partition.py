@@ -243,7 +243,8 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
     candidates = {sh.state_bytes for sh in singles}
     if isinstance(plain, list):
         candidates |= {sh.state_bytes for sh in plain}
-    candidates |= _window_states(costs, budget)
+    if any(not trainable for c in costs for _, _, trainable in c.params):
+        candidates |= _window_states(costs, budget)  # frozen weights: shards may hold more (see there)
     plans: list[list[Shard]] = []
     for cap in sorted(candidates):
         result = _greedy(costs, budget - cap, cap)
@@ -264,10 +265,11 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
 
 
 def _window_states(costs: Sequence[StageCost], budget: int, most: int = 48) -> set[int]:
-    """More reserves to try: the parameters+buffers of runs of consecutive stages that could hold a shard next
-    to its own copy (at most ``most``, spread over their range). Frozen weights need no gradients, so a LoRA
-    model's shards may hold several layers: the reserve of such a shard is a run's state, which neither one
-    stage's nor a plan without reserve's need be."""
+    """More reserves to try for a model with frozen weights: the parameters+buffers of runs of consecutive
+    stages that could hold a shard next to its own copy (at most ``most``, spread over their range). Frozen
+    weights need no gradients, so a LoRA model's shards may hold several layers: the reserve of such a shard is
+    a run's state, which neither one stage's nor a plan without reserve's need be. (Models without frozen
+    weights keep the candidates they always had: their plans do not change.)"""
     states: set[int] = set()
     for i in range(len(costs)):
         seen: dict[int, int] = {}
