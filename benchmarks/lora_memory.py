@@ -178,8 +178,8 @@ def report(runs: dict, path: str | None) -> int:
     adapter = 4 * sh["adapter_param_bytes"]  # parameters, gradients, AdamW's two moments
     goal = (base + n * adapter) * 1.1
     mib = 2 ** 20
-    print(f"{n} LoRA trials of MiniLM (base {base / mib:.1f} MiB frozen, adapter+head {sh['adapter_param_bytes'] / mib:.2f}"
-          f" MiB trainable) on 2 CPU devices")
+    print(f"{n} LoRA trials of MiniLM (base {base / mib:.1f} MiB frozen, adapter+head "
+          f"{sh['adapter_param_bytes'] / mib:.2f} MiB trainable) on 2 CPU devices")
     print("| configuration | peak RSS above baseline | admitted (runtime accounting) | wall s |")
     print("|---|---|---|---|")
     for name, r in (("shared base (default)", sh), ("share_frozen=False", un), ("plain PEFT loops, 2 at a time", pl)):

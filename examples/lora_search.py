@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items()))
     mib = 2 ** 20
     print(f"search wall {wall:.1f} s on 2 CPU devices")
-    print(f"host memory: peak RSS {peak / mib:.0f} MiB above the start; the pool held {pool.get('shared_bytes', 0) / mib:.1f}"
-          f" MiB of frozen base once for up to {len(pool.get('per_task_shared_bytes', {}))} trials at a time, "
+    holders = len(pool.get("per_task_shared_bytes", {}))
+    print(f"host memory: peak RSS {peak / mib:.0f} MiB above the start; the pool held "
+          f"{pool.get('shared_bytes', 0) / mib:.1f} MiB of frozen base once for up to {holders} trials at a time, "
           f"{pool.get('saved_bytes', 0) / mib:.0f} MiB less than separate copies")
     if args.compare:
         _, _, unshared, wall_u = search(args, share=False)

@@ -18,9 +18,10 @@ parameters, and the host footprint admission charged (parameters, gradients, opt
 
 Rules:
 * Entries: each shard's state (the trainable parameters it owns: a tied one belongs to the first shard holding
-  it, their gradients and optimizer state; frozen ones are copied in like buffers) is one entry; ``entry_bytes`` predicts its device bytes (parameters, gradients
-  (twice with grad_accumulation > 1: a minibatch's next to the accumulated ones), its share of the optimizer
-  state, and the step's temporaries: one more copy of its trainable parameters); ``state_bytes`` is their sum.
+  it, their gradients and optimizer state; frozen ones are copied in like buffers) is one entry; ``entry_bytes``
+  predicts its device bytes (parameters, gradients (twice with grad_accumulation > 1: a minibatch's next to the
+  accumulated ones), its share of the optimizer state, and the step's temporaries: one more copy of its trainable
+  parameters); ``state_bytes`` is their sum.
   A unit reads the entries of every parameter its shard holds (``needs``); ``where(i)`` names the device only
   when all of them are there.
 * A task whose whole state fits next to its plan's peak (state_cache.py ``begin``) moves in whole and stays: after
