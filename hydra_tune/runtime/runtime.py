@@ -150,6 +150,10 @@ class Runtime:
         (``state_on``), steps taken on the device and on the host and why, evictions, its ``copies`` and
         ``state_bytes_after_first_step`` (moved from its first optimizer step to its last: 0 while it stays
         resident); ended tasks: the newest ``config.history``. ``host``: what ``host_memory()`` returns.
+        ``shared_frozen``: the pool of frozen weights held once for several tasks (training/shared_frozen.py):
+        ``shared_bytes`` (held once), ``per_task_shared_bytes``, ``saved_bytes`` (what separate copies would hold
+        more), ``copied_bytes`` per device, ``hash_seconds``; each task's ``host_footprint["shared"]`` is its
+        pooled part (not in its ``total``, charged once to the pool).
         ``history``: ended tasks' records kept and dropped, trace events kept and dropped (both bounded:
         ``RuntimeConfig(history=..., trace_events=...)``)."""
         tasks = self.scheduler.task_stats()

@@ -16,8 +16,8 @@ Rules:
   digest (256 bits) of their bytes is equal: bases that differ in one value, in one bit (-0.0 vs 0.0, NaN
   payloads), are never merged. A tensor whose storage is already the shared one (the same pretrained source
   handed to several tasks) is recognised by identity and version without hashing. Hashing reads every frozen
-  byte once at submit: about 1 s per GB on one core (benchmarks/lora_memory.py measures it: a 7B bf16 base,
-  14 GB, costs its measured rate x 14).
+  byte once at submit, in ``HASH_THREADS`` threads: about 2.5 s per GB per busy core here, so a 7B bf16 base
+  (14 GB) costs about 35 s on one core and ~5 s on 8 (benchmarks/lora_memory.py measures it).
 * Read-only in effect: a task that writes into a shared tensor in place (its version counter moves) fails at its
   next optimizer step with an error naming the tensor, and a device copy found written is never handed out again
   (the unit that finds it raises); other tasks keep the values they were built with only if the write went
@@ -32,8 +32,10 @@ Rules:
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,8 @@ from ..errors import rule_error
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25
+#: Threads that hash a task's frozen tensors at submit (hashlib runs without the GIL on large buffers).
+HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 def content_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -133,12 +137,17 @@ class SharedFrozen:
         a parameter that becomes a new entry (the CUDA copier pins it) before the pool takes its tensor."""
         shares = TaskShares(task, [], self)
         seen: set[int] = set()
+        found: list[tuple[str, nn.Parameter]] = []
         for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen or not _qualifies(p):
-                continue
-            seen.add(id(p))
-            key, seconds = self._key(p)
-            shares.hash_seconds += seconds
+            if id(p) not in seen and _qualifies(p):
+                seen.add(id(p))
+                found.append((name, p))
+        # hashlib releases the GIL on large buffers: the tensors are hashed in parallel threads
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(found)))) as threads:
+            keys = list(threads.map(lambda item: self._key(item[1]), found))
+        shares.hash_seconds = time.perf_counter() - start  # wall time of finding equal tensors at submit
+        for (name, p), (key, _) in zip(found, keys):
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is None:
