@@ -193,6 +193,7 @@ class Runtime:
                                                                 "finished"))
         for d in self.devices:
             d.resident.clear()
+        self.shared.forget_device_copies()  # the pool's device copies go with the devices
             if d.states is not None:
                 d.states.clear()
         stuck = [(name, "its host thread is still inside its host work") for name in
