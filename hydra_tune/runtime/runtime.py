@@ -193,9 +193,9 @@ class Runtime:
                                                                 "finished"))
         for d in self.devices:
             d.resident.clear()
-        self.shared.forget_device_copies()  # the pool's device copies go with the devices
             if d.states is not None:
                 d.states.clear()
+        self.shared.forget_device_copies()  # the pool's device copies go with the devices
         stuck = [(name, "its host thread is still inside its host work") for name in
                  self.scheduler.wait_hosts(CLOSE_WAIT)]
         stuck += [(building, "its build (which takes a sample batch) is still running")] if building else []
