@@ -8,8 +8,9 @@ Each configuration runs in its own interpreter (a fresh RSS): "shared" (the defa
 pooled, training/shared_frozen.py), "unshared" (RuntimeConfig(share_frozen=False)) and "plain" (the same trials
 as plain PEFT loops, two at a time in two threads: what 2 CPU devices would run without hydra_tune). Reported:
 the peak RSS above the interpreter's baseline (torch, transformers and the tokenised data loaded), the
-runtime's admitted bytes, the pool's bytes, the base bytes copied onto each device, the hash rate (seconds per
-GB, and what a 7B bf16 base of 14 GB would cost at submit) and the plain/hydra wall-time ratio. Checks: the
+runtime's admitted bytes, the pool's bytes, the base bytes copied onto each device, what finding equal weights
+costs at submit (seconds per GB for the first and a later trial, vs a full hash; what a 7B bf16 base of 14 GB
+would cost) and the plain/hydra wall-time ratio. Checks: the
 pool holds one base, admission charges the shared trials less; the issue's RSS goal (base + N x adapter state +
 10%) is printed as met or missed.
 """
@@ -103,21 +104,25 @@ def run_one(mode: str, n: int, batches: int) -> dict:
     probe = tasks[0].model()
     frozen = sum(p.numel() * p.element_size() for p in probe.parameters() if not p.requires_grad)
     trainable = sum(p.numel() * p.element_size() for p in probe.parameters() if p.requires_grad)
-    from hydra_tune.training.shared_frozen import HASH_THREADS, SharedFrozen, content_key
+    from hydra_tune.training.shared_frozen import SharedFrozen, content_key
 
     start = time.perf_counter()
     for p in probe.parameters():
         if not p.requires_grad:
             content_key(p)
     hash_s_per_gb = (time.perf_counter() - start) / (frozen / 1e9)
-    parallel_s_per_gb = SharedFrozen().share("probe", probe).hash_seconds / (frozen / 1e9)  # what submit runs
-    del probe
+    pool = SharedFrozen()   # what submit runs: the first trial probes, a later one compares every byte
+    first_s_per_gb = pool.share("probe", probe).match_seconds / (frozen / 1e9)
+    second = tasks[1].model()
+    later_s_per_gb = pool.share("second", second).match_seconds / (frozen / 1e9)
+    del probe, second, pool
     baseline = _rss()
     peak = Peak()
     start = time.perf_counter()
     out: dict = {"mode": mode, "trials": n, "base_bytes": frozen, "adapter_param_bytes": trainable,
-                 "hash_seconds_per_gb": round(hash_s_per_gb, 3),
-                 "hash_seconds_per_gb_at_submit": round(parallel_s_per_gb, 3), "hash_threads": HASH_THREADS}
+                 "blake2b_seconds_per_gb": round(hash_s_per_gb, 3),
+                 "first_trial_seconds_per_gb": round(first_s_per_gb, 4),
+                 "later_trial_seconds_per_gb": round(later_s_per_gb, 3)}
     if mode == "plain":
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
         from reference import plain_train
@@ -192,9 +197,10 @@ def report(runs: dict, path: str | None) -> int:
     print(f"pool while running: {sh['pool_while_running']}")
     print(f"base bytes copied per device: {sh['pool_copied_bytes']} for {sh['minibatches']} minibatches "
           f"(unshared: h2d state {un['h2d_state_bytes']})")
-    print(f"hash: {sh['hash_seconds_per_gb']} s/GB on one thread, {sh['hash_seconds_per_gb_at_submit']} s/GB at "
-          f"submit ({sh['hash_threads']} threads) -> a 7B bf16 base (14 GB): "
-          f"{14 * sh['hash_seconds_per_gb_at_submit']:.0f} s per trial at submit")
+    print(f"equality at submit: first trial {sh['first_trial_seconds_per_gb']} s/GB (probes), each later trial "
+          f"{sh['later_trial_seconds_per_gb']} s/GB (byte compare; a full BLAKE2b hash: "
+          f"{sh['blake2b_seconds_per_gb']} s/GB) -> a 7B bf16 base (14 GB): "
+          f"{14 * sh['later_trial_seconds_per_gb']:.1f} s per later trial")
     print(f"throughput: plain/hydra wall time = {pl['seconds'] / sh['seconds']:.2f}")
     copied = sum(sh["pool_copied_bytes"].values())
     print(f"base bytes copied per minibatch (all devices): {copied / sh['minibatches'] / mib:.2f} MiB shared vs "

@@ -171,6 +171,28 @@ def distinct_bytes(model) -> int:
                 if not p.requires_grad}.values())
 
 
+def test_tensors_differing_in_one_unsampled_byte_are_not_merged():
+    """The pool finds candidates by a probe of sampled bytes; equal probes are then compared byte for byte."""
+    from hydra_tune.training.shared_frozen import SharedFrozen, probe_key
+
+    def frozen_linear(nudge: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(512, 512).requires_grad_(False)
+        if nudge:  # one ulp in the middle: outside the probe's samples
+            w = m.weight.view(-1)
+            w[131_071] = torch.nextafter(w[131_071], torch.tensor(float("inf")))
+        return m
+
+    a, b, c = frozen_linear(False), frozen_linear(True), frozen_linear(False)
+    assert probe_key(a.weight) == probe_key(b.weight)
+    pool = SharedFrozen()
+    for name, m in (("a", a), ("b", b), ("c", c)):
+        pool.share(name, m)
+    assert pool.stats()["tensors"] == 3            # a's weight (with c's), b's weight, the bias (all three)
+    assert a.weight.data_ptr() == c.weight.data_ptr() != b.weight.data_ptr()
+    assert a.bias.data_ptr() == b.bias.data_ptr() == c.bias.data_ptr()
+
+
 def _equal_frozen(model) -> int:
     """Frozen parameters of one model whose bytes equal another's (LayerNorm ones and zeros): pooled once."""
     from hydra_tune.training.shared_frozen import content_key

@@ -12,12 +12,14 @@ Rules:
   memory, that occupy their whole storage (a view into a larger storage stays the task's own). Never buffers
   (BatchNorm running statistics and the like change during training), never a trainable parameter, never a
   tensor the task's optimizer holds.
-* Equality: a tensor is merged with another only when their dtype, shape and strides are equal and a BLAKE2b
-  digest (256 bits) of their bytes is equal: bases that differ in one value, in one bit (-0.0 vs 0.0, NaN
-  payloads), are never merged. A tensor whose storage is already the shared one (the same pretrained source
-  handed to several tasks) is recognised by identity and version without hashing. Hashing reads every frozen
-  byte once at submit, in ``HASH_THREADS`` threads: about 2.5 s per GB per busy core here, so a 7B bf16 base
-  (14 GB) costs about 35 s on one core and ~5 s on 8 (benchmarks/lora_memory.py measures it).
+* Equality: a tensor is merged with another only when their dtype, shape and strides are equal and their bytes
+  are equal, compared byte for byte (``same_bytes``): bases that differ in one value, in one bit (-0.0 vs 0.0,
+  NaN payloads), are never merged. Candidates are found by a probe (``probe_key``: dtype, shape, strides and a
+  digest of ~12 KiB sampled from the tensor), so the first task of a base reads almost nothing and each later
+  one compares every frozen byte once with the pool's copy (memory speed; benchmarks/lora_memory.py measures
+  it per GB next to a full BLAKE2b hash, and what a 7B bf16 base, 14 GB, costs at submit). A tensor whose
+  storage is already the pool's (the same pretrained source handed to several tasks) is recognised by identity
+  and version without reading it.
 * Read-only in effect: a task that writes into a shared tensor in place (its version counter moves) fails at its
   next optimizer step with an error naming the tensor, and a device copy found written is never handed out again
   (the unit that finds it raises); other tasks keep the values they were built with only if the write went
@@ -32,10 +34,9 @@ Rules:
 from __future__ import annotations
 
 import hashlib
-import os
+import itertools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,15 +48,36 @@ from ..errors import rule_error
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25
-#: Threads that hash a task's frozen tensors at submit (hashlib runs without the GIL on large buffers).
-HASH_THREADS = min(8, os.cpu_count() or 1)
+_SAMPLES, _SAMPLE, _ENDS = 64, 64, 4096   # a probe reads 64 chunks of 64 bytes plus the first and last 4 KiB
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def content_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """(dtype, shape, strides, BLAKE2b digest of the elements' bytes): equal keys mean bit-equal tensors."""
-    flat = t.detach().contiguous().reshape(-1)
-    digest = hashlib.blake2b(flat.view(torch.uint8).numpy().data if flat.numel() else b"", digest_size=32)
+    """(dtype, shape, strides, BLAKE2b digest of the elements' bytes): equal keys mean bit-equal tensors (what a
+    full hash would cost: benchmarks/lora_memory.py compares it with the pool's probe and compare)."""
+    digest = hashlib.blake2b(_bytes(t).numpy().data if t.numel() else b"", digest_size=32)
     return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest.hexdigest())
+
+
+def probe_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """(dtype, shape, strides, digest of a sample of the bytes): where to look for an equal tensor (equal
+    tensors have equal probes; candidates are then compared byte for byte)."""
+    b = _bytes(t)
+    n = b.numel()
+    if n > 2 * _ENDS + _SAMPLES * _SAMPLE:
+        starts = torch.linspace(_ENDS, n - _ENDS - _SAMPLE, _SAMPLES).long().tolist()
+        b = torch.cat([b[:_ENDS], b[-_ENDS:]] + [b[i:i + _SAMPLE] for i in starts])
+    digest = hashlib.blake2b(b.numpy().tobytes(), digest_size=16).hexdigest()
+    return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (equal dtype, shape and strides) hold the same bytes: -0.0 and 0.0 differ, equal
+    NaN payloads are equal."""
+    return torch.equal(_bytes(a), _bytes(b))
 
 
 def _qualifies(p: nn.Parameter) -> bool:
@@ -92,7 +114,7 @@ class TaskShares:
     task: str
     params: list[tuple[str, nn.Parameter, Any, int]]
     pool: SharedFrozen | None = None
-    hash_seconds: float = 0.0
+    match_seconds: float = 0.0
 
     def check(self) -> None:
         """Raise when the task wrote into a shared tensor in place (its version counter moved: the pool puts the
@@ -125,11 +147,13 @@ class SharedFrozen:
         self._lock = threading.Lock()
         self._entries: dict[Any, _Entry] = {}
         self._by_ptr: dict[int, Any] = {}      # host storage pointer of an entry -> its key
+        self._index: dict[Any, list[Any]] = {}  # probe key -> keys of the entries with that probe
+        self._ids = itertools.count()
         self._tasks: dict[str, TaskShares] = {}
         self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
-        self.hash_seconds = 0.0
-        self.hashed_bytes = 0
+        self.match_seconds = 0.0
+        self.compared_bytes = 0
 
     def share(self, task: str, model: nn.Module, prepare: Any = None) -> TaskShares:
         """Point ``model``'s qualifying frozen parameters at the pool's tensors (equal ones found, new ones
@@ -142,43 +166,47 @@ class SharedFrozen:
             if id(p) not in seen and _qualifies(p):
                 seen.add(id(p))
                 found.append((name, p))
-        # hashlib releases the GIL on large buffers: the tensors are hashed in parallel threads
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(found)))) as threads:
-            keys = list(threads.map(lambda item: self._key(item[1]), found))
-        shares.hash_seconds = time.perf_counter() - start  # wall time of finding equal tensors at submit
-        for (name, p), (key, _) in zip(found, keys):
+        for name, p in found:
+            key, probe = self._match(p)
             with self._lock:
-                entry = self._entries.get(key)
-                if entry is None:
+                entry = self._entries.get(key) if key is not None else None
+                if entry is None:  # nothing equal pooled (or it went meanwhile): a new entry
                     if prepare is not None:
                         prepare([p])
+                    key = (probe, next(self._ids))
                     entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
                     self._by_ptr[p.data_ptr()] = key
+                    self._index.setdefault(probe, []).append(key)
                 entry.holders[task] = entry.holders.get(task, 0) + 1
                 if p.data_ptr() != entry.tensor.data_ptr():
                     with torch.no_grad():
                         p.data = entry.tensor  # the task's own copy goes when nothing else holds it
                 entry.params.append((task, name, p, p._version))
             shares.params.append((name, p, key, p._version))
+        shares.match_seconds = time.perf_counter() - start
         with self._lock:
             self._tasks[task] = shares
+            self.match_seconds += shares.match_seconds
         return shares
 
-    def _key(self, p: torch.Tensor) -> tuple[Any, float]:
+    def _match(self, p: torch.Tensor) -> tuple[Any, Any]:
+        """(key of a pooled tensor with ``p``'s bytes or None, ``p``'s probe key)."""
         with self._lock:
             key = self._by_ptr.get(p.data_ptr())
             entry = self._entries.get(key) if key is not None else None
         if entry is not None and entry.tensor.stride() == p.stride() and entry.tensor.shape == p.shape \
                 and entry.tensor.dtype == p.dtype and entry.tensor._version == entry.version:
-            return key, 0.0  # the pool's own tensor, unchanged (a write in place would move its version)
-        start = time.perf_counter()
-        key = content_key(p)
-        seconds = time.perf_counter() - start
+            return key, key[0]  # the pool's own tensor, unchanged (a write in place would move its version)
+        probe = probe_key(p)
         with self._lock:
-            self.hash_seconds += seconds
-            self.hashed_bytes += p.numel() * p.element_size()
-        return key, seconds
+            candidates = [(k, self._entries[k].tensor) for k in self._index.get(probe, ())]
+        for k, t in candidates:  # compared outside the lock: units copying pooled tensors are not held up
+            with self._lock:
+                self.compared_bytes += p.numel() * p.element_size()
+            if same_bytes(t, p):
+                return k, probe
+        return None, probe
 
     def release(self, task: str, model: nn.Module | None = None) -> None:
         """``task`` ended: it holds its entries no more. Entries others still hold are copied for ``model`` (the
@@ -198,6 +226,11 @@ class SharedFrozen:
                 if not entry.holders:
                     self._entries.pop(key)
                     self._by_ptr.pop(entry.tensor.data_ptr(), None)
+                    same = self._index.get(key[0], [])
+                    if key in same:
+                        same.remove(key)
+                    if not same:
+                        self._index.pop(key[0], None)
                     entry.devices.clear()
             first: set[Any] = set()
             for _, p, key, _ in shares.params:
@@ -287,7 +320,7 @@ class SharedFrozen:
 
     def stats(self) -> dict[str, Any]:
         """``tensors`` and ``shared_bytes`` held once; ``holders`` per task; ``saved_bytes``: what separate
-        copies would hold more; ``hash_seconds``/``hashed_bytes`` spent finding equal tensors."""
+        copies would hold more; ``match_seconds``/``compared_bytes`` spent finding equal tensors."""
         with self._lock:
             holders: dict[str, int] = {}
             saved = 0
@@ -299,4 +332,4 @@ class SharedFrozen:
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
                     "copied_bytes": dict(self.copied),
-                    "hash_seconds": round(self.hash_seconds, 4), "hashed_bytes": self.hashed_bytes}
+                    "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}
