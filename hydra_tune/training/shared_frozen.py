@@ -5,13 +5,14 @@
     shares.check()                                # after each optimizer step: raises if the task wrote into one
     shared.device_copy(host_tensor, device)       # ShardExec.copy_in: one device copy for every task
     shared.release("trial-1", model)              # the task ended (done, failed, cancelled); the last frees it
-    shared.stats()                                # {"tensors", "shared_bytes", "holders", "saved_bytes"}
+    shared.stats()                                # {"tensors", "shared_bytes", "saved_bytes", "copied_bytes", ...}
 
 Rules:
 * What may be shared: parameters (``nn.Parameter``) with ``requires_grad=False`` when the task is built, in host
   memory, that occupy their whole storage (a view into a larger storage stays the task's own). Never buffers
-  (BatchNorm running statistics and the like change during training), never a trainable parameter, never a
-  tensor the task's optimizer holds.
+  (BatchNorm running statistics and the like change during training), never a trainable parameter. A frozen
+  parameter that the optimizer lists (``AdamW(model.parameters())``) is shared too: it gets no gradient, so
+  torch's optimizers skip it; an optimizer that writes into it anyway is caught like any other write.
 * Equality: a tensor is merged with another only when their dtype, shape and strides are equal and their bytes
   are equal, compared byte for byte (``same_bytes``): bases that differ in one value, in one bit (-0.0 vs 0.0,
   NaN payloads), are never merged. Candidates are found by a probe (``probe_key``: dtype, shape, strides and a
@@ -20,11 +21,14 @@ Rules:
   it per GB next to a full BLAKE2b hash, and what a 7B bf16 base, 14 GB, costs at submit). A tensor whose
   storage is already the pool's (the same pretrained source handed to several tasks) is recognised by identity
   and version without reading it.
-* Read-only in effect: a task that writes into a shared tensor in place (its version counter moves) fails at its
-  next optimizer step with an error naming the tensor, and a device copy found written is never handed out again
-  (the unit that finds it raises); other tasks keep the values they were built with only if the write went
-  through the task's own parameter, so tasks must not write into frozen weights (writes through ``.data`` are not
-  seen by version counters: hydra_tune cannot detect them).
+* Read-only in effect: a task that writes into a shared tensor in place through its parameter (torch's version
+  counter of that parameter moves) fails at its next optimizer step with an error naming the tensor; the pool
+  puts the values back from a clean device copy (made before the write, its own counter unmoved), so the other
+  tasks go on with the values they were built with. With no clean copy left the entry is poisoned: every holder
+  fails at its next step naming the writer, and no device copy is made from it (a unit needing one raises).
+  Units never see a host write: they run on the pool's device copies, and a device copy written in place by a
+  forward is refused when next handed out. Writes through ``.data`` are not seen by version counters: hydra_tune
+  cannot detect them (tasks must not write into frozen weights).
 * Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
