@@ -284,3 +284,23 @@ def test_share_frozen_false_keeps_each_trial_its_own_base_and_bad_values_are_ref
         model = trained(rt.submit(task("own", epochs=1)))
         assert rt.stats()["shared_frozen"]["tensors"] == 0
     assert max_param_diff(plain_train(task("own", epochs=1))[0], model) == 0.0
+
+
+def test_a_write_with_no_clean_device_copy_left_fails_every_holder_naming_the_writer():
+    from hydra_tune.training.shared_frozen import SharedFrozen
+
+    def frozen():
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8).requires_grad_(False)
+
+    a, b = frozen(), frozen()
+    pool = SharedFrozen()
+    shares = {name: pool.share(name, m) for name, m in (("a", a), ("b", b))}
+    with torch.no_grad():
+        b.weight.add_(1.0)   # b writes into the pooled weight; no device ever copied it
+    with pytest.raises(ValueError, match="changes no frozen parameter") as own:
+        shares["b"].check()
+    assert "weight" in str(own.value)
+    with pytest.raises(ValueError, match="another task wrote into") as other:
+        shares["a"].check()
+    assert "b: weight" in str(other.value)
