@@ -103,6 +103,8 @@ class RuntimeConfig:
     and copy events ``trace()`` keeps. Both are bounded so that a runtime (a node server) running for weeks does
     not grow: past them the oldest go first, and ``stats()["history"]`` counts what was dropped. Set them with
     ``config=RuntimeConfig(..., history=..., trace_events=...)`` (0 keeps none).
+    ``share_frozen``: frozen parameters (``requires_grad=False``) with equal contents in several tasks are held
+    once in host memory and once per device (training/shared_frozen.py); False: each task keeps its own.
     """
 
     devices: Any = "auto"
@@ -112,6 +114,7 @@ class RuntimeConfig:
     residency: str = "auto"
     history: int = 1000          # ended tasks' stats records (a few KiB each)
     trace_events: int = 200_000  # trace events (~0.3 KiB each: ~60 MiB at most)
+    share_frozen: bool = True    # equal frozen weights of several tasks held once (training/shared_frozen.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _device_names(self.devices))
@@ -122,6 +125,9 @@ class RuntimeConfig:
         if self.residency not in RESIDENCY:
             raise rule_error(f"`residency` in {list(RESIDENCY)}", "pass 'auto' (state stays on the device while it "
                              "fits) or 'off' (state in host memory, stepped there)", residency=self.residency)
+        if not isinstance(self.share_frozen, bool):
+            raise rule_error("`share_frozen` is True or False", "pass share_frozen=True (hold equal frozen weights "
+                             "once) or False", share_frozen=self.share_frozen)
         for name in ("history", "trace_events"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -129,6 +129,15 @@ class HostAdmission:
         """An admitted task ended (or was never built): its footprint is free again."""
         self.admitted.pop(name, None)
 
+    def set_charge(self, name: str, footprint: int) -> None:
+        """Charge ``name`` (an admitted task, or the runtime's pool of shared frozen weights) ``footprint`` from
+        now on: a built task whose frozen weights went to the pool is charged the rest, the pool its bytes once;
+        0 drops the charge."""
+        if footprint > 0:
+            self.admitted[name] = footprint
+        else:
+            self.admitted.pop(name, None)
+
     def _check_name(self, name: str) -> None:
         if name in self.admitted or name in self.waiting:
             raise rule_error("task names are unique among running and waiting tasks", "give each ModelTask its "

@@ -243,6 +243,8 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
     candidates = {sh.state_bytes for sh in singles}
     if isinstance(plain, list):
         candidates |= {sh.state_bytes for sh in plain}
+    if any(not trainable for c in costs for _, _, trainable in c.params):
+        candidates |= _window_states(costs, budget)  # frozen weights: shards may hold more (see there)
     plans: list[list[Shard]] = []
     for cap in sorted(candidates):
         result = _greedy(costs, budget - cap, cap)
@@ -260,6 +262,30 @@ def partition(costs: Sequence[StageCost], budget: int | None, *, prefetch: bool 
         if best is None or plan.extra_seconds(bandwidth) < best.extra_seconds(bandwidth):
             best = plan
     return best  # type: ignore[return-value]
+
+
+def _window_states(costs: Sequence[StageCost], budget: int, most: int = 48) -> set[int]:
+    """More reserves to try for a model with frozen weights: the parameters+buffers of runs of consecutive
+    stages that could hold a shard next to its own copy (at most ``most``, spread over their range). Frozen
+    weights need no gradients, so a LoRA model's shards may hold several layers: the reserve of such a shard is
+    a run's state, which neither one stage's nor a plan without reserve's need be. (Models without frozen
+    weights keep the candidates they always had: their plans do not change.)"""
+    states: set[int] = set()
+    for i in range(len(costs)):
+        seen: dict[int, int] = {}
+        total = 0
+        for c in costs[i:]:
+            for key, nbytes, _ in c.params:
+                if key not in seen:
+                    seen[key] = nbytes
+                    total += nbytes
+            total += c.buffer_bytes
+            if 2 * total > budget:
+                break
+            states.add(total)
+    ordered = sorted(states)
+    step = max(len(ordered) // most, 1)
+    return set(ordered[::step])
 
 
 def _with_held(shards: tuple[Shard, ...], budget: int | None, reserve: int, keep: bool,

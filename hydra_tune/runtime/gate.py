@@ -125,6 +125,14 @@ class HostGate:
         if self._closed:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
 
+    def recharge(self, charges: dict[str, int]) -> None:
+        """Charge these admitted tasks (and the pool of shared frozen weights, ``SHARED_POOL``) new footprints:
+        shared bytes are charged once, to the pool."""
+        with self._cv:
+            for name, footprint in charges.items():
+                self.host.set_charge(name, footprint)
+            self._cv.notify_all()
+
     def release(self, name: str) -> None:
         with self._cv:
             self.host.release(name)

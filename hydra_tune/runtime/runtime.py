@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..config import RuntimeConfig
@@ -28,6 +29,7 @@ from ..task import ModelTask
 from ..training.entry_plan import plan_entries
 from ..training.footprint import Footprint
 from ..training.shard import ShardExec
+from ..training.shared_frozen import SharedFrozen
 from ..training.state import TaskState
 from .admitted import Admitted
 from .gate import GateHooks, HostGate
@@ -39,6 +41,7 @@ from .worker import DeviceWorker, WorkerHooks
 
 __all__ = ["Runtime", "TaskHandle"]
 
+SHARED_POOL = "(shared frozen weights)"  # the admission charge of the pool of shared frozen weights
 CLOSE_WAIT = 2.0  # seconds close() waits for ended tasks' host threads before leaving them behind with a warning
 
 
@@ -71,6 +74,7 @@ class Runtime:
         self.scheduler = Scheduler(self.policy, self._release, history=self.config.history)
         self._recorder = Recorder([d.name for d in self.devices], time.perf_counter(), limit=self.config.trace_events)
         self._start_devices()
+        self.shared = SharedFrozen()  # frozen weights equal across tasks, held once (shared_frozen.py)
         self._gate = HostGate(self.config.host_memory, self._plan,
                               GateHooks(self._new_handle, self.scheduler.held_bytes, self._start))
         # GPUs measure the memory model on the device itself (profile.py); any CPU stand-in: the CPU profile
@@ -149,6 +153,10 @@ class Runtime:
         (``state_on``), steps taken on the device and on the host and why, evictions, its ``copies`` and
         ``state_bytes_after_first_step`` (moved from its first optimizer step to its last: 0 while it stays
         resident); ended tasks: the newest ``config.history``. ``host``: what ``host_memory()`` returns.
+        ``shared_frozen``: the pool of frozen weights held once for several tasks (training/shared_frozen.py):
+        ``shared_bytes`` (held once), ``per_task_shared_bytes``, ``saved_bytes`` (what separate copies would hold
+        more), ``copied_bytes`` per device, ``hash_seconds``; each task's ``host_footprint["shared"]`` is its
+        pooled part (not in its ``total``, charged once to the pool).
         ``history``: ended tasks' records kept and dropped, trace events kept and dropped (both bounded:
         ``RuntimeConfig(history=..., trace_events=...)``)."""
         tasks = self.scheduler.task_stats()
@@ -157,6 +165,7 @@ class Runtime:
                    for w in self._workers]
         tasks.update(self._gate.waiting_stats())
         return {"devices": devices, "tasks": tasks, "policy": self.policy, "host": self.host_memory(),
+                "shared_frozen": self.shared.stats(),
                 "history": self._history()}
 
     def clock(self) -> float:
@@ -189,6 +198,7 @@ class Runtime:
             d.resident.clear()
             if d.states is not None:
                 d.states.clear()
+        self.shared.forget_device_copies()  # the pool's device copies go with the devices
         stuck = [(name, "its host thread is still inside its host work") for name in
                  self.scheduler.wait_hosts(CLOSE_WAIT)]
         stuck += [(building, "its build (which takes a sample batch) is still running")] if building else []
@@ -229,7 +239,10 @@ class Runtime:
         """Build an admitted task (unless built) and put it on the board; ``handle``: a waiting task's."""
         if state is None:
             state = TaskState.build(task, *self._plan, device=self._gate.profile_on)
-        self.devices[0].copier.prepare_host(list(state.model.parameters()) + list(state.model.buffers()))
+        footprint = self._share_frozen(task.name, state, footprint)  # pooled weights are pinned there, once
+        pooled = state.shares.keys() if state.shares is not None else set()
+        self.devices[0].copier.prepare_host([p for p in state.model.parameters() if id(p) not in pooled]
+                                            + list(state.model.buffers()))
         state.home.set_optimizer_bytes(footprint.optimizer)  # measured for admission: what its state will hold
         if self.config.residency == "off":
             state.home.disable("residency='off' (RuntimeConfig): its state stays in host memory")
@@ -240,6 +253,17 @@ class Runtime:
         handle.attach(state)
         self.scheduler.admit(handle, state, footprint)
         return handle
+
+    def _share_frozen(self, name: str, state: TaskState, footprint: Footprint) -> Footprint:
+        """Put the task's frozen weights in the pool; it is charged the rest, the pool its bytes once."""
+        if not self.config.share_frozen:
+            return footprint
+        shares = state.share_frozen(self.shared, self.devices[0].copier.prepare_host)
+        if not shares.params:
+            return footprint
+        own = replace(footprint, params=max(footprint.params - shares.nbytes, 0), shared=shares.nbytes)
+        self._gate.recharge({name: own.total, SHARED_POOL: self.shared.nbytes()})
+        return own
 
     def _cancel(self, handle: TaskHandle) -> None:
         if self._gate.withdraw(handle, TaskCancelled(f"task {handle.name!r} was cancelled")):
@@ -258,6 +282,9 @@ class Runtime:
         # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
         # it when it lets the task go (TrainingLoop.segments)
         task.state.home.release(wait=CLOSE_WAIT)
+        # its model keeps private copies of what others still share; the last holder frees the pool's entries
+        self.shared.release(task.name, task.state.model)
+        self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
         for d in self.devices:
             d.forget(task.name)
         task.handle.finish(status, error)

@@ -17,6 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from .base import ModelStages, Stage, WholeModel, call_with_batch, identity, token_batches
+from .peft import is_peft_model
 
 __all__ = ["extract_stages", "FAMILIES", "ModelStages", "Stage", "call_with_batch", "token_batches"]
 
@@ -43,6 +44,13 @@ def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None =
         from .explicit import explicit_stages
 
         return explicit_stages(model, stages)
+    if is_peft_model(model):  # LoRA & co.: the wrapped model's stages (peft.py)
+        from .peft import peft_stages
+
+        cut = peft_stages(model, extract_stages)
+        if cut is not None:
+            return cut
+        return ModelStages((Stage(type(model).__name__, WholeModel(model)),), identity, "whole")
     cls = type(model)
     family = FAMILIES.get(cls.__name__) if cls.__module__.startswith("transformers.") else None
     sequential = isinstance(model, nn.Sequential) and len(model) > 0

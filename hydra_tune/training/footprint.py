@@ -73,6 +73,7 @@ class Footprint:
     activations: int
     overhead: int
     optimizer_measured: bool = True
+    shared: int = 0   # frozen parameter bytes held in the runtime's pool (charged there once, not in ``total``)
 
     @property
     def total(self) -> int:
@@ -80,7 +81,9 @@ class Footprint:
 
     def parts(self) -> dict[str, int]:
         """The parts in bytes, and their total."""
-        out = {k: v for k, v in asdict(self).items() if k != "optimizer_measured"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("optimizer_measured", "shared")}
+        if self.shared:
+            out["shared"] = self.shared
         return dict(out, total=self.total)
 
 

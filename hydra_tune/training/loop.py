@@ -336,6 +336,7 @@ class TrainingLoop:
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
         self._optimizer_step()  # optstep.py: where the task's state is (or lazily per shard: lazy.py)
+        self.state.check_frozen()  # a write into a weight other tasks share fails this task (shared_frozen.py)
         self.state.home.settle()  # its step went first: evictions may go on (state_cache.py)
 
     def _evaluate(self) -> Generator[Segment, None, dict[str, float]]:

@@ -17,10 +17,11 @@ tensors the state came from stay as its "home" (page-locked on CUDA): writing ba
 parameters, and the host footprint admission charged (parameters, gradients, optimizer state) is unchanged.
 
 Rules:
-* Entries: each shard's state (the parameters it owns: a tied one belongs to the first shard holding it, their
-  gradients and optimizer state) is one entry; ``entry_bytes`` predicts its device bytes (parameters, gradients
-  (twice with grad_accumulation > 1: a minibatch's next to the accumulated ones), its share of the optimizer
-  state, and the step's temporaries: one more copy of its trainable parameters); ``state_bytes`` is their sum.
+* Entries: each shard's state (the trainable parameters it owns: a tied one belongs to the first shard holding
+  it, their gradients and optimizer state; frozen ones are copied in like buffers) is one entry; ``entry_bytes``
+  predicts its device bytes (parameters, gradients (twice with grad_accumulation > 1: a minibatch's next to the
+  accumulated ones), its share of the optimizer state, and the step's temporaries: one more copy of its trainable
+  parameters); ``state_bytes`` is their sum.
   A unit reads the entries of every parameter its shard holds (``needs``); ``where(i)`` names the device only
   when all of them are there.
 * A task whose whole state fits next to its plan's peak (state_cache.py ``begin``) moves in whole and stays: after
@@ -141,11 +142,11 @@ class StateHome(HomeSteps):
             raise RuntimeError(f"task {self.name!r} re-cut while its state is on {self.cache.device.name}")
         seen: set[int] = set()
         self._shards = []
-        for ex in execs:
-            own = [p for p in ex.params if id(p) not in seen]
+        for ex in execs:  # frozen parameters are no state: units copy them in (ShardExec.moving)
+            own = [p for p in ex.params if id(p) not in seen and p.requires_grad]
             seen.update(id(p) for p in own)
             self._shards.append(own)
-        self._exec_params = [list(ex.params) for ex in execs]
+        self._exec_params = [[p for p in ex.params if p.requires_grad] for ex in execs]
         self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         self.movable, self.moves_in = set(), {}
         if self.lazy is not None:

@@ -71,6 +71,11 @@ class ShardExec:
                 tensors[id(t)] = t
         self.tensors = tensors
         self.params = [t for t in tensors.values() if isinstance(t, nn.Parameter)]
+        # frozen parameters are no part of a resident task's state (no gradient, no optimizer state): they are
+        # copied in like buffers, from the runtime's shared pool when pooled (shared_frozen.py)
+        self.frozen = {id(p): p for p in self.params if not p.requires_grad}
+        self.pool: Any = None                  # the runtime's SharedFrozen, for the keys in ``pooled``
+        self.pooled: set[int] = set()
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
@@ -80,9 +85,14 @@ class ShardExec:
         """Whether the shard's parameters, gradients and optimizer state are on ``device`` (resident.py)."""
         return self.home is not None and self.home.where(self.index) is device
 
+    def use_pool(self, pool: Any, keys: set[int]) -> None:
+        """Copy the parameters with these ids in from ``pool`` (a SharedFrozen: one device copy for all tasks)."""
+        self.pool, self.pooled = pool, {k for k in keys if k in self.frozen}
+
     def moving(self, device: Device) -> dict[int, torch.Tensor]:
-        """What a unit on ``device`` copies in: the parameters and buffers, only the buffers when resident."""
-        return self.buffers if self.resident(device) else self.tensors
+        """What a unit on ``device`` copies in: the parameters and buffers; when resident, the buffers and the
+        frozen parameters."""
+        return {**self.buffers, **self.frozen} if self.resident(device) else self.tensors
 
     def versions(self, device: Device) -> tuple[tuple[int, int], ...]:
         """Identity and version of every host tensor a unit on ``device`` copies in: a device copy made at equal
@@ -92,8 +102,12 @@ class ShardExec:
 
     def copy_in(self, device: Device) -> dict[int, torch.Tensor]:
         """Fresh device copies of what a unit copies in (``moving``), no autograd flags."""
-        return {key: device.copier.to_device(t, "buffers" if key in self.buffers else "state")
-                for key, t in self.moving(device).items()}
+        out = {}
+        for key, t in self.moving(device).items():
+            shared = self.pool.device_copy(t, device) if key in self.pooled else None
+            out[key] = shared if shared is not None else \
+                device.copier.to_device(t, "buffers" if key in self.buffers else "state")
+        return out
 
     @bookkeeping
     def load(self, device: Device, grad: bool, buffers: dict[int, torch.Tensor] | None = None,
@@ -112,7 +126,7 @@ class ShardExec:
             elif cached is not None:
                 cached.put(self, device, dict(copies))  # ``run`` rebinds buffers a forward assigns in ``copies``
         if self.resident(device):
-            copies.update({id(p): p.detach() for p in self.params})
+            copies.update({id(p): p.detach() for p in self.params if p.requires_grad})
         if grad:
             copies = {key: c.detach().requires_grad_(True)
                       if isinstance(self.tensors[key], nn.Parameter) and self.tensors[key].requires_grad else c
@@ -259,7 +273,8 @@ class ShardExec:
                     lambda t: device.copier.to_host(t.detach()) if isinstance(t, torch.Tensor) else t, out)
             if not resident:  # a resident shard's parameter bytes are its state: they stay
                 for p in self.params:
-                    device.copier.release(copies[id(p)])
+                    if id(p) not in self.pooled:  # a pooled copy is other tasks' too: it stays
+                        device.copier.release(copies[id(p)])
             if offload:
                 # Every activation the backward reads is on the host now (but those the hooks left in place, e.g.
                 # tiny ones): the output and input tensors are only the graph's ends, so their bytes go too.
@@ -275,7 +290,8 @@ class ShardExec:
             return 0
         with device.copy_scope(), device.copier.deferred():
             for p in self.params:
-                device.copier.refill(kept.copies[id(p)], p)
+                if id(p) not in self.pooled:
+                    device.copier.refill(kept.copies[id(p)], p)
             device.copier.finish_copies()
         kept.filled = True
         return sum(p.numel() * p.element_size() for p in self.params)

@@ -36,6 +36,7 @@ from .profile import measure_costs
 from .resident import StateHome
 from .segments import Segment
 from .shard import ShardExec
+from .shared_frozen import SharedFrozen, TaskShares
 from .store import HostStore
 
 
@@ -55,6 +56,8 @@ class TaskState:
         self.store = HostStore()
         # where its parameters, gradients and optimizer state are: host memory, or a device (resident.py)
         self.home = StateHome(task.name, optimizer, self.store, task.grad_accumulation, task.precision == "fp16")
+        self.shares: TaskShares | None = None   # its frozen parameters held in the runtime's pool
+        self._pool: SharedFrozen | None = None
         self.execs = self._execs(plan)
         # fp16: dynamic loss scaling by torch's own GradScaler over the gradients, wherever they are (a "cpu"
         # scaler unscales device gradients too: its scale is copied to each gradient's device)
@@ -146,8 +149,25 @@ class TaskState:
         self.execs = self._execs(plan)
         self.replans += int(replanned)
 
+    def share_frozen(self, pool: SharedFrozen, prepare: Any = None) -> TaskShares:
+        """Hold the model's frozen parameters in ``pool`` (shared_frozen.py): equal ones of other tasks once;
+        ``prepare``: readies a new entry's tensor (pinning)."""
+        self.shares, self._pool = pool.share(self.task.name, self.model, prepare), pool
+        for ex in self.execs:
+            ex.use_pool(pool, self.shares.keys())
+        self.held_bytes = self.host_bytes()
+        return self.shares
+
+    def check_frozen(self) -> None:
+        """Raise when the task wrote into a frozen parameter it shares (after each optimizer step)."""
+        if self.shares is not None:
+            self.shares.check()
+
     def _execs(self, plan: Plan) -> list[ShardExec]:
         execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast, self.home) for s in plan.shards]
+        if self._pool is not None and self.shares is not None:
+            for ex in execs:
+                ex.use_pool(self._pool, self.shares.keys())
         self.home.reshard(execs)
         return execs
 
@@ -213,6 +233,8 @@ class TaskState:
         for st in self.optimizer.state.values():
             tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
         on_device = self.home.device_storages()
+        if self.shares is not None:  # held once by the runtime's pool, charged there (shared_frozen.py)
+            on_device |= self.shares.storages()
         for t in tensors:
             s = t.untyped_storage()
             if s.data_ptr() not in on_device:

@@ -1,0 +1,343 @@
+"""Frozen weights several tasks of one runtime hold once: one host copy, one copy per device that ran them.
+
+    shared = SharedFrozen()                       # one per Runtime
+    shares = shared.share("trial-1", model)       # equal frozen parameters now point at one host tensor
+    shares.check()                                # after each optimizer step: raises if the task wrote into one
+    shared.device_copy(host_tensor, device)       # ShardExec.copy_in: one device copy for every task
+    shared.release("trial-1", model)              # the task ended (done, failed, cancelled); the last frees it
+    shared.stats()                                # {"tensors", "shared_bytes", "saved_bytes", "copied_bytes", ...}
+
+Rules:
+* What may be shared: parameters (``nn.Parameter``) with ``requires_grad=False`` when the task is built, in host
+  memory, that occupy their whole storage (a view into a larger storage stays the task's own). Never buffers
+  (BatchNorm running statistics and the like change during training), never a trainable parameter. A frozen
+  parameter that the optimizer lists (``AdamW(model.parameters())``) is shared too: it gets no gradient, so
+  torch's optimizers skip it; an optimizer that writes into it anyway is caught like any other write.
+* Equality: a tensor is merged with another only when their dtype, shape and strides are equal and their bytes
+  are equal, compared byte for byte (``same_bytes``): bases that differ in one value, in one bit (-0.0 vs 0.0,
+  NaN payloads), are never merged. Candidates are found by a probe (``probe_key``: dtype, shape, strides and a
+  digest of ~12 KiB sampled from the tensor), so the first task of a base reads almost nothing and each later
+  one compares every frozen byte once with the pool's copy (memory speed; benchmarks/lora_memory.py measures
+  it per GB next to a full BLAKE2b hash, and what a 7B bf16 base, 14 GB, costs at submit). A tensor whose
+  storage is already the pool's (the same pretrained source handed to several tasks) is recognised by identity
+  and version without reading it.
+* Read-only in effect: a task that writes into a shared tensor in place through its parameter (torch's version
+  counter of that parameter moves) fails at its next optimizer step with an error naming the tensor; the pool
+  puts the values back from a clean device copy (made before the write, its own counter unmoved), so the other
+  tasks go on with the values they were built with. With no clean copy left the entry is poisoned: every holder
+  fails at its next step naming the writer, and no device copy is made from it (a unit needing one raises).
+  Units never see a host write: they run on the pool's device copies, and a device copy written in place by a
+  forward is refused when next handed out. Writes through ``.data`` are not seen by version counters: hydra_tune
+  cannot detect them (tasks must not write into frozen weights).
+* Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
+  private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
+  ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
+  weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
+  back at the end; an entry nobody holds is forgotten, with its device copies.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..errors import rule_error
+
+#: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
+#: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
+DEVICE_SHARE = 0.25
+_SAMPLES, _SAMPLE, _ENDS = 64, 64, 4096   # a probe reads 64 chunks of 64 bytes plus the first and last 4 KiB
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def content_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """(dtype, shape, strides, BLAKE2b digest of the elements' bytes): equal keys mean bit-equal tensors (what a
+    full hash would cost: benchmarks/lora_memory.py compares it with the pool's probe and compare)."""
+    digest = hashlib.blake2b(_bytes(t).numpy().data if t.numel() else b"", digest_size=32)
+    return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest.hexdigest())
+
+
+def probe_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """(dtype, shape, strides, digest of a sample of the bytes): where to look for an equal tensor (equal
+    tensors have equal probes; candidates are then compared byte for byte)."""
+    b = _bytes(t)
+    n = b.numel()
+    if n > 2 * _ENDS + _SAMPLES * _SAMPLE:
+        starts = torch.linspace(_ENDS, n - _ENDS - _SAMPLE, _SAMPLES).long().tolist()
+        b = torch.cat([b[:_ENDS], b[-_ENDS:]] + [b[i:i + _SAMPLE] for i in starts])
+    digest = hashlib.blake2b(b.numpy().tobytes(), digest_size=16).hexdigest()
+    return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (equal dtype, shape and strides) hold the same bytes: -0.0 and 0.0 differ, equal
+    NaN payloads are equal."""
+    x, y = _bytes(a), _bytes(b)
+    for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):  # ~10x faster than bytewise
+        if x.numel() % size == 0:
+            return torch.equal(x.view(wide), y.view(wide))  # integer views: bits compared, not values
+    return torch.equal(x, y)
+
+
+def _qualifies(p: nn.Parameter) -> bool:
+    return (not p.requires_grad and p.device.type == "cpu" and type(p) is nn.Parameter and p.numel() > 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size() and p.storage_offset() == 0)
+
+
+@dataclass
+class _Entry:
+    tensor: torch.Tensor                      # the one host copy
+    nbytes: int
+    version: int                              # its version counter when pooled: moved means written
+    holders: dict[str, int] = field(default_factory=dict)   # task name -> parameters of it pointing here
+    devices: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # device -> (copy, its version)
+    # every holder's parameter and its version when pooled: each has its own in-place counter (``p.data = t``
+    # does not share counters), so a write shows only on the parameter it went through
+    params: list[tuple[str, str, nn.Parameter, int]] = field(default_factory=list)
+    poisoned: str = ""                        # "task: name" that wrote into it when no clean copy was left
+
+    def written(self) -> list[str]:
+        return [f"{task}: {name}" for task, name, p, v in self.params if p._version != v]
+
+
+_WRITE_RULE = ("a task changes no frozen parameter it shares with other tasks (requires_grad=False weights equal "
+               "across tasks are held once)")
+_WRITE_FIX = ("do not write into frozen weights during training; make them trainable (requires_grad_(True)) or "
+              "buffers (register_buffer) if they must change")
+
+
+@dataclass
+class TaskShares:
+    """One task's shared parameters: (name in the model, parameter, entry key, version when shared)."""
+
+    task: str
+    params: list[tuple[str, nn.Parameter, Any, int]]
+    pool: SharedFrozen | None = None
+    match_seconds: float = 0.0
+
+    def check(self) -> None:
+        """Raise when the task wrote into a shared tensor in place (its version counter moved: the pool puts the
+        values back from a clean device copy), or another task wrote into one it holds and none was left."""
+        if self.pool is None:
+            return
+        written, poisoned = self.pool.check(self.task, {key for _, _, key, _ in self.params})
+        if written:
+            raise rule_error(_WRITE_RULE, _WRITE_FIX, task=self.task, written=written[:5], count=len(written))
+        if poisoned:
+            raise rule_error(_WRITE_RULE, _WRITE_FIX + "; this task holds weights another task wrote into, "
+                             "with no clean copy left to restore", task=self.task, written_by=poisoned[:5])
+
+    def storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for _, p, _, _ in self.params}
+
+    def keys(self) -> set[int]:
+        """ids of the parameters whose device copies come from the shared pool."""
+        return {id(p) for _, p, _, _ in self.params}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p, _, _ in self.params)
+
+
+class SharedFrozen:
+    """The runtime's pool of frozen tensors (see the module docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Any, _Entry] = {}
+        self._by_ptr: dict[int, Any] = {}      # host storage pointer of an entry -> its key
+        self._index: dict[Any, list[Any]] = {}  # probe key -> keys of the entries with that probe
+        self._ids = itertools.count()
+        self._tasks: dict[str, TaskShares] = {}
+        self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
+        self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
+        self.match_seconds = 0.0
+        self.compared_bytes = 0
+
+    def share(self, task: str, model: nn.Module, prepare: Any = None) -> TaskShares:
+        """Point ``model``'s qualifying frozen parameters at the pool's tensors (equal ones found, new ones
+        added); what the task held before for them is freed unless the caller keeps it. ``prepare([p])`` readies
+        a parameter that becomes a new entry (the CUDA copier pins it) before the pool takes its tensor."""
+        shares = TaskShares(task, [], self)
+        seen: set[int] = set()
+        found: list[tuple[str, nn.Parameter]] = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in seen and _qualifies(p):
+                seen.add(id(p))
+                found.append((name, p))
+        start = time.perf_counter()
+        for name, p in found:
+            key, probe = self._match(p)
+            with self._lock:
+                entry = self._entries.get(key) if key is not None else None
+                if entry is None:  # nothing equal pooled (or it went meanwhile): a new entry
+                    if prepare is not None:
+                        prepare([p])
+                    key = (probe, next(self._ids))
+                    entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
+                    self._by_ptr[p.data_ptr()] = key
+                    self._index.setdefault(probe, []).append(key)
+                entry.holders[task] = entry.holders.get(task, 0) + 1
+                if p.data_ptr() != entry.tensor.data_ptr():
+                    with torch.no_grad():
+                        p.data = entry.tensor  # the task's own copy goes when nothing else holds it
+                entry.params.append((task, name, p, p._version))
+            shares.params.append((name, p, key, p._version))
+        shares.match_seconds = time.perf_counter() - start
+        with self._lock:
+            self._tasks[task] = shares
+            self.match_seconds += shares.match_seconds
+        return shares
+
+    def _match(self, p: torch.Tensor) -> tuple[Any, Any]:
+        """(key of a pooled tensor with ``p``'s bytes or None, ``p``'s probe key)."""
+        with self._lock:
+            key = self._by_ptr.get(p.data_ptr())
+            entry = self._entries.get(key) if key is not None else None
+        if entry is not None and entry.tensor.stride() == p.stride() and entry.tensor.shape == p.shape \
+                and entry.tensor.dtype == p.dtype and entry.tensor._version == entry.version:
+            return key, key[0]  # the pool's own tensor, unchanged (a write in place would move its version)
+        probe = probe_key(p)
+        with self._lock:
+            candidates = [(k, self._entries[k].tensor) for k in self._index.get(probe, ())]
+        for k, t in candidates:  # compared outside the lock: units copying pooled tensors are not held up
+            with self._lock:
+                self.compared_bytes += p.numel() * p.element_size()
+            if same_bytes(t, p):
+                return k, probe
+        return None, probe
+
+    def release(self, task: str, model: nn.Module | None = None) -> None:
+        """``task`` ended: it holds its entries no more. Entries others still hold are copied for ``model`` (the
+        user's model keeps its values, independent of the pool); the rest are forgotten."""
+        with self._lock:
+            shares = self._tasks.pop(task, None)
+            self._wrote.pop(task, None)
+            if shares is None:
+                return
+            private: list[nn.Parameter] = []
+            for key in {key for _, _, key, _ in shares.params}:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry.holders.pop(task, None)
+                entry.params = [x for x in entry.params if x[0] != task]
+                if not entry.holders:
+                    self._entries.pop(key)
+                    self._by_ptr.pop(entry.tensor.data_ptr(), None)
+                    same = self._index.get(key[0], [])
+                    if key in same:
+                        same.remove(key)
+                    if not same:
+                        self._index.pop(key[0], None)
+                    entry.devices.clear()
+            first: set[Any] = set()
+            for _, p, key, _ in shares.params:
+                # the model gets back separate tensors: its own for entries others hold, and one per parameter
+                # for equal weights within it (LayerNorm ones, zero biases: pooled as one entry)
+                if key in self._entries or key in first:
+                    private.append(p)
+                first.add(key)
+        if model is not None:
+            with torch.no_grad():
+                for p in {id(p): p for p in private}.values():
+                    if p.data_ptr() != 0 and p.device.type == "cpu":
+                        p.data = p.data.clone()
+
+    def check(self, task: str, keys: set[Any]) -> tuple[list[str], list[str]]:
+        """(names of ``task``'s parameters it wrote into, who wrote into others it holds with no clean copy
+        left). A written entry gets its values back from a clean device copy (made before the write, its own
+        version unmoved), and every holder's counter is marked anew; one with none left is poisoned: each
+        holder's next check fails, and no device copy is made from it."""
+        own: list[str] = []
+        poisoned: list[str] = []
+        with self._lock:
+            for entry in [self._entries[k] for k in keys if k in self._entries]:
+                written = [(t, n) for t, n, p, v in entry.params if p._version != v]
+                for t, n in written:  # the writer fails at its own next check, whoever restores it
+                    self._wrote.setdefault(t, []).append(n)
+                if written and not entry.poisoned:
+                    clean = [c for c, v in entry.devices.values()
+                             if c._version == v and c.untyped_storage().nbytes()]
+                    if clean:
+                        with torch.no_grad():
+                            entry.tensor.copy_(clean[0].to(entry.tensor.device))
+                        entry.params = [(t, n, p, p._version) for t, n, p, _ in entry.params]
+                    else:
+                        entry.poisoned = ", ".join(f"{t}: {n}" for t, n in written)
+                if entry.poisoned:
+                    poisoned.append(entry.poisoned)
+            own = self._wrote.pop(task, [])
+        return own, [p for p in poisoned if not own]
+
+    def device_copy(self, host: torch.Tensor, device: Any) -> torch.Tensor | None:
+        """The device's copy of the pooled tensor ``host`` (made now if there is none: its bytes counted by the
+        device's copier like any state copy); None when ``host`` is not pooled."""
+        with self._lock:
+            key = self._by_ptr.get(host.data_ptr())
+            entry = self._entries.get(key) if key is not None else None
+            held = entry.devices.get(device.name) if entry is not None else None
+        if entry is None:
+            return None
+        written = entry.poisoned or ", ".join(entry.written())
+        if written:
+            raise rule_error(_WRITE_RULE, _WRITE_FIX, device=device.name, written=written)
+        if held is not None:
+            copy, version = held
+            if copy._version != version:
+                raise rule_error("a unit changes no frozen parameter it shares with other tasks", "do not write "
+                                 "into frozen weights in forward; make them buffers or trainable",
+                                 device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
+            return copy
+        copy = device.copier.to_device(host, "state")
+        with self._lock:
+            self.copied[device.name] = self.copied.get(device.name, 0) + entry.nbytes
+        if self._keep_on(device, entry.nbytes):
+            with self._lock:
+                if key in self._entries:
+                    entry.devices[device.name] = (copy, copy._version)
+        return copy
+
+    def _keep_on(self, device: Any, nbytes: int) -> bool:
+        budget = getattr(device, "budget", None)
+        if budget is None:
+            return True
+        with self._lock:
+            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices)
+        return kept + nbytes <= DEVICE_SHARE * budget
+
+    def forget_device_copies(self) -> None:
+        """Drop every device copy (the runtime closes, or a device ran out of memory)."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.devices.clear()
+
+    def nbytes(self) -> int:
+        """Host bytes of the pooled tensors (each once)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def stats(self) -> dict[str, Any]:
+        """``tensors`` and ``shared_bytes`` held once; ``holders`` per task; ``saved_bytes``: what separate
+        copies would hold more; ``match_seconds``/``compared_bytes`` spent finding equal tensors."""
+        with self._lock:
+            holders: dict[str, int] = {}
+            saved = 0
+            for e in self._entries.values():
+                for name in e.holders:
+                    holders[name] = holders.get(name, 0) + e.nbytes
+                saved += e.nbytes * (len(e.holders) - 1)
+            return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
+                    "per_task_shared_bytes": holders, "saved_bytes": saved,
+                    "device_copies": sum(len(e.devices) for e in self._entries.values()),
+                    "copied_bytes": dict(self.copied),
+                    "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}
