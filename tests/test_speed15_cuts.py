@@ -1,0 +1,43 @@
+"""Issue 15's per-segment cuts stay exact and stay cut: a task whose whole state is resident on its device is not
+moved in (nor its bytes counted) again at each segment; the trained weights equal the plain loop's bit for bit."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import max_param_diff, plain_train, trained
+
+import hydra_tune as ht
+from hydra_tune.training.resident import StateHome
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+
+def _data(n: int = 5, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def _task(seed: int = 0, **kw) -> ht.ModelTask:
+    return ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _data(),
+                        loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=2, seed=seed, name=f"m{seed}", **kw)
+
+
+def test_a_resident_task_moves_in_once_not_at_every_segment_and_stays_exact(monkeypatch):
+    calls = []
+    real = StateHome.move_in
+
+    def counting(self, cache, shards=None):
+        calls.append(self.name)
+        return real(self, cache, shards)
+
+    monkeypatch.setattr(StateHome, "move_in", counting)
+    with ht.Runtime(devices=["cpu"]) as rt:
+        handle = rt.submit(_task(eval_data=_data(2, seed=4)))
+        model = trained(handle)
+        stats = rt.stats()["tasks"]["m0"]["residency"]
+    assert stats["step_path"] == "resident"
+    assert calls == ["m0"], f"moved in at {len(calls)} segments, not once"
+    assert max_param_diff(model, plain_train(_task())[0]) == 0.0
