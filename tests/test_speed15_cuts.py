@@ -41,3 +41,41 @@ def test_a_resident_task_moves_in_once_not_at_every_segment_and_stays_exact(monk
     assert stats["step_path"] == "resident"
     assert calls == ["m0"], f"moved in at {len(calls)} segments, not once"
     assert max_param_diff(model, plain_train(_task())[0]) == 0.0
+
+
+def test_a_resident_step_counts_its_state_twice_not_three_times_and_stays_exact(monkeypatch):
+    """After each step the resident state's bytes are counted once more (the gradients' flush, the step); an
+    idle lazy flush (nothing pending) counts nothing."""
+    calls = [0]
+    real = StateHome.hold_now
+
+    def counting(self):
+        calls[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(StateHome, "hold_now", counting)
+    with ht.Runtime(devices=["cpu"]) as rt:
+        handle = rt.submit(_task())
+        model = trained(handle)
+        stats = rt.stats()["tasks"]["m0"]
+    steps = stats["steps"]
+    assert stats["residency"]["step_path"] == "resident" and steps == 10
+    assert calls[0] <= 2 * steps + 2, f"{calls[0]} counts for {steps} steps"
+    assert max_param_diff(model, plain_train(_task())[0]) == 0.0
+
+
+def test_track_many_counts_like_track():
+    from hydra_tune.device.dispatch import MemoryAccount
+
+    a, b = MemoryAccount(), MemoryAccount()
+    ts = [torch.zeros(10), torch.zeros(3, dtype=torch.float64), torch.zeros(0)]
+    storages = [t.untyped_storage() for t in ts + ts[:1]]
+    for s in storages:
+        a.track(s, enforce=False)
+    b.track_many(storages)
+    assert (a.current, a.peak) == (b.current, b.peak) == (64, 64)
+    del ts, storages, s
+    import gc
+
+    gc.collect()
+    assert a.current == b.current == 0 and b.peak == 64

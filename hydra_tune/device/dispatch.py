@@ -67,6 +67,21 @@ class MemoryAccount:
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
+    def track_many(self, storages: list[torch.UntypedStorage]) -> None:
+        """``track(s, enforce=False)`` for each of ``storages`` under one lock (those known already cost a lookup)."""
+        with self._lock:
+            live = self._live
+            for storage in storages:
+                key = storage._cdata
+                if key in live:
+                    continue
+                nbytes = storage.nbytes()
+                if nbytes == 0:
+                    continue
+                live[key] = (nbytes, weakref.ref(storage, lambda ref, key=key: self._release(key, ref)))
+                self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
     def forget(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (its bytes are about to be freed by ``resize_(0)``)."""
         with self._lock:

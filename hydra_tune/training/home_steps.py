@@ -121,7 +121,8 @@ class HomeSteps:
         """Apply every pending per-shard update, each where its entry is (before eval, checkpoints, model(), a
         re-plan, the task's end)."""
         with self.lock:
-            if self.lazy is not None:
+            # (after every step: only an update applied now makes anything new to count)
+            if self.lazy is not None and any(self.lazy.pending(i) for i in range(self.n_shards)):
                 self.lazy.flush(self.entry_device)
                 self.hold_now()
 

@@ -234,9 +234,22 @@ class StateHome(HomeSteps):
         cache = self.cache
         if cache is None:
             return
-        tensors = [t for slots in self._slots.values() for s in slots for t in self._device_tensors(s)]
-        cache.device.hold(tensors)
-        self.device_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+        # Runs after every flush and step: one pass over the parameters (no ``p.data`` aliases, no per-tensor
+        # lists); each tensor once (a parameter's data is the parameter's own storage), as ``_device_tensors``.
+        storages: list[torch.UntypedStorage] = []
+        state, groups = self.optimizer.state, self._groups
+        for slots in self._slots.values():
+            for slot in slots:
+                p = slot.param
+                storages.append(p.untyped_storage())
+                if p.grad is not None:
+                    storages.append(p.grad.untyped_storage())
+                if p in state:  # (a defaultdict: a lookup would add an entry)
+                    group = groups.get(id(p))
+                    storages += [v.untyped_storage() for k, v in state[p].items() if isinstance(v, torch.Tensor)
+                                 and (_moves_in(group, k) or v.device.type != "cpu")]
+        cache.device.hold_storages(storages)
+        self.device_bytes = sum(st.nbytes() for st in storages)
 
     def _device_tensors(self, slot: _Slot) -> list[torch.Tensor]:
         p = slot.param
