@@ -101,3 +101,43 @@ def test_the_random_router_makes_one_unit_mode_for_its_calls_and_draws_as_plain(
         got = [F.dropout(x, 0.3) for _ in range(3)] + [nn.Dropout(0.5)(x)]
     assert made[0] == 1, f"{made[0]} UnitModes for 4 random calls"
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_the_board_reuses_a_waiting_tasks_policy_record_and_every_task_stays_exact(monkeypatch):
+    """With many ready tasks, a device's pick builds a policy record only for the tasks whose fields changed
+    since the last pick (most only waited), not one per ready task at every pick."""
+    import hydra_tune.runtime.scheduler as scheduler
+
+    made, offered, inside = [0], [0], [False]
+    real_ready, real_records = scheduler.Ready, scheduler.Scheduler._records
+
+    def counting_ready(*args, **kwargs):
+        made[0] += inside[0]
+        return real_ready(*args, **kwargs)
+
+    def counting_records(self, index, cands, current):
+        offered[0] += len(cands)
+        inside[0] = True
+        try:
+            return real_records(self, index, cands, current)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(scheduler, "Ready", counting_ready)
+    monkeypatch.setattr(scheduler.Scheduler, "_records", counting_records)
+    def wide() -> nn.Module:  # units long enough that the other tasks wait ready meanwhile
+        return nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 3))
+
+    def task(seed: int) -> ht.ModelTask:
+        return ht.ModelTask(wide, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), _data(4, seed=seed),
+                            loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=1, seed=seed, name=f"w{seed}")
+
+    tasks = [task(seed) for seed in range(8)]
+    with ht.Runtime(devices=["cpu"]) as rt:
+        handles = [rt.submit(task(seed)) for seed in range(8)]
+        models = [trained(h) for h in handles]
+    assert offered[0] > 30
+    assert made[0] < 0.8 * offered[0], f"{made[0]} records made for {offered[0]} offered"
+    for model, task in zip(models, tasks):
+        assert max_param_diff(model, plain_train(task)[0]) == 0.0

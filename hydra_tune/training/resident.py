@@ -124,6 +124,8 @@ class StateHome(HomeSteps):
         self._exec_params: list[list[nn.Parameter]] = []  # every parameter each shard's units read
         self._entry_bytes: list[int] = []             # predicted device bytes of each shard's entry
         self._slots: dict[int, list[_Slot]] = {}
+        self._held_version = 0                        # bumped when _slots or _entry_bytes change (held_bytes)
+        self._held: tuple[int, int] | None = None
         self._groups: dict[int, dict[str, Any]] = {}
         self.lazy: LazySteps | None = None            # the lazy per-shard step (lazy.py), when allowed
         self.movable: set[int] = set()                # shards whose entries may be on the device (state_cache)
@@ -177,7 +179,18 @@ class StateHome(HomeSteps):
 
     def held_bytes(self) -> int:
         """Predicted device bytes of the entries on its device now."""
-        return self.entry_bytes(list(self._slots))
+        # read by the board at every pick (holder): kept until its entries or their sizes change (a version
+        # bumped there; a value computed while they changed is stored under the old version, so not reused)
+        version = self._held_version
+        kept = self._held
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        nbytes = self.entry_bytes(list(self._slots))
+        self._held = (version, nbytes)
+        return nbytes
+
+    def _entries_changed(self) -> None:
+        self._held_version += 1
 
     def holder(self) -> tuple[int | None, int]:
         """(the index of the device holding its entries, their predicted bytes); (None, 0): in host memory."""
@@ -202,6 +215,7 @@ class StateHome(HomeSteps):
 
     def _predict(self) -> None:
         self._entry_bytes = entry_sizes(self._shards, self._groups, self._optimizer_bytes, self._grad_accumulation)
+        self._entries_changed()
         self.state_bytes = sum(self._entry_bytes)
 
     def disable(self, why: str) -> None:
@@ -288,6 +302,7 @@ class StateHome(HomeSteps):
                 for slot, data, grad, state in entries:
                     self._point(slot.param, data, grad, state)
                 self._slots[i] = [slot for slot, *_ in entries]
+                self._entries_changed()
                 self.moves_in[i] = self.moves_in.get(i, 0) + 1
             if self.cache is None:
                 self.cache = cache
@@ -329,6 +344,7 @@ class StateHome(HomeSteps):
             step()
         for i in chosen:
             del self._slots[i]
+            self._entries_changed()
         if why is not None:
             self.why = why
         if self._slots:
