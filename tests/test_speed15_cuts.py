@@ -2,6 +2,9 @@
 moved in (nor its bytes counted) again at each segment; the trained weights equal the plain loop's bit for bit."""
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,9 +23,10 @@ def _data(n: int = 5, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
 
 
-def _task(seed: int = 0, **kw) -> ht.ModelTask:
-    return ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _data(),
-                        loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=2, seed=seed, name=f"m{seed}", **kw)
+def _task(seed: int = 0, train_data=None, **kw) -> ht.ModelTask:
+    return ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                        _data() if train_data is None else train_data, loss=lambda out, b: F.cross_entropy(out, b[1]),
+                        epochs=2, seed=seed, name=f"m{seed}", **kw)
 
 
 def test_a_resident_task_moves_in_once_not_at_every_segment_and_stays_exact(monkeypatch):
@@ -141,3 +145,30 @@ def test_the_board_reuses_a_waiting_tasks_policy_record_and_every_task_stays_exa
     assert made[0] < 0.8 * offered[0], f"{made[0]} records made for {offered[0]} offered"
     for model, task in zip(models, tasks):
         assert max_param_diff(model, plain_train(task)[0]) == 0.0
+
+
+def test_batches_of_a_list_are_fetched_without_routing_and_a_dataloader_still_draws_from_the_task():
+    """next() over a list or tuple runs no code, so no UnitMode is made per fetch; a shuffling DataLoader's
+    order still comes from the task's stream (as ``torch.manual_seed(seed)`` then the plain loop gives)."""
+    import hydra_tune.device.dispatch as dispatch
+
+    made = [0]
+    real_init = dispatch.UnitMode.__init__
+
+    def counting(self, *args, **kwargs):  # in the task's host thread (a unit's router makes its own)
+        made[0] += threading.current_thread().name.startswith("hydra-host")
+        real_init(self, *args, **kwargs)
+
+    data = _data(8, seed=5)
+    loader = torch.utils.data.DataLoader([(x[i], y[i]) for x, y in data for i in range(4)], batch_size=4,
+                                         shuffle=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch.UnitMode, "__init__", counting)
+        with ht.Runtime(devices=["cpu"]) as rt:
+            model = trained(rt.submit(_task(train_data=data)))
+    fetches = 2 * (len(data) + 1)
+    assert made[0] < fetches / 2, f"{made[0]} UnitModes in its host thread for {fetches} fetches"
+    assert max_param_diff(model, plain_train(_task(train_data=data))[0]) == 0.0
+    with ht.Runtime(devices=["cpu"]) as rt:
+        model = trained(rt.submit(_task(train_data=loader)))
+    assert max_param_diff(model, plain_train(_task(train_data=loader))[0]) == 0.0
