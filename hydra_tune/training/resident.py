@@ -53,7 +53,7 @@ import torch.nn as nn
 
 from ..device.counts import CopyCounts
 from ..device.devices import Device
-from .home_steps import HomeSteps
+from .home_steps import HomeSteps, moves_with_param
 
 if TYPE_CHECKING:
     from .lazy import LazySteps
@@ -65,11 +65,6 @@ if TYPE_CHECKING:
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
-
-def _moves_in(group: dict[str, Any] | None, key: str) -> bool:
-    """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
-    that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
-    return key != "step" or bool(group and (group.get("capturable") or group.get("fused")))
 
 
 def entry_sizes(shards: Sequence[Sequence[nn.Parameter]], groups: dict[int, Any], optimizer_bytes: int | None,
@@ -243,28 +238,6 @@ class StateHome(HomeSteps):
             return None
         return cache.device
 
-    def hold_now(self) -> None:
-        """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
-        cache = self.cache
-        if cache is None:
-            return
-        # Runs after every flush and step: one pass over the parameters (no ``p.data`` aliases, no per-tensor
-        # lists); each tensor once (a parameter's data is the parameter's own storage), as ``_device_tensors``.
-        storages: list[torch.UntypedStorage] = []
-        state, groups = self.optimizer.state, self._groups
-        for slots in self._slots.values():
-            for slot in slots:
-                p = slot.param
-                storages.append(p.untyped_storage())
-                if p.grad is not None:
-                    storages.append(p.grad.untyped_storage())
-                if p in state:  # (a defaultdict: a lookup would add an entry)
-                    group = groups.get(id(p))
-                    storages += [v.untyped_storage() for k, v in state[p].items() if isinstance(v, torch.Tensor)
-                                 and (_moves_in(group, k) or v.device.type != "cpu")]
-        cache.device.hold_storages(storages)
-        self.device_bytes = sum(st.nbytes() for st in storages)
-
     def _device_tensors(self, slot: _Slot) -> list[torch.Tensor]:
         p = slot.param
         out = [p.data] + ([p.grad] if p.grad is not None else [])
@@ -277,7 +250,7 @@ class StateHome(HomeSteps):
             return []
         group = self._groups.get(id(p))
         return [(k, v) for k, v in self.optimizer.state[p].items() if isinstance(v, torch.Tensor)
-                and (_moves_in(group, k) or (back and v.device.type != "cpu"))]
+                and (moves_with_param(group, k) or (back and v.device.type != "cpu"))]
 
     # -- moves -----------------------------------------------------------------------------------------------
     def move_in(self, cache: StateCache, shards: Sequence[int] | None = None) -> None:
