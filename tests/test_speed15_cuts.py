@@ -1,5 +1,7 @@
 """Issue 15's per-segment cuts stay exact and stay cut: a task whose whole state is resident on its device is not
-moved in (nor its bytes counted) again at each segment; the trained weights equal the plain loop's bit for bit."""
+moved in again at each segment, and its state is counted twice per step (not three times, one pass each); a unit's
+RandomRouter makes one UnitMode for its random calls; the board reuses a waiting task's policy record; batches of
+a list are fetched without routing. Each compares the trained weights with the plain loop's (max abs diff 0.0)."""
 from __future__ import annotations
 
 import threading
