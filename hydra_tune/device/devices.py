@@ -164,6 +164,9 @@ class Device:
         """Count ``tensors`` (made outside any unit, e.g. by an optimizer step on this device) as this device's
         memory until they are freed. CUDA counts every allocation itself: nothing to do."""
 
+    def hold_storages(self, storages: Sequence[torch.UntypedStorage]) -> None:
+        """``hold`` for storages (one call for many: no tensor per storage needed). CUDA: nothing to do."""
+
     def peak_bytes(self) -> int:
         raise NotImplementedError
 
@@ -231,6 +234,9 @@ class CpuDevice(Device):
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             self.account.track(t.untyped_storage(), enforce=False)  # already made: counted, never refused
+
+    def hold_storages(self, storages: Sequence[torch.UntypedStorage]) -> None:
+        self.account.track_many(storages)
 
     def peak_bytes(self) -> int:
         return self.account.peak

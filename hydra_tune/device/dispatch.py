@@ -70,6 +70,21 @@ class MemoryAccount:
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
+    def track_many(self, storages: list[torch.UntypedStorage]) -> None:
+        """``track(s, enforce=False)`` for each of ``storages`` under one lock (those known already cost a lookup)."""
+        with self._lock:
+            live = self._live
+            for storage in storages:
+                key = storage._cdata
+                if key in live:
+                    continue
+                nbytes = storage.nbytes()
+                if nbytes == 0:
+                    continue
+                live[key] = (nbytes, weakref.ref(storage, lambda ref, key=key: self._release(key, ref)))
+                self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
     def forget(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (its bytes are about to be freed by ``resize_(0)``)."""
         with self._lock:
@@ -138,6 +153,8 @@ def _op_device(args: tuple, kwargs: dict) -> torch.device:
     dev = kwargs.get("device")
     if dev is not None:
         return torch.device(dev)
+    if args and isinstance(args[0], torch.Tensor):  # the common case, without a walk of every argument
+        return args[0].device
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
@@ -269,6 +286,7 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
         super().__init__()
         self.generator = cpu_generator
         self._seeds = seeding.Scratch(cpu_generator)
+        self._spare: UnitMode | None = None  # the UnitMode of its last random call, for the next one
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -277,9 +295,14 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
             # to the task's stream for the unit (CudaDevice.unit_scope), so its ops need no interception
             return func(*args, **kwargs)
         # Its aten ops go through UnitMode: those with a generator argument (dropout's bernoulli_) get the task's
-        # generator without any lock, so concurrent devices do not serialise on attention or dropout.
-        with UnitMode(self.generator):
-            return func(*args, **kwargs)
+        # generator without any lock, so concurrent devices do not serialise on attention or dropout. One made
+        # for a call serves the next ones (a call made while it is entered makes its own).
+        unit, self._spare = self._spare or UnitMode(self.generator), None
+        try:
+            with unit:
+                return func(*args, **kwargs)
+        finally:
+            self._spare = unit
 
 
 def bookkeeping(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -38,6 +38,7 @@ class Admitted:
         self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
         self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
         self.open_seconds = 0.0     # how long its last opening took
+        self.record: tuple[Any, Any] | None = None  # (fields, its policy Ready record): reused while equal
         self.released = False       # ended, and on_end has run: what the chain holds goes next
         self.host = HostThread(handle.name, lambda: open_next(self))
 

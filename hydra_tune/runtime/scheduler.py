@@ -358,9 +358,17 @@ class Scheduler:
 
     def _records(self, index: int, cands: list[tuple[int, Admitted]], current: Admitted | None) -> list[Ready]:
         """The policy's view of ``cands`` for device ``index`` (``current``: as if ready now, last run here)."""
-        return [Ready(a.name, seq, index if a is current else a.last_device,
-                      self._estimate(a, a is current), a.turns + (a is current), a.order,
-                      *a.state.home.holder()) for seq, a in cands]
+        return [self._record(index, seq, a, a is current) for seq, a in cands]
+
+    def _record(self, index: int, seq: int, task: Admitted, current: bool) -> Ready:
+        """(the lock held) ``task``'s Ready record, reused while its fields are unchanged (with many ready tasks,
+        making a frozen record for each at every pick was a large part of a small model's segment)."""
+        key = (seq, index if current else task.last_device, self._estimate(task, current), task.turns + current,
+               *task.state.home.holder())
+        kept = task.record
+        if kept is None or kept[0] != key:
+            kept = task.record = (key, Ready(task.name, key[0], key[1], key[2], key[3], task.order, key[4], key[5]))
+        return kept[1]
 
     def _defers(self, index: int) -> bool:
         """Whether device ``index`` leaves every ready task to the other idle devices holding their state

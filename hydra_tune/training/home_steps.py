@@ -19,8 +19,16 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from ..device.devices import Device
+
+
+def moves_with_param(group: dict[str, Any] | None, key: str) -> bool:
+    """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
+    that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
+    return key != "step" or bool(group and (group.get("capturable") or group.get("fused")))
 
 
 class HomeSteps:
@@ -28,6 +36,28 @@ class HomeSteps:
 
     state_at_first_step: int | None = None
     state_since_first_step: int | None = None  # state bytes moved from its first step to its last
+
+    def hold_now(self) -> None:
+        """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
+        cache = self.cache
+        if cache is None:
+            return
+        # Runs after every flush and step: one pass over the parameters (no ``p.data`` aliases, no per-tensor
+        # lists); each tensor once (a parameter's data is the parameter's own storage), as ``_device_tensors``.
+        storages: list[torch.UntypedStorage] = []
+        state, groups = self.optimizer.state, self._groups
+        for slots in self._slots.values():
+            for slot in slots:
+                p = slot.param
+                storages.append(p.untyped_storage())
+                if p.grad is not None:
+                    storages.append(p.grad.untyped_storage())
+                if p in state:  # (a defaultdict: a lookup would add an entry)
+                    group = groups.get(id(p))
+                    storages += [v.untyped_storage() for k, v in state[p].items() if isinstance(v, torch.Tensor)
+                                 and (moves_with_param(group, k) or v.device.type != "cpu")]
+        cache.device.hold_storages(storages)
+        self.device_bytes = sum(st.nbytes() for st in storages)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -121,7 +151,8 @@ class HomeSteps:
         """Apply every pending per-shard update, each where its entry is (before eval, checkpoints, model(), a
         re-plan, the task's end)."""
         with self.lock:
-            if self.lazy is not None:
+            # (after every step: only an update applied now makes anything new to count)
+            if self.lazy is not None and any(self.lazy.pending(i) for i in range(self.n_shards)):
                 self.lazy.flush(self.entry_device)
                 self.hold_now()
 

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .state import TaskState
 
 _END = object()
+_PLAIN_ITERATORS = (type(iter([])), type(iter(())))
 UnitSpec = tuple[str, ShardExec, Callable[[Device], Any], Callable[[Device], int]]  # kind, shard, run, prefetch
 
 
@@ -249,9 +250,13 @@ class TrainingLoop:
             if what == "train_data":
                 self._start_epoch_data(made)
             it = iter(made)
+        plain = type(it) in _PLAIN_ITERATORS  # a list's or tuple's next() runs no code: nothing to route
         while True:
-            with UnitMode(rng.cpu), seeding_to(rng), task_work(name):
+            if plain:
                 batch = next(it, _END)
+            else:
+                with UnitMode(rng.cpu), seeding_to(rng), task_work(name):
+                    batch = next(it, _END)
             if batch is _END:
                 return
             yield batch

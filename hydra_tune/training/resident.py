@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from ..device.counts import CopyCounts
 from ..device.devices import Device
-from .home_steps import HomeSteps
+from .home_steps import HomeSteps, moves_with_param
 
 if TYPE_CHECKING:
     from .lazy import LazySteps
@@ -66,11 +66,6 @@ if TYPE_CHECKING:
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
-
-def _moves_in(group: dict[str, Any] | None, key: str) -> bool:
-    """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
-    that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
-    return key != "step" or bool(group and (group.get("capturable") or group.get("fused")))
 
 
 def entry_sizes(shards: Sequence[Sequence[nn.Parameter]], groups: dict[int, Any], optimizer_bytes: int | None,
@@ -125,6 +120,8 @@ class StateHome(HomeSteps):
         self._exec_params: list[list[nn.Parameter]] = []  # every parameter each shard's units read
         self._entry_bytes: list[int] = []             # predicted device bytes of each shard's entry
         self._slots: dict[int, list[_Slot]] = {}
+        self._held_version = 0                        # bumped when _slots or _entry_bytes change (held_bytes)
+        self._held: tuple[int, int] | None = None
         self._groups: dict[int, dict[str, Any]] = {}
         self.lazy: LazySteps | None = None            # the lazy per-shard step (lazy.py), when allowed
         self.movable: set[int] = set()                # shards whose entries may be on the device (state_cache)
@@ -178,7 +175,18 @@ class StateHome(HomeSteps):
 
     def held_bytes(self) -> int:
         """Predicted device bytes of the entries on its device now."""
-        return self.entry_bytes(list(self._slots))
+        # read by the board at every pick (holder): kept until its entries or their sizes change (a version
+        # bumped there; a value computed while they changed is stored under the old version, so not reused)
+        version = self._held_version
+        kept = self._held
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        nbytes = self.entry_bytes(list(self._slots))
+        self._held = (version, nbytes)
+        return nbytes
+
+    def _entries_changed(self) -> None:
+        self._held_version += 1
 
     def holder(self) -> tuple[int | None, int]:
         """(the index of the device holding its entries, their predicted bytes); (None, 0): in host memory."""
@@ -203,6 +211,7 @@ class StateHome(HomeSteps):
 
     def _predict(self) -> None:
         self._entry_bytes = entry_sizes(self._shards, self._groups, self._optimizer_bytes, self._grad_accumulation)
+        self._entries_changed()
         self.state_bytes = sum(self._entry_bytes)
 
     def disable(self, why: str) -> None:
@@ -230,15 +239,6 @@ class StateHome(HomeSteps):
             return None
         return cache.device
 
-    def hold_now(self) -> None:
-        """Count what the step or the flush made on the device (gradients, optimizer state) as its memory."""
-        cache = self.cache
-        if cache is None:
-            return
-        tensors = [t for slots in self._slots.values() for s in slots for t in self._device_tensors(s)]
-        cache.device.hold(tensors)
-        self.device_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
-
     def _device_tensors(self, slot: _Slot) -> list[torch.Tensor]:
         p = slot.param
         out = [p.data] + ([p.grad] if p.grad is not None else [])
@@ -251,7 +251,7 @@ class StateHome(HomeSteps):
             return []
         group = self._groups.get(id(p))
         return [(k, v) for k, v in self.optimizer.state[p].items() if isinstance(v, torch.Tensor)
-                and (_moves_in(group, k) or (back and v.device.type != "cpu"))]
+                and (moves_with_param(group, k) or (back and v.device.type != "cpu"))]
 
     # -- moves -----------------------------------------------------------------------------------------------
     def move_in(self, cache: StateCache, shards: Sequence[int] | None = None) -> None:
@@ -276,6 +276,7 @@ class StateHome(HomeSteps):
                 for slot, data, grad, state in entries:
                     self._point(slot.param, data, grad, state)
                 self._slots[i] = [slot for slot, *_ in entries]
+                self._entries_changed()
                 self.moves_in[i] = self.moves_in.get(i, 0) + 1
             if self.cache is None:
                 self.cache = cache
@@ -317,6 +318,7 @@ class StateHome(HomeSteps):
             step()
         for i in chosen:
             del self._slots[i]
+            self._entries_changed()
         if why is not None:
             self.why = why
         if self._slots:

@@ -93,8 +93,8 @@ class StateCache:
         if home.cache is None and home.enabled and home.scaled and not self.device.steps_loss_scaler:
             home.why = (f"fp16 loss scaling: its GradScaler lives in host memory, which {self.device.name} cannot "
                         "step gradients with exactly (torch reads its non-blocking device->host copy at once)")
-        elif home.enabled:
-            self._place(home, peak, budget)
+        elif home.enabled and not (home.cache is self and len(home.resident_shards()) == home.n_shards):
+            self._place(home, peak, budget)  # (whole state here already: nothing to move, its bytes counted)
         self._make_room(home, peak, budget, optional=False)
 
     def _place(self, home: StateHome, peak: int, budget: int | None) -> None:
