@@ -125,7 +125,11 @@ class TaskState:
 
     # -- training -------------------------------------------------------------------------------------------
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
-        """The task's training as a chain of segments (loop.py); each epoch's metrics go to ``emit``."""
+        """The task's training as a chain of segments (loop.py); each epoch's metrics go to ``emit``. A task with
+        a ``drive_segments(state, emit)`` method (hydra_tune.prepare: the user's own loop drives it) makes its own."""
+        drive = getattr(self.task, "drive_segments", None)
+        if drive is not None:
+            return drive(self, emit)
         self._loop = TrainingLoop(self)
         return self._loop.segments(emit)
 

@@ -1,0 +1,179 @@
+"""The user-driven task: the user's thread hands the runtime one forward or one backward at a time.
+
+    driver = Driver(task_name)               # prepare() makes one per prepared model
+    out = driver.forward(batch, train=True)  # the first call submits the task (it is measured on this batch)
+    driver.backward(grads)                   # the output's gradients: B units, then the gradients land in .grad
+    driver.release()                         # the task ends ("done"): its state and board entry are freed
+
+Why this shape: the runtime drives a task through its chain of segments (training/loop.py), advanced by the task's
+own host thread between segments. A prepared model has no loop of ours: its chain (``drive_segments``, reached
+through ``TaskState.segments``) waits in the host thread for the user's next call, hands the board that call's
+segment, and once the segment ran tells the waiting user thread. So the user's thread blocks for its own units
+only; other tasks' units run on the devices meanwhile, and the board, the gate, the trace and the stats see a
+prepared model as any other task.
+
+Segments: a training forward is F0..F(K-1) (the last shard's forward too: the loss is the user's), the output
+carry of the last shard is the model's output; its backward is B(K-1)..B0 from the output's gradients (a shard
+that kept its graph backpropagates through it, else it recomputes its forward from the saved input and RNG state,
+exactly as the loop's B units); an evaluation forward (no autograd) is E0..E(K-1).
+
+RNG: without ``seed`` the units draw from the stream the user's thread draws from (torch's global generator): its
+state is handed to the task before a forward and taken back after it, so dropout and the user's own draws
+(shuffling) interleave as in the plain loop. With ``seed`` the task keeps a stream of its own (reproducible when
+several trials run in threads of one process, where the global generator is shared).
+
+Rules: one minibatch in flight: a new forward drops a training forward whose backward never came; a backward
+needs the latest training forward's output. Errors of a unit end the task (the runtime's rule) and raise in the
+user's thread.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
+
+from ..device.devices import Device
+from ..errors import rule_error
+from ..training.boundary import task_work
+from ..training.segments import Segment, Unit, segment_key
+
+_POLL = 0.05  # seconds between looks at the task's status while the user's thread waits for its units
+
+
+class _Request:
+    """One call of the user's: the segment to run, then done (or the task ended)."""
+
+    def __init__(self, make: Callable[[], Segment], after: Callable[[], None]) -> None:
+        self.make, self.after = make, after
+        self.done = threading.Event()
+
+
+class Driver:
+    """The user-driven chain of one prepared model (see the module docstring)."""
+
+    def __init__(self, name: str, seed: int | None) -> None:
+        self.name, self.seed = name, seed
+        self.handle: Any = None
+        self.state: Any = None
+        self._cv = threading.Condition()
+        self._request: _Request | None = None
+        self._closed = False
+        self._made = 0
+        self.pending = 0   # the training forward awaiting its backward (its number), 0: none
+        self.forwards = 0  # training forwards run
+
+    # -- the runtime's side (the task's host thread) ---------------------------------------------------------
+    def drive_segments(self, state: Any, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
+        """The chain ``TaskState.segments`` returns for this task: the user's requests, as they come."""
+        self.state = state
+        # the user's loop reads .grad, clips and steps the parameters in host memory between its calls: the state
+        # stays there (no device residency, no lazy per-shard step), so every such read is exact
+        state.home.disable("hydra_tune.prepare: the user's loop steps the parameters in host memory")
+        try:
+            while True:
+                request = self._next_request()
+                if request is None:
+                    return
+                yield request.make()
+                request.after()
+                request.done.set()
+        finally:
+            state.home.finish()
+
+    def _next_request(self) -> _Request | None:
+        with self._cv:
+            while self._request is None and not self._closed and not self._ended():
+                self._cv.wait(_POLL)
+            request, self._request = self._request, None
+            return request
+
+    def _ended(self) -> bool:
+        return self.handle is not None and self.handle.done()
+
+    # -- the user's side -------------------------------------------------------------------------------------
+    def run(self, make: Callable[[], Segment], after: Callable[[], None] = lambda: None) -> None:
+        """Hand the task's host thread one segment and wait until it ran (and ``after`` it); raise the task's
+        error if it ended instead."""
+        request = _Request(make, after)
+        with self._cv:
+            self._check_live()
+            self._request = request
+            self._cv.notify_all()
+        while not request.done.wait(_POLL):
+            if self._ended():
+                self._check_live()
+
+    def _check_live(self) -> None:
+        if self._closed:
+            raise rule_error("a prepared model is used before it is released", "call hydra_tune.prepare(...) "
+                             "again for a new run", kind=RuntimeError, task=self.name)
+        if self._ended():
+            error = self.handle.error
+            if error is not None:
+                raise error
+            raise rule_error("a prepared model's task is running when the model is called", "prepare the model "
+                             "again (its task ended: cancelled by the runtime, the study or Tune)",
+                             kind=RuntimeError, task=self.name, status=self.handle.status)
+
+    def release(self) -> None:
+        """End the task (done): the host thread leaves the chain, the runtime frees what it held."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        handle = self.handle
+        if handle is not None and not handle.done():
+            handle.wait(timeout=10)
+            if not handle.done():
+                handle.cancel()
+
+    # -- segments --------------------------------------------------------------------------------------------
+    def segment(self, units: list[tuple[str, Any, Callable[[Device], Any]]], train: bool) -> Segment:
+        """A Segment of ``(kind, shard, run)`` units over the store's batch, each as the loop wraps its units:
+        the shard's state in place first (home.use), the run as the task's own work."""
+        state = self.state
+        home, store, name = state.home, state.store, self.name
+        self._made += 1
+
+        def work(run: Callable[[Device], Any], shard: int) -> Callable[[Device], Any]:
+            def in_work(d: Device) -> Any:
+                home.use(shard, d)
+                with task_work(name):
+                    return run(d)
+            return in_work
+
+        def pre(ex: Any, kind: str) -> Callable[[Device], int]:
+            return lambda d: ex.prefetch(d, store, kind)
+
+        return Segment(name, self._made, tuple(Unit(name, kind, ex.index, self._made, work(run, ex.index),
+                                                    pre(ex, kind)) for kind, ex, run in units),
+                       train, segment_key(train, store.batch))
+
+    def forward_units(self, train: bool) -> Segment:
+        """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``."""
+        state = self.state
+        store, rng, plan = state.store, state.rng, state.plan
+        if train:
+            units = [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
+                                                         offload=plan.offloads(ex.index))) for ex in state.execs]
+        else:
+            units = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False)) for ex in state.execs]
+        return self.segment(units, train)
+
+    def backward_units(self) -> Segment:
+        """B(K-1)..B0: the output's gradients (``store.out_grads[K-1]``) back through every shard."""
+        state = self.state
+        store, rng = state.store, state.rng
+        return self.segment([("B", ex, lambda d, ex=ex: ex.backward(d, store, rng))
+                             for ex in reversed(state.execs)], True)
+
+
+def output_leaves(out: Any) -> list[Any]:
+    """The leaves of a model output, in the order the B unit of the last shard pairs gradients with them."""
+    return tree_flatten(out)[0]
+
+
+def float_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())

@@ -1,0 +1,178 @@
+"""One prepared model's calls: the batch from ``model(...)``'s arguments, the first call's submit, the RNG hand-off,
+the output (joined to the user's graph) and its backward.
+
+    run = Runner(model, optimizer, options)      # prepare() makes one
+    out = run.forward((x,), {})                  # model(x): F or E units; the output on x's device
+    run.step_done()                              # the optimizer stepped: counted in the task's stats
+
+Rules (why in driver.py and bridge.py): ``model(x)`` (one positional argument: a tensor, a tuple or a dict, as a
+ModelTask batch would be) or ``model(**batch)`` (keywords: the model is called with them); a forward with autograd
+on runs F units and its output requires grad; under ``torch.no_grad()`` (or ``inference_mode``) E units, no
+graph. The task is submitted at the first call (it is measured and planned on that batch: errors of that raise
+there) to the runtime ``train`` would use: ``runtime=``, else the Optuna study's or Tune trial's (``bind``), else
+the default one.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .. import api
+from ..errors import rule_error
+from ..task import ModelTask
+from .bridge import Bridge, token
+from .driver import Driver, float_leaf
+from .refusals import HookCheck, check_backward, check_inputs
+
+_names = itertools.count(1)
+
+
+def _profile_loss(out: Any, batch: Any) -> torch.Tensor:
+    """The loss the plan is measured with (the user's own is computed in their loop): the output's float sum."""
+    leaves = [t for t in tree_flatten(out)[0] if float_leaf(t)]
+    return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]
+
+
+class PreparedTask(ModelTask):
+    """A ModelTask whose chain the user's calls drive (``drive_segments``: TaskState.segments makes no loop)."""
+
+    def __init__(self, driver: Driver, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drive_segments = driver.drive_segments
+
+
+class Runner:
+    """The calls of one prepared model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, seed: int | None, precision: str,
+                 stages: Any, name: str | None, runtime: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.seed, self.precision, self.stages, self.runtime = seed, precision, stages, runtime
+        self.name = name if name is not None else f"prepared-{next(_names)}"
+        self.driver = Driver(self.name, seed)
+        self.hooks = HookCheck(model)
+
+    @property
+    def handle(self) -> Any:
+        return self.driver.handle
+
+    def _submit(self, batch: Any) -> None:
+        model = self.model
+        modes = [(m, m.training) for m in model.modules()]  # the build puts the model in train mode
+        task = PreparedTask(self.driver, model, self._optimizer_for, [batch], loss=_profile_loss, epochs=None,
+                            seed=self.seed or 0, name=self.name, stages=self.stages, precision=self.precision)
+        try:
+            self.driver.handle = api.submit(task, self.runtime, scoped=True)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _optimizer_for(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The task's optimizer factory: the user's optimizer for the user's model; for another model (the
+        footprint's meta copy, which it steps to measure the state) a new one of its class and groups, so that
+        nothing but the user's loop ever steps the user's optimizer."""
+        opt = self.optimizer
+        if model is self.model:
+            return opt
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        theirs = list(model.parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [theirs[index[id(p)]] for p in g["params"]]} for g in opt.param_groups]
+        return type(opt)(groups, **opt.defaults)
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.hooks.check()
+        batch = self._batch(args, kwargs)
+        leaves = tree_flatten(batch)[0]
+        check_inputs(leaves)
+        device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        host = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, batch)
+        train = torch.is_grad_enabled()
+        if self.driver.handle is None:
+            self._submit(host)
+        driver, got = self.driver, {}
+        given = None if self.seed is not None else torch.default_generator.get_state()
+
+        def make() -> Any:
+            state = driver.state
+            state.store.clear()  # an earlier training forward whose backward never came is dropped
+            state.store.batch = host
+            state.store.carries[0] = state.cut.prepare(host)
+            if given is not None:  # the units draw what the user's thread would draw next
+                state.rng.cpu.set_state(given)
+            return driver.forward_units(train)
+
+        def after() -> None:
+            state = driver.state
+            got["out"] = state.store.carries[len(state.execs)]
+            if given is not None:
+                got["rng"] = state.rng.cpu.get_state()
+            if not train:
+                state.store.clear()
+
+        driver.pending = 0
+        driver.run(make, after)
+        if "rng" in got:
+            torch.default_generator.set_state(got["rng"])
+        out = got["out"]
+        if train:
+            driver.forwards += 1
+            driver.pending = driver.forwards
+            out = self._join(out, driver.forwards)
+        return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
+
+    def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs and not args:
+            return dict(kwargs)
+        if len(args) == 1 and not kwargs:
+            return args[0]
+        raise rule_error("a prepared model is called as model(x) or model(**batch)", "pass one input (a tensor, "
+                         "or a tuple whose first item the model takes) or keywords only, as a ModelTask batch",
+                         kind=TypeError, positional=len(args), keywords=sorted(kwargs))
+
+    def _join(self, out: Any, number: int) -> Any:
+        """The output's float tensors through the bridge: they require grad, and their backward runs B units."""
+        leaves, spec = tree_flatten(out)
+        where = [i for i, t in enumerate(leaves) if float_leaf(t)]
+        if not where:
+            return out
+        n = len(leaves)
+
+        def backward_fn(grads: list[torch.Tensor | None]) -> None:
+            self._backward(number, n, dict(zip(where, grads)))
+
+        joined = Bridge.apply(backward_fn, token(), *[leaves[i] for i in where])
+        for i, t in zip(where, joined):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    # -- backward --------------------------------------------------------------------------------------------
+    def _backward(self, number: int, n: int, grads: dict[int, torch.Tensor | None]) -> None:
+        driver = self.driver
+        check_backward(number, driver.pending)
+        driver.pending = 0
+        out_grads = [None if grads.get(i) is None else grads[i].detach().cpu() for i in range(n)]
+
+        def make() -> Any:
+            state = driver.state
+            state.store.out_grads[len(state.execs) - 1] = out_grads
+            return driver.backward_units()
+
+        def after() -> None:
+            state = driver.state
+            with state.home.locked():  # the gradients land in .grad, added as AccumulateGrad adds them
+                state.store.flush_grads()
+                state.store.clear()
+            state.home.settle()
+
+        driver.run(make, after)
+
+    def step_done(self) -> None:
+        state = self.driver.state
+        if state is not None:
+            state.steps += 1
