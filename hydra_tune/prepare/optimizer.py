@@ -35,6 +35,10 @@ def wrap_step(optimizer: torch.optim.Optimizer, counted: Callable[[], None]) -> 
         return result
 
     step.__doc__ = inner.__doc__
+    if hasattr(inner, "_wrapped_by_lr_sched"):
+        # a scheduler built before prepare wrapped the step (its marker and call flag): ours calls that wrapper,
+        # so the scheduler's order check stays true; torch reads this marker by name
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     # a bound method, as LR schedulers expect of optimizer.step (they wrap its __func__)
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     setattr(optimizer, _MARK, True)
