@@ -1,6 +1,6 @@
 """The adoption examples: each plain script and its hydra_tune twin differ in at most 3 lines, and both run.
 
-The Optuna pair runs here (few trials, 2 epochs, one trial at a time: the TPE sampler then sees the same values
+The Optuna pair runs here (3 trials, 1 epoch, one trial at a time: the TPE sampler then sees the same values
 and suggests the same trials, so every trial's parameters, reported accuracies and value must be equal). The Ray
 Tune pair starts Ray (tens of seconds): it runs with ``HYDRA_TUNE_EXAMPLES=1``; the diff is always checked.
 """
@@ -52,11 +52,11 @@ def test_optuna_example_pair_gives_equal_trials():
     pytest.importorskip("optuna")
     pytest.importorskip("sklearn")
     plain, hydra = _load("optuna_simple_plain.py"), _load("optuna_simple_hydra.py")
-    plain.EPOCHS = hydra.EPOCHS = 2
-    expected = plain.main(n_trials=4, n_jobs=1)
-    got = hydra.main(n_trials=4, n_jobs=1)
+    plain.EPOCHS = hydra.EPOCHS = 1
+    expected = plain.main(n_trials=3, n_jobs=1)
+    got = hydra.main(n_trials=3, n_jobs=1)
     assert got == expected
-    assert len({str(t[2]) for t in got}) == 4   # four different trials, compared one by one
+    assert len({str(t[2]) for t in got}) == 3   # three different trials, compared one by one
 
 
 @pytest.mark.skipif(os.environ.get("HYDRA_TUNE_EXAMPLES") != "1", reason="starts Ray: HYDRA_TUNE_EXAMPLES=1")
