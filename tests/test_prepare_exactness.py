@@ -211,3 +211,27 @@ def test_outputs_come_back_on_the_input_device_and_state_dict_round_trips(tmp_pa
         assert not m.training and not model.training
         with torch.no_grad():
             assert not model(X[:4]).requires_grad
+
+
+def eval_before_backward_loop(prepare=None):
+    """model.eval() between the forward and its backward: the backward is still the (train-mode) forward's."""
+    torch.manual_seed(4)
+    model = _mlp(0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+    for i in range(3):
+        model.train()
+        loss = F.cross_entropy(model(X[:16]), Y[:16])
+        model.eval()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_mode_change_between_forward_and_backward_keeps_the_forwards_dropout():
+    plain = eval_before_backward_loop()
+    with ht.Runtime(devices=["cpu"], device_memory="24KiB") as rt:   # recomputing shards
+        ours = eval_before_backward_loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+    assert _diff(plain, ours) == 0.0

@@ -127,3 +127,13 @@ def test_a_released_model_is_refused(rt):
     model.release()
     with pytest.raises(RuntimeError, match=r"used before it is released"):
         model(X)
+
+
+def test_weights_changed_between_forward_and_backward_are_refused(rt):
+    # the plain loop's backward raises for the saved weights it changed; a recomputing unit would use the new ones
+    model, opt = _prepared(rt)
+    F.cross_entropy(model(X), Y).backward()
+    loss = F.cross_entropy(model(X), Y)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"weights are unchanged between a forward and its backward.*0\.weight"):
+        loss.backward()

@@ -14,6 +14,8 @@ Why each is refused rather than run:
   does not interleave with units of the same task.
 - inputs that require grad, ``backward(create_graph=True)``, a backward of an output whose forward was followed
   by another forward: gradients flow only from the latest output into the parameters.
+- weights changed in place between a forward and its backward (``optimizer.step()`` in between): the plain
+  loop's backward raises for the saved tensors it changed; a recomputing unit would use the new weights.
 - dtype changes after prepare (``.half()``, ``.to(torch.bfloat16)``), ``load_state_dict(assign=True)``: the
   runtime planned the model's tensors as they were; use ``precision=`` or cast before ``prepare``.
 """
@@ -107,3 +109,12 @@ def check_backward(number: int, pending: int) -> None:
                          "call loss.backward() once after each forward (for gradient accumulation: forward, "
                          "backward, forward, backward, ... then optimizer.step())", kind=RuntimeError,
                          call="backward", forward=number, latest=pending or None)
+
+
+def check_unchanged(changed: list[str]) -> None:
+    """Weights changed in place between a forward and its backward: the plain loop's backward raises (its saved
+    tensors changed); the units would recompute from the new weights."""
+    if changed:
+        raise rule_error("a prepared model's weights are unchanged between a forward and its backward",
+                         "call optimizer.step() and other in-place changes of the weights after loss.backward()",
+                         kind=RuntimeError, changed=changed[:6])

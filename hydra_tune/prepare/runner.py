@@ -26,7 +26,7 @@ from ..errors import rule_error
 from ..task import ModelTask
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
-from .refusals import HookCheck, check_backward, check_inputs
+from .refusals import HookCheck, check_backward, check_inputs, check_unchanged
 
 _names = itertools.count(1)
 
@@ -55,6 +55,7 @@ class Runner:
         self.name = name if name is not None else f"prepared-{next(_names)}"
         self.driver = Driver(self.name, seed)
         self.hooks = HookCheck(model)
+        self._at_forward: tuple[list[Any], list[Any]] = ([], [])
 
     @property
     def handle(self) -> Any:
@@ -123,6 +124,9 @@ class Runner:
         if train:
             driver.forwards += 1
             driver.pending = driver.forwards
+            # what a recomputing B unit reads besides the saved input: the modules' modes and the weights
+            self._at_forward = ([(m, m.training) for m in self.model.modules()],
+                                [(p, p._version) for p in self.model.parameters()])  # torch's in-place counter
             out = self._join(out, driver.forwards)
         return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
 
@@ -156,6 +160,12 @@ class Runner:
         driver = self.driver
         check_backward(number, driver.pending)
         driver.pending = 0
+        modes, versions = self._at_forward
+        check_unchanged([name for (name, p), (_, v) in zip(self.model.named_parameters(), versions)
+                         if p._version != v])
+        now = [(m, m.training) for m, _ in modes]
+        for m, mode in modes:  # model.eval() between forward and backward: the backward is still the forward's
+            m.training = mode
         out_grads = [None if grads.get(i) is None else grads[i].detach().cpu() for i in range(n)]
 
         def make() -> Any:
@@ -170,7 +180,11 @@ class Runner:
                 state.store.clear()
             state.home.settle()
 
-        driver.run(make, after)
+        try:
+            driver.run(make, after)
+        finally:
+            for m, mode in now:
+                m.training = mode
 
     def step_done(self) -> None:
         state = self.driver.state
