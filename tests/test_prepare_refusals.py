@@ -137,3 +137,31 @@ def test_weights_changed_between_forward_and_backward_are_refused(rt):
     opt.step()
     with pytest.raises(RuntimeError, match=r"weights are unchanged between a forward and its backward.*0\.weight"):
         loss.backward()
+
+
+def test_a_prepared_model_called_from_a_second_thread_meanwhile_is_refused(rt):
+    import threading
+
+    model, _ = _prepared(rt)
+    model(X)   # submitted and built
+    runner = model._hydra_runner
+    errors = []
+    entered, leave = threading.Event(), threading.Event()
+    original = runner.driver.forward_units
+
+    def slow(train):   # holds the first call inside its units while the second thread calls
+        entered.set()
+        leave.wait(5)
+        return original(train)
+    runner.driver.forward_units = slow
+    first = threading.Thread(target=lambda: model(X))
+    first.start()
+    entered.wait(5)
+    try:
+        with torch.no_grad():
+            model(X)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    leave.set()
+    first.join(10)
+    assert errors and "one thread at a time" in errors[0]

@@ -60,6 +60,7 @@ class Driver:
         self.state: Any = None
         self._cv = threading.Condition()
         self._request: _Request | None = None
+        self._calling = threading.Lock()  # held by the user's thread while its call runs
         self._closed = False
         self._made = 0
         self.pending = 0   # the training forward awaiting its backward (its number), 0: none
@@ -97,14 +98,21 @@ class Driver:
     def run(self, make: Callable[[], Segment], after: Callable[[], None] = lambda: None) -> None:
         """Hand the task's host thread one segment and wait until it ran (and ``after`` it); raise the task's
         error if it ended instead."""
-        request = _Request(make, after)
-        with self._cv:
-            self._check_live()
-            self._request = request
-            self._cv.notify_all()
-        while not request.done.wait(_POLL):
-            if self._ended():
+        if not self._calling.acquire(blocking=False):
+            raise rule_error("a prepared model is called by one thread at a time", "prepare one model per "
+                             "thread (each trial its own), or call it from one thread", kind=RuntimeError,
+                             task=self.name, thread=threading.current_thread().name)
+        try:
+            request = _Request(make, after)
+            with self._cv:
                 self._check_live()
+                self._request = request
+                self._cv.notify_all()
+            while not request.done.wait(_POLL):
+                if self._ended():
+                    self._check_live()
+        finally:
+            self._calling.release()
 
     def _check_live(self) -> None:
         if self._closed:
