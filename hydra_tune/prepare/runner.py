@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .. import api
+from ..api import submit
 from ..errors import rule_error
 from ..task import ModelTask
 from .bridge import Bridge, token
@@ -67,7 +67,7 @@ class Runner:
         task = PreparedTask(self.driver, model, self._optimizer_for, [batch], loss=_profile_loss, epochs=None,
                             seed=self.seed or 0, name=self.name, stages=self.stages, precision=self.precision)
         try:
-            self.driver.handle = api.submit(task, self.runtime, scoped=True)
+            self.driver.handle = submit(task, self.runtime, scoped=True)
         finally:
             for m, mode in modes:
                 m.training = mode
