@@ -165,3 +165,16 @@ def test_a_prepared_model_called_from_a_second_thread_meanwhile_is_refused(rt):
     leave.set()
     first.join(10)
     assert errors and "one thread at a time" in errors[0]
+
+
+def test_a_runtime_in_another_process_is_refused():
+    import pickle
+
+    class NodeLike:   # a node client sends the task to the node's server process: it pickles it
+        def submit(self, task):
+            return pickle.dumps(task)
+
+    m = _mlp()
+    model, _ = ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), runtime=NodeLike())
+    with pytest.raises(RuntimeError, match=r"runtime in its own process.*share='process'"):
+        model(X)

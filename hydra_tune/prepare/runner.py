@@ -44,6 +44,13 @@ class PreparedTask(ModelTask):
         super().__init__(*args, **kwargs)
         self.drive_segments = driver.drive_segments
 
+    def __reduce__(self) -> Any:
+        # a node's runtime server (another process) would get a copy of the model the user's loop never sees
+        raise rule_error("a prepared model trains on a runtime in its own process", "use an in-process runtime: "
+                         "hydra_tune.optuna_study(..., share='process'), hydra_tune.Runtime or the default one; "
+                         "for a node-shared runtime use hydra_tune.ModelTask with hydra_tune.train",
+                         kind=RuntimeError, task=self.name)
+
 
 class Runner:
     """The calls of one prepared model (see the module docstring)."""
