@@ -235,3 +235,18 @@ def test_mode_change_between_forward_and_backward_keeps_the_forwards_dropout():
     with ht.Runtime(devices=["cpu"], device_memory="24KiB") as rt:   # recomputing shards
         ours = eval_before_backward_loop(lambda m, o: ht.prepare(m, o, runtime=rt))
     assert _diff(plain, ours) == 0.0
+
+
+def test_deepcopy_and_whole_model_save_give_the_users_model(tmp_path):
+    import copy
+
+    m = _mlp()
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        model, opt = ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), runtime=rt)
+        F.cross_entropy(model(X), Y).backward()
+        opt.step()
+        ema = copy.deepcopy(model)   # the EMA / best-model idiom
+        torch.save(model, tmp_path / "whole.pt")
+        loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    for other in (ema, loaded):
+        assert type(other) is nn.Sequential and _diff(other.state_dict(), m.state_dict()) == 0.0

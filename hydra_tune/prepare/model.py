@@ -5,6 +5,7 @@
     model.train(); model.eval(); model.parameters()  # the user's model's own
     torch.save(model.state_dict(), "m.pt")           # the same keys and tensors as the unprepared model's
     model.module                                     # the user's model itself (its weights in host memory)
+    copy.deepcopy(model); torch.save(model, "m.pt")  # copies / saves the user's model (a plain module)
 
 Why a proxy and not the model itself: calling the model must submit units instead of running its forward in the
 user's thread, while everything else (parameters, buffers, modes, state dicts, attributes like ``model.config``)
@@ -17,6 +18,7 @@ are refused, and so is ``torch.compile`` of it.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +73,15 @@ class PreparedModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "_hydra_model"), name)
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        # an EMA copy, a best-model copy: the user's model (a plain, unprepared module), as the plain loop's copy
+        return copy.deepcopy(self._hydra_model, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save(model): saved as the user's model, loaded as a plain module (copy.copy of it: the standard
+        # library's, so loading needs no hydra_tune)
+        return copy.copy, (self._hydra_model,)
 
     def __repr__(self) -> str:
         return f"Prepared({self._hydra_model!r})"
