@@ -59,5 +59,5 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: An
     runner = Runner(model, optimizer, seed=seed, precision=precision, stages=stages, name=name, runtime=runtime)
     prepared = PreparedModel(model, runner)
     wrap_step(optimizer, runner.step_done)
-    weakref.finalize(prepared, runner.driver.release).atexit = False
+    weakref.finalize(prepared, runner.driver.release, False).atexit = False
     return (prepared, optimizer) if lr_scheduler is None else (prepared, optimizer, lr_scheduler)

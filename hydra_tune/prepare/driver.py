@@ -126,13 +126,14 @@ class Driver:
                              "again (its task ended: cancelled by the runtime, the study or Tune)",
                              kind=RuntimeError, task=self.name, status=self.handle.status)
 
-    def release(self) -> None:
-        """End the task (done): the host thread leaves the chain, the runtime frees what it held."""
+    def release(self, wait: bool = True) -> None:
+        """End the task (done): the host thread leaves the chain, the runtime frees what it held; ``wait``: until
+        it ended (not from garbage collection, which may run in any thread, the task's own included)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         handle = self.handle
-        if handle is not None and not handle.done():
+        if wait and handle is not None and not handle.done():
             handle.wait(timeout=10)
             if not handle.done():
                 handle.cancel()
