@@ -250,3 +250,26 @@ def test_deepcopy_and_whole_model_save_give_the_users_model(tmp_path):
         loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     for other in (ema, loaded):
         assert type(other) is nn.Sequential and _diff(other.state_dict(), m.state_dict()) == 0.0
+
+
+def amp_loop(prepare=None):
+    """The plain CPU mixed-precision loop: forward and loss inside torch.autocast(bf16)."""
+    torch.manual_seed(0)
+    model = _mlp(0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+    for i in range(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(X[i * 16:(i + 1) * 16]), Y[i * 16:(i + 1) * 16])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_autocast_loop_bit_identical_with_precision_bf16():
+    plain = amp_loop()
+    with ht.Runtime(devices=["cpu"], device_memory="24KiB") as rt:
+        ours = amp_loop(lambda m, o: ht.prepare(m, o, precision="bf16", runtime=rt))
+    assert _diff(plain, ours) == 0.0

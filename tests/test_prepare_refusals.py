@@ -178,3 +178,12 @@ def test_a_runtime_in_another_process_is_refused():
     model, _ = ht.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), runtime=NodeLike())
     with pytest.raises(RuntimeError, match=r"runtime in its own process.*share='process'"):
         model(X)
+
+
+def test_a_forward_inside_autocast_of_a_model_prepared_without_that_precision_is_refused(rt):
+    # autocast is per thread: the units (on the runtime's threads) would compute in fp32 while the plain loop's
+    # forward runs in bf16
+    model, _ = _prepared(rt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"inside torch.autocast.*precision='bf16'"):
+            model(X)

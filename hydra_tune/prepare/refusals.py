@@ -16,6 +16,8 @@ Why each is refused rather than run:
   by another forward: gradients flow only from the latest output into the parameters.
 - weights changed in place between a forward and its backward (``optimizer.step()`` in between): the plain
   loop's backward raises for the saved tensors it changed; a recomputing unit would use the new weights.
+- a forward inside ``torch.autocast`` of a model prepared without that ``precision``: autocast is per thread,
+  and the units run on the runtime's threads (they would compute in fp32).
 - dtype changes after prepare (``.half()``, ``.to(torch.bfloat16)``), ``load_state_dict(assign=True)``: the
   runtime planned the model's tensors as they were; use ``precision=`` or cast before ``prepare``.
 """
@@ -118,3 +120,30 @@ def check_unchanged(changed: list[str]) -> None:
         raise rule_error("a prepared model's weights are unchanged between a forward and its backward",
                          "call optimizer.step() and other in-place changes of the weights after loss.backward()",
                          kind=RuntimeError, changed=changed[:6])
+
+
+def _autocast_on() -> dict[str, torch.dtype]:
+    """This thread's enabled autocast regions: device type -> dtype."""
+    on = {}
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                on[device] = torch.get_autocast_dtype(device)
+        except (TypeError, AttributeError):  # torch before 2.4: the per-device functions
+            enabled = torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
+            if enabled:
+                on[device] = torch.get_autocast_cpu_dtype() if device == "cpu" else torch.get_autocast_gpu_dtype()
+    return on
+
+
+def check_autocast(precision: str, dtype: torch.dtype | None) -> None:
+    """The units run on device threads, outside the caller's thread-local autocast region: a forward inside one
+    must have been prepared with the same ``precision`` (the units then autocast alike)."""
+    on = _autocast_on()
+    if on and any(d != dtype for d in on.values()):
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+        want = sorted({names.get(d, str(d)) for d in on.values()})
+        raise rule_error("a prepared model called inside torch.autocast was prepared with that precision (its "
+                         "units run on the runtime's threads, outside your autocast block)", "pass "
+                         f"hydra_tune.prepare(..., precision={want[0]!r}) and keep the autocast block for your loss",
+                         kind=RuntimeError, autocast={k: str(v) for k, v in on.items()}, precision=precision)

@@ -24,9 +24,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..api import submit
 from ..errors import rule_error
 from ..task import ModelTask
+from ..training.build import AUTOCAST_DTYPES
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
-from .refusals import HookCheck, check_backward, check_inputs, check_unchanged
+from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
 
 _names = itertools.count(1)
 
@@ -95,6 +96,7 @@ class Runner:
     # -- forward ---------------------------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.hooks.check()
+        check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
         leaves = tree_flatten(batch)[0]
         check_inputs(leaves)
