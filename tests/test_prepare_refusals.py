@@ -187,3 +187,15 @@ def test_a_forward_inside_autocast_of_a_model_prepared_without_that_precision_is
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(RuntimeError, match=r"inside torch.autocast.*precision='bf16'"):
             model(X)
+
+
+def test_a_global_module_hook_is_refused(rt):
+    # torch.nn.modules.module.register_module_forward_hook applies to every module, the units' runs included
+    model, _ = _prepared(rt)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        with pytest.raises(RuntimeError, match=r"no hooks.*register_module_forward_hooks"):
+            model(X)
+    finally:
+        handle.remove()
+    model(X)   # removed: accepted again

@@ -40,6 +40,12 @@ def _hooks(model: nn.Module) -> list[str]:
         for kind in _MODULE_HOOKS:
             if getattr(module, kind, None):
                 found.append(f"{name or type(model).__name__}.{kind.strip('_')}")
+    from torch.nn.modules import module as torch_module  # torch keeps the global module hooks there
+
+    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        if getattr(torch_module, kind, None):
+            found.append(f"torch.nn.modules.module.register_module{kind.replace('_global', '')}")
     for name, p in model.named_parameters():
         # torch keeps a tensor's hooks in these attributes: there is no public reader
         if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
