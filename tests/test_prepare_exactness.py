@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -273,3 +274,39 @@ def test_autocast_loop_bit_identical_with_precision_bf16():
     with ht.Runtime(devices=["cpu"], device_memory="24KiB") as rt:
         ours = amp_loop(lambda m, o: ht.prepare(m, o, precision="bf16", runtime=rt))
     assert _diff(plain, ours) == 0.0
+
+
+def _bn_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 128),
+                         nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 4))
+
+
+def oom_loop(prepare=None, squeeze=None):
+    """BatchNorm and dropout; ``squeeze()`` after the first step makes the device hold less than planned."""
+    torch.manual_seed(5)
+    model = _bn_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+    for i in range(4):
+        loss = F.cross_entropy(model(X[i * 16:(i + 1) * 16]), Y[i * 16:(i + 1) * 16])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if i == 0 and squeeze is not None:
+            squeeze(model)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("FRACTION", [0.9, 0.6])
+def test_device_out_of_memory_replans_a_prepared_model_and_ends_bit_identical(FRACTION):
+    plain = oom_loop()
+    with ht.Runtime(config=ht.RuntimeConfig(devices=["cpu"], device_memory=300_000, residency="off")) as rt:
+        def squeeze(model):
+            peak = rt.stats()["tasks"][model.task.name]["predicted_peak"]
+            rt.devices[0].limit_memory(int(FRACTION * peak))
+        ours = oom_loop(lambda m, o: ht.prepare(m, o, runtime=rt, name="oom"), squeeze)
+        replans = rt.stats()["tasks"]["oom"]["replans"]
+    assert replans >= 1
+    assert _diff(plain, ours) == 0.0   # buffers (BatchNorm statistics) included: updated once per minibatch

@@ -147,13 +147,13 @@ def test_a_prepared_model_called_from_a_second_thread_meanwhile_is_refused(rt):
     runner = model._hydra_runner
     errors = []
     entered, leave = threading.Event(), threading.Event()
-    original = runner.driver.forward_units
+    original = runner.driver.open_forward
 
     def slow(train):   # holds the first call inside its units while the second thread calls
         entered.set()
         leave.wait(5)
         return original(train)
-    runner.driver.forward_units = slow
+    runner.driver.open_forward = slow
     first = threading.Thread(target=lambda: model(X))
     first.start()
     entered.wait(5)

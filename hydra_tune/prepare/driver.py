@@ -63,6 +63,8 @@ class Driver:
         self._calling = threading.Lock()  # held by the user's thread while its call runs
         self._closed = False
         self._made = 0
+        self._attempt: tuple[Any, Callable[[], Segment]] | None = None  # the segment in flight: RNG, rebuild
+        self.forward_snap: Any = None  # the RNG state the latest training forward started from
         self.pending = 0   # the training forward awaiting its backward (its number), 0: none
         self.forwards = 0  # training forwards run
 
@@ -160,23 +162,53 @@ class Driver:
                                                     pre(ex, kind)) for kind, ex, run in units),
                        train, segment_key(train, store.batch))
 
-    def forward_units(self, train: bool) -> Segment:
-        """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``."""
+    def open_forward(self, train: bool) -> Segment:
+        """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``, from the task's RNG state now (kept: a
+        retry, and a training forward's backward retried, start from it)."""
+        snap = self.state.rng.snapshot()
+        if train:
+            self.forward_snap = snap
+        self._attempt = (snap, lambda: self.segment(self._forward_list(train), train))
+        return self._attempt[1]()
+
+    def open_backward(self, out_grads: list[Any]) -> Segment:
+        """B(K-1)..B0 from the output's gradients. Retried after a device out-of-memory (its forward's kept
+        graphs and carries are gone then): the forward once more from its RNG state, then the backward."""
+        state = self.state
+
+        def put() -> None:
+            state.store.out_grads[len(state.execs) - 1] = out_grads
+
+        def again() -> Segment:
+            put()
+            return self.segment(self._forward_list(True) + self._backward_list(), True)
+        put()
+        self._attempt = (self.forward_snap, again)
+        return self.segment(self._backward_list(), True)
+
+    def retry_segment(self, state: Any, plan: Any) -> Segment:
+        """``TaskState.retry`` for this task (replan.py, after a device out-of-memory): the segment in flight
+        again over ``plan``'s shards, from where it began (RNG, buffers, Python state: ``reset_attempt``)."""
+        if self._attempt is None:
+            raise RuntimeError(f"task {self.name!r} has no segment in flight to retry")
+        snap, rebuild = self._attempt
+        state.rng.restore(snap)
+        state.store.reset_attempt()  # buffers and Python state as before the forward (undo kept since then)
+        state.reshard(plan)
+        return rebuild()
+
+    def _forward_list(self, train: bool) -> list[tuple[str, Any, Callable[[Device], Any]]]:
         state = self.state
         store, rng, plan = state.store, state.rng, state.plan
         if train:
-            units = [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
-                                                         offload=plan.offloads(ex.index))) for ex in state.execs]
-        else:
-            units = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False)) for ex in state.execs]
-        return self.segment(units, train)
+            return [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
+                                                        offload=plan.offloads(ex.index))) for ex in state.execs]
+        return [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False)) for ex in state.execs]
 
-    def backward_units(self) -> Segment:
-        """B(K-1)..B0: the output's gradients (``store.out_grads[K-1]``) back through every shard."""
+    def _backward_list(self) -> list[tuple[str, Any, Callable[[Device], Any]]]:
         state = self.state
         store, rng = state.store, state.rng
-        return self.segment([("B", ex, lambda d, ex=ex: ex.backward(d, store, rng))
-                             for ex in reversed(state.execs)], True)
+        return [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng)) for ex in reversed(state.execs)]
 
 
 def output_leaves(out: Any) -> list[Any]:

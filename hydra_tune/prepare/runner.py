@@ -44,6 +44,7 @@ class PreparedTask(ModelTask):
     def __init__(self, driver: Driver, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.drive_segments = driver.drive_segments
+        self.retry_segment = driver.retry_segment
 
     def __reduce__(self) -> Any:
         # a node's runtime server (another process) would get a copy of the model the user's loop never sees
@@ -115,7 +116,7 @@ class Runner:
             state.store.carries[0] = state.cut.prepare(host)
             if given is not None:  # the units draw what the user's thread would draw next
                 state.rng.cpu.set_state(given)
-            return driver.forward_units(train)
+            return driver.open_forward(train)
 
         def after() -> None:
             state = driver.state
@@ -178,9 +179,7 @@ class Runner:
         out_grads = [None if grads.get(i) is None else grads[i].detach().cpu() for i in range(n)]
 
         def make() -> Any:
-            state = driver.state
-            state.store.out_grads[len(state.execs) - 1] = out_grads
-            return driver.backward_units()
+            return driver.open_backward(out_grads)
 
         def after() -> None:
             state = driver.state

@@ -136,6 +136,9 @@ class TaskState:
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
         epoch's losses and the host buffers go back to where the segment began; the same batch runs again."""
+        retry = getattr(self.task, "retry_segment", None)  # a user-driven task (hydra_tune.prepare)
+        if self._loop is None and retry is not None:
+            return retry(self, plan)
         if self._loop is None:
             raise RuntimeError(f"task {self.task.name!r} has no segment in flight to retry")
         return self._loop.retry(plan)
