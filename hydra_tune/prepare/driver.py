@@ -1,9 +1,10 @@
 """The user-driven task: the user's thread hands the runtime one forward or one backward at a time.
 
-    driver = Driver(task_name)               # prepare() makes one per prepared model
-    out = driver.forward(batch, train=True)  # the first call submits the task (it is measured on this batch)
-    driver.backward(grads)                   # the output's gradients: B units, then the gradients land in .grad
-    driver.release()                         # the task ends ("done"): its state and board entry are freed
+    driver = Driver("prepared-1", seed=None)            # runner.py makes one per prepared model
+    driver.run(lambda: driver.open_forward(True), after)  # the user's thread: its host thread opens the segment,
+                                                          # a device runs it, then after() runs; the call returns
+    driver.run(lambda: driver.open_backward(grads), after)
+    driver.release()                                    # the task ends ("done"): the runtime frees what it held
 
 Why this shape: the runtime drives a task through its chain of segments (training/loop.py), advanced by the task's
 own host thread between segments. A prepared model has no loop of ours: its chain (``drive_segments``, reached
@@ -22,6 +23,10 @@ state is handed to the task before a forward and taken back after it, so dropout
 (shuffling) interleave as in the plain loop. With ``seed`` the task keeps a stream of its own (reproducible when
 several trials run in threads of one process, where the global generator is shared).
 
+A device out-of-memory re-plans the task (replan.py) and retries the segment in flight (``retry_segment``): a
+forward from its RNG state; a backward, whose forward's graphs and carries went with the old shards, as its forward
+once more (same RNG state, buffers and Python state put back first) followed by the backward.
+
 Rules: one minibatch in flight: a new forward drops a training forward whose backward never came; a backward
 needs the latest training forward's output. Errors of a unit end the task (the runtime's rule) and raise in the
 user's thread.
@@ -33,7 +38,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
 from ..errors import rule_error
@@ -209,11 +213,6 @@ class Driver:
         state = self.state
         store, rng = state.store, state.rng
         return [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng)) for ex in reversed(state.execs)]
-
-
-def output_leaves(out: Any) -> list[Any]:
-    """The leaves of a model output, in the order the B unit of the last shard pairs gradients with them."""
-    return tree_flatten(out)[0]
 
 
 def float_leaf(t: Any) -> bool:
