@@ -310,3 +310,35 @@ def test_device_out_of_memory_replans_a_prepared_model_and_ends_bit_identical(FR
         replans = rt.stats()["tasks"]["oom"]["replans"]
     assert replans >= 1
     assert _diff(plain, ours) == 0.0   # buffers (BatchNorm statistics) included: updated once per minibatch
+
+
+class PairInput(nn.Module):
+    """A model whose one input is a tuple: model((a, b))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, pair):
+        return self.a(pair[0]) + self.b(pair[1])
+
+
+def pair_loop(prepare=None):
+    torch.manual_seed(6)
+    model = PairInput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+    for i in range(3):
+        loss = F.cross_entropy(model((X[:16], X[16:32] * i)), Y[:16])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_tuple_input_reaches_the_model_whole():
+    plain = pair_loop()
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        ours = pair_loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+    assert _diff(plain, ours) == 0.0

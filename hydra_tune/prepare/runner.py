@@ -144,7 +144,9 @@ class Runner:
         if kwargs and not args:
             return dict(kwargs)
         if len(args) == 1 and not kwargs:
-            return args[0]
+            # as a one-item tuple: every stage family takes a tuple batch's first item as the model's input, so a
+            # tuple or list input reaches the model whole, as model(x) passes it
+            return (args[0],)
         raise rule_error("a prepared model is called as model(x) or model(**batch)", "pass one input (a tensor, "
                          "or a tuple whose first item the model takes) or keywords only, as a ModelTask batch",
                          kind=TypeError, positional=len(args), keywords=sorted(kwargs))
