@@ -58,6 +58,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: An
         model.to("cpu")  # its state lives in host memory; the runtime copies shards to devices
     runner = Runner(model, optimizer, seed=seed, precision=precision, stages=stages, name=name, runtime=runtime)
     prepared = PreparedModel(model, runner)
-    wrap_step(optimizer, runner.step_done)
+    wrap_step(optimizer, runner.access)
     weakref.finalize(prepared, runner.driver.release, False).atexit = False
     return (prepared, optimizer) if lr_scheduler is None else (prepared, optimizer, lr_scheduler)

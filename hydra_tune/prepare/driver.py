@@ -41,7 +41,10 @@ import torch
 
 from ..device.devices import Device
 from ..errors import rule_error
+from .optimizer import direct, unwrapped
 from ..training.boundary import task_work
+from ..training.lazy import LazySteps
+from ..training.step import check_lazy
 from ..training.segments import Segment, Unit, segment_key
 
 _POLL = 0.05  # seconds between looks at the task's status while the user's thread waits for its units
@@ -69,6 +72,7 @@ class Driver:
         self._made = 0
         self._attempt: tuple[Any, Callable[[], Segment]] | None = None  # the segment in flight: RNG, rebuild
         self.forward_snap: Any = None  # the RNG state the latest training forward started from
+        self.finished = False  # the chain ended: the state is back in host memory for good
         self.pending = 0   # the training forward awaiting its backward (its number), 0: none
         self.forwards = 0  # training forwards run
 
@@ -76,19 +80,24 @@ class Driver:
     def drive_segments(self, state: Any, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The chain ``TaskState.segments`` returns for this task: the user's requests, as they come."""
         self.state = state
-        # the user's loop reads .grad, clips and steps the parameters in host memory between its calls: the state
-        # stays there (no device residency, no lazy per-shard step), so every such read is exact
-        state.home.disable("hydra_tune.prepare: the user's loop steps the parameters in host memory")
+        # the state is kept as a ModelTask's (resident, or per-shard entries stepped lazily: access.py); the lazy
+        # allowlist sees the optimizer as the user built it (ours only routes its step)
+        with unwrapped(state.optimizer) as opt:
+            verdict = check_lazy(opt, state.scaler, state.model)
+        state.home.set_lazy(LazySteps(state.optimizer, state.scaler, None, list(state.model.parameters()), verdict))
         try:
             while True:
                 request = self._next_request()
                 if request is None:
                     return
                 yield request.make()
-                request.after()
+                with direct():
+                    request.after()
                 request.done.set()
         finally:
-            state.home.finish()
+            with direct():
+                state.home.finish()
+            self.finished = True
 
     def _next_request(self) -> _Request | None:
         with self._cv:
@@ -154,7 +163,8 @@ class Driver:
 
         def work(run: Callable[[Device], Any], shard: int) -> Callable[[Device], Any]:
             def in_work(d: Device) -> Any:
-                home.use(shard, d)
+                with direct():  # a pending per-shard update steps through optimizer.step(): the original one
+                    home.use(shard, d)
                 with task_work(name):
                     return run(d)
             return in_work
@@ -198,7 +208,8 @@ class Driver:
         snap, rebuild = self._attempt
         state.rng.restore(snap)
         state.store.reset_attempt()  # buffers and Python state as before the forward (undo kept since then)
-        state.reshard(plan)
+        with direct():  # pending per-shard updates are applied first
+            state.reshard(plan)
         return rebuild()
 
     def _forward_list(self, train: bool) -> list[tuple[str, Any, Callable[[Device], Any]]]:

@@ -4,7 +4,7 @@
     out = model(x)                                   # units on the runtime's devices; out on x's device
     model.train(); model.eval(); model.parameters()  # the user's model's own
     torch.save(model.state_dict(), "m.pt")           # the same keys and tensors as the unprepared model's
-    model.module                                     # the user's model itself (its weights in host memory)
+    model.module                                     # the user's model itself (its weights back in host memory)
     copy.deepcopy(model); torch.save(model, "m.pt")  # copies / saves the user's model (a plain module)
 
 Why a proxy and not the model itself: calling the model must submit units instead of running its forward in the
@@ -42,7 +42,8 @@ class PreparedModel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The user's model (its weights in host memory; calling it runs a plain forward in this thread)."""
+        """The user's model (its weights written back to host memory; calling it runs a plain forward here)."""
+        self._hydra_runner.access.to_host()
         return self._hydra_model
 
     @property
@@ -76,11 +77,13 @@ class PreparedModel(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         # an EMA copy, a best-model copy: the user's model (a plain, unprepared module), as the plain loop's copy
+        self._hydra_runner.access.to_host()
         return copy.deepcopy(self._hydra_model, memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # torch.save(model): saved as the user's model, loaded as a plain module (copy.copy of it: the standard
         # library's, so loading needs no hydra_tune)
+        self._hydra_runner.access.to_host()
         return copy.copy, (self._hydra_model,)
 
     def __repr__(self) -> str:
@@ -88,9 +91,11 @@ class PreparedModel(nn.Module):
 
     # -- the user's model's own tensors ------------------------------------------------------------------------
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        self._hydra_runner.access.flush()  # their values as after the last step (pending per-shard updates)
         return self._hydra_model.parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        self._hydra_runner.access.flush()
         return self._hydra_model.named_parameters(*args, **kwargs)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
@@ -112,11 +117,13 @@ class PreparedModel(nn.Module):
         return self._hydra_model.named_modules(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._hydra_runner.access.to_host()  # the user's model's own host tensors, current
         return self._hydra_model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         if assign:  # new tensors: the optimizer and the plan hold the old ones
             raise refuse_dtype("model.load_state_dict(..., assign=True)")
+        self._hydra_runner.access.to_host()  # copied into the host tensors; they move in again at the next call
         return self._hydra_model.load_state_dict(state_dict, strict=strict)
 
     def train(self, mode: bool = True) -> "PreparedModel":
@@ -128,6 +135,7 @@ class PreparedModel(nn.Module):
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._hydra_runner.access.flush()  # a pending update reads its gradients
         self._hydra_model.zero_grad(set_to_none)
 
     def requires_grad_(self, requires_grad: bool = True) -> "PreparedModel":

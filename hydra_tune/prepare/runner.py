@@ -3,7 +3,7 @@ the output (joined to the user's graph) and its backward.
 
     run = Runner(model, optimizer, options)      # prepare() makes one
     out = run.forward((x,), {})                  # model(x): F or E units; the output on x's device
-    run.step_done()                              # the optimizer stepped: counted in the task's stats
+    run.access.step(inner)                       # optimizer.step(): where the task's state is (access.py)
 
 Rules (why in driver.py and bridge.py): ``model(x)`` (one positional argument: a tensor, a tuple or a dict, as a
 ModelTask batch would be) or ``model(**batch)`` (keywords: the model is called with them); a forward with autograd
@@ -25,6 +25,7 @@ from ..api import submit
 from ..errors import rule_error
 from ..task import ModelTask
 from ..training.build import AUTOCAST_DTYPES
+from .access import StateAccess
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
 from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
@@ -63,6 +64,7 @@ class Runner:
         self.seed, self.precision, self.stages, self.runtime = seed, precision, stages, runtime
         self.name = name if name is not None else f"prepared-{next(_names)}"
         self.driver = Driver(self.name, seed)
+        self.access = StateAccess(self.driver)
         self.hooks = HookCheck(model)
         self._at_forward: tuple[list[Any], list[Any]] = ([], [])
 
@@ -127,6 +129,7 @@ class Runner:
                 state.store.clear()
 
         driver.pending = 0
+        self._settle()
         driver.run(make, after)
         if "rng" in got:
             torch.default_generator.set_state(got["rng"])
@@ -185,18 +188,24 @@ class Runner:
 
         def after() -> None:
             state = driver.state
-            with state.home.locked():  # the gradients land in .grad, added as AccumulateGrad adds them
+            home = state.home
+            with home.locked():  # the gradients land in .grad, added as AccumulateGrad adds them
                 state.store.flush_grads()
                 state.store.clear()
-            state.home.settle()
+            if home.cache is None:
+                home.settle()
+            else:  # the user's loop reads and clips them now, then steps: evictions wait for that (state_cache.py)
+                home.settled.clear()
 
+        self._settle()
         try:
             driver.run(make, after)
         finally:
             for m, mode in now:
                 m.training = mode
 
-    def step_done(self) -> None:
+    def _settle(self) -> None:
+        """The user's thread is inside a call (not reading its state): evictions need not wait for it."""
         state = self.driver.state
         if state is not None:
-            state.steps += 1
+            state.home.settle()
