@@ -31,7 +31,8 @@ def loop(prepare=None, ema: bool = False, set_to_none: bool = True):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             sched.step()
-            if ema:  # reads the weights of the step just taken
+            if ema:  # the optimizer's state, then the weights, of the step just taken
+                history.append(sum(v.sum().item() for s in opt.state_dict()["state"].values() for v in s.values()))
                 now = [p.detach().clone() for p in model.parameters()]
                 avg = now if avg is None else [0.9 * a + 0.1 * n for a, n in zip(avg, now)]
             history.append(loss.item())
@@ -71,7 +72,8 @@ def test_spilled_sharded_prepared_task_steps_lazily_per_shard_bit_identical():
 
 
 def test_weights_read_between_steps_see_the_step_resident_and_lazy():
-    """An EMA read right after each step, zero_grad(set_to_none=False), a state_dict mid-training."""
+    """An EMA read right after each step, zero_grad(set_to_none=False), the model's state_dict mid-training,
+    the optimizer's state_dict after each step."""
     want, want_history, _ = loop(ema=True, set_to_none=False)
     for budget in (None, 30_000):
         got, history, stats = _prepared(budget, ema=True, set_to_none=False)

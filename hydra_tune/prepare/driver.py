@@ -83,8 +83,9 @@ class Driver:
         # the state is kept as a ModelTask's (resident, or per-shard entries stepped lazily: access.py); the lazy
         # allowlist sees the optimizer as the user built it (ours only routes its step)
         with unwrapped(state.optimizer) as opt:
-            verdict = check_lazy(opt, state.scaler, state.model)
-        state.home.set_lazy(LazySteps(state.optimizer, state.scaler, None, list(state.model.parameters()), verdict))
+            verdict = check_lazy(opt, None, state.model)
+        # no scaler: the user's loop scales its loss with its own GradScaler (its scaler.step calls our step)
+        state.home.set_lazy(LazySteps(state.optimizer, None, None, list(state.model.parameters()), verdict))
         try:
             while True:
                 request = self._next_request()

@@ -6,8 +6,8 @@ task's state is.
     optimizer.step(); sched.step(); optimizer.zero_grad()
 
 Why the same object and not a wrapper: LR schedulers, GradScaler and checkpoint code read and write its
-``param_groups`` and ``state`` and check ``isinstance(opt, torch.optim.Optimizer)``. Only ``step`` and
-``zero_grad`` are replaced (instance attributes, so a scheduler's own step wrapper still wraps ours): a closure is
+``param_groups`` and ``state`` and check ``isinstance(opt, torch.optim.Optimizer)``. Only ``step``, ``zero_grad``,
+``state_dict`` and ``load_state_dict`` are replaced (instance attributes, so a scheduler's own step wrapper still wraps ours): a closure is
 refused (refusals.py); the step runs where the task's state is (runner.py ``step``: over the device tensors when its
 whole state is resident, else the lazy per-shard step's boundary, else in host memory), under the state's lock.
 
@@ -47,8 +47,9 @@ def _is_direct() -> bool:
 
 
 def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Optimizer:
-    """``optimizer`` with its ``step`` refusing a closure and run by ``runner.step(inner)``, and its ``zero_grad``
-    by ``runner.zero_grad(inner, set_to_none)``."""
+    """``optimizer`` with its ``step`` refusing a closure and run by ``runner.step(inner)``, its ``zero_grad``
+    by ``runner.zero_grad(inner, set_to_none)``, and its ``state_dict`` / ``load_state_dict`` after
+    ``runner.to_host()`` (the state as of the last step, in host memory)."""
     setattr(optimizer, _OWN, vars(optimizer).get("step"))
     inner = optimizer.step
     inner_zero = optimizer.zero_grad
@@ -65,6 +66,16 @@ def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Opti
             return inner_zero(set_to_none)
         return runner.zero_grad(inner_zero, set_to_none)
 
+    inner_save, inner_load = optimizer.state_dict, optimizer.load_state_dict
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        runner.to_host()  # its state as of the last step, in host memory (pending per-shard updates applied)
+        return inner_save()
+
+    def load_state_dict(self: Any, state: dict[str, Any]) -> None:
+        runner.to_host()  # loaded into host tensors; they move in again at the next call
+        inner_load(state)
+
     step.__doc__ = inner.__doc__
     zero_grad.__doc__ = inner_zero.__doc__
     if hasattr(inner, "_wrapped_by_lr_sched"):
@@ -74,6 +85,8 @@ def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Opti
     # bound methods, as LR schedulers expect of optimizer.step (they wrap its __func__)
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
     setattr(optimizer, _MARK, True)
     return optimizer
 
