@@ -45,6 +45,7 @@ from hydra_tune import api
 from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
 from hydra_tune.runtime.progress import ProgressLog, progress_seconds
+from hydra_tune.prepare.streams import trial_stream
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
 
@@ -217,14 +218,16 @@ class HydraStudy(optuna.Study):
             raise rule_error("the study is open", "create a new study with hydra_tune.optuna_study(...)",
                              kind=RuntimeError, closed=True)
 
+        jobs = self.concurrency if n_jobs is None else n_jobs
+
         def objective(trial: Trial) -> Any:
-            with api.bind(lambda task: self.submit(trial, task)):
+            # trials in threads: each its own stream of torch's random numbers (hydra_tune/prepare/streams.py)
+            with api.bind(lambda task: self.submit(trial, task)), trial_stream(concurrent=jobs != 1):
                 try:
                     return func(trial)
                 finally:   # free its tasks now, before Optuna's bookkeeping (after_trial releases them too)
                     self.sampler.tasks.release(trial.number)
 
-        jobs = self.concurrency if n_jobs is None else n_jobs
         super().optimize(objective, n_trials=n_trials, timeout=timeout, n_jobs=jobs, catch=catch,
                          callbacks=callbacks, gc_after_trial=gc_after_trial, show_progress_bar=show_progress_bar)
 

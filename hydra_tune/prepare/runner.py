@@ -28,6 +28,7 @@ from ..training.build import AUTOCAST_DTYPES
 from .access import StateAccess
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
+from .streams import current_generator
 from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
 
 _names = itertools.count(1)
@@ -109,7 +110,9 @@ class Runner:
         if self.driver.handle is None:
             self._submit(host)
         driver, got = self.driver, {}
-        given = None if self.seed is not None else torch.default_generator.get_state()
+        # the stream this thread's own draws come from: torch's global generator, or its trial stream (streams.py)
+        stream = current_generator()
+        given = None if self.seed is not None else stream.get_state()
 
         def make() -> Any:
             state = driver.state
@@ -132,7 +135,7 @@ class Runner:
         self._settle()
         driver.run(make, after)
         if "rng" in got:
-            torch.default_generator.set_state(got["rng"])
+            stream.set_state(got["rng"])
         out = got["out"]
         if train:
             driver.forwards += 1

@@ -1,0 +1,73 @@
+"""Concurrent prepared trials in threads of one process (Optuna n_jobs=2): a trial that calls torch.manual_seed(s)
+and draws without generator= (its model's init, DataLoader(shuffle=True), dropout) equals its plain run alone in
+one thread (max abs diff 0.0), whatever the other trial draws meanwhile (hydra_tune/prepare/streams.py)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from test_prepare_exactness import X, Y, _diff, _mlp
+
+import hydra_tune as ht
+from hydra_tune.prepare.streams import trial_stream
+
+
+def seeded_trial(seed: int, prepare=None) -> tuple[dict, list]:
+    """The official examples' shape: seed, build, shuffle with the global generator, train with dropout."""
+    torch.manual_seed(seed)
+    model = _mlp(0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8, shuffle=True)
+    history = []
+    for _ in range(2):
+        model.train()
+        for x, y in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            history.append(loss.item())
+    return {k: v.clone() for k, v in model.state_dict().items()}, history
+
+
+def test_two_prepared_optuna_trials_in_threads_each_equal_their_plain_run():
+    import optuna
+
+    plain = {s: seeded_trial(s) for s in (5, 6)}
+    results: dict[int, tuple] = {}
+    with ht.optuna_study(devices=["cpu", "cpu"], device_memory="24KiB", share="process",
+                         sampler=optuna.samplers.RandomSampler(seed=0)) as study:
+        def objective(trial: optuna.Trial) -> float:
+            seed = 5 + trial.number
+            results[seed] = seeded_trial(seed, ht.prepare)
+            return 0.0
+
+        study.optimize(objective, n_trials=2, n_jobs=2)
+    for seed, (weights, history) in plain.items():
+        assert _diff(weights, results[seed][0]) == 0.0 and history == results[seed][1], seed
+
+
+def test_trial_stream_keeps_a_threads_draws_its_own_and_is_off_for_one_job():
+    with trial_stream(concurrent=False) as none:
+        assert none is None
+    torch.manual_seed(3)
+    alone = torch.rand(4)
+    got: dict[str, torch.Tensor] = {}
+
+    def draw(name: str) -> None:
+        with trial_stream():
+            torch.manual_seed(3)
+            got[name] = torch.cat([torch.rand(2), torch.rand(2)])
+
+    torch.manual_seed(99)
+    before = torch.default_generator.get_state()
+    threads = [threading.Thread(target=draw, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert torch.equal(got["a"], alone) and torch.equal(got["b"], alone)
+    assert torch.equal(torch.default_generator.get_state(), before)  # the global generator untouched
