@@ -167,9 +167,12 @@ class HydraStudy(optuna.Study):
     """
 
     def __init__(self, base: optuna.Study, storage: BaseStorage, runtime: Any, owns_runtime: bool,
-                 trials_per_device: int = 2, progress: float | None = None) -> None:
+                 trials_per_device: int = 2, progress: float | None = None,
+                 local: RuntimeConfig | None = None) -> None:
         """``base``: the study ``optuna.create_study`` made on ``storage`` (the storage object it was given);
-        ``progress``: seconds between status lines of ``runtime.stats()`` logged here (None: none)."""
+        ``progress``: seconds between status lines of ``runtime.stats()`` logged here (None: none); ``local``: the
+        settings of a runtime in this process for prepared models (hydra_tune.prepare), made at the first one, when
+        ``runtime`` is the node's server (a prepared model is driven by this process's loop: it cannot train there)."""
         sampler = base.sampler
         if not isinstance(sampler, HydraSampler):
             sampler = HydraSampler(sampler)
@@ -179,8 +182,9 @@ class HydraStudy(optuna.Study):
         self.trials_per_device = trials_per_device
         self._owns = owns_runtime
         log = ProgressLog(runtime.stats, progress) if progress is not None else None
+        self._local = _LocalRuntime(local) if local is not None else None
         self._closer = weakref.finalize(self, _close_runtime, runtime if owns_runtime else None, self.sampler.tasks,
-                                        log)
+                                        log, self._local)
 
     @property
     def concurrency(self) -> int:
@@ -204,7 +208,10 @@ class HydraStudy(optuna.Study):
             raise rule_error("`trial` is an optuna.Trial of this study", "pass the trial that `study.ask()` of this "
                              "study returned (or the one `optimize` hands your objective)", kind=TypeError,
                              trial=type(trial).__name__, study=self.study_name)
-        handle = self.runtime.submit(task)
+        runtime = self.runtime
+        if self._local is not None and getattr(task, "drive_segments", None) is not None:
+            runtime = self._local.get()  # a prepared model: this process's runtime (see _LocalRuntime)
+        handle = runtime.submit(task)
         self.sampler.tasks.add(trial.number, handle)
         return handle
 
@@ -246,12 +253,44 @@ class HydraStudy(optuna.Study):
         self.close()
 
 
-def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = None) -> None:
+def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = None,
+                   local: "_LocalRuntime | None" = None) -> None:
     if log is not None:
         log.stop()
     tasks.release_all()
     if runtime is not None:
         runtime.close()
+    if local is not None:
+        local.close()
+
+
+class _LocalRuntime:
+    """The runtime in this process for a node-shared study's prepared models (hydra_tune.prepare), made at the
+    first one with the study's settings, with a RuntimeWarning: the user's loop in this process drives a prepared
+    model, so it cannot train on the node's server (another process); its device memory is this runtime's budget,
+    which the server does not see (other processes' tasks on the same devices are not counted against it)."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self._runtime: Runtime | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Runtime:
+        with self._lock:
+            if self._runtime is None:
+                warnings.warn("hydra_tune.prepare in a study on the node's runtime server (persistent storage): "
+                              "prepared models train on a runtime in this process, whose device memory budget the "
+                              "server does not count; pass share='process' to train every task here, or use "
+                              "hydra_tune.ModelTask with hydra_tune.train to share the node's server",
+                              RuntimeWarning, stacklevel=4)
+                self._runtime = Runtime(config=self.config)
+            return self._runtime
+
+    def close(self) -> None:
+        with self._lock:
+            runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.close()
 
 
 def _device_count(runtime: Any) -> int:
@@ -339,6 +378,7 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
         storage = kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
         base = optuna.create_study(sampler=sampler, **kwargs)
     owns = runtime is None
+    local: RuntimeConfig | None = None
     if owns:
         if share == "auto":
             share = "process" if isinstance(storage, InMemoryStorage) else "node"
@@ -346,7 +386,8 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
             from hydra_tune import node
 
             runtime = node.connect(config=settings)
+            local = settings  # prepared models: a runtime in this process (_LocalRuntime)
         else:
             runtime = Runtime(config=settings, progress=seconds)
             seconds = None   # the runtime logs itself
-    return HydraStudy(base, storage, runtime, owns, trials_per_device, seconds)
+    return HydraStudy(base, storage, runtime, owns, trials_per_device, seconds, local=local)
