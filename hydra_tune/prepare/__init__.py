@@ -5,9 +5,11 @@
         loss = F.cross_entropy(model(x), y)     # the forward runs as units on the runtime's devices
         optimizer.zero_grad(); loss.backward(); optimizer.step()      # backward units; the user's own step
 
-Modules, one idea each: model.py (the nn.Module proxy), optimizer.py (the user's optimizer, its step checked),
+Modules, one idea each: model.py (the nn.Module proxy), optimizer.py (the user's optimizer, its step routed),
 runner.py (a call: batch, submit, RNG hand-off, output, backward), driver.py (the user-driven chain the runtime
-runs), bridge.py (the autograd Function joining the output to the user's graph), refusals.py (what is refused).
+runs), access.py (the user's thread's step, zero_grad and reads where the state is: resident or lazy per shard),
+streams.py (a stream of random numbers per concurrent trial thread), bridge.py (the autograd Function joining the
+output to the user's graph), refusals.py (what is refused).
 
 Rules: fp32 on CPU the trained weights are bit-identical to the same loop without ``prepare`` (same seed: model
 init, dropout and data order as there). One model object per prepare. The model's task is released when the model
@@ -55,7 +57,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: An
         raise rule_error("the optimizer steps only the model's parameters", "build it over model.parameters() "
                          "(or its parameter groups)", kind=ValueError, foreign_parameters=foreign)
     if any(t.device.type != "cpu" for t in list(model.parameters()) + list(model.buffers())):
-        model.to("cpu")  # its state lives in host memory; the runtime copies shards to devices
+        model.to("cpu")  # its master copy lives in host memory; the runtime moves its state to devices
     runner = Runner(model, optimizer, seed=seed, precision=precision, stages=stages, name=name, runtime=runtime)
     prepared = PreparedModel(model, runner)
     wrap_step(optimizer, runner.access)

@@ -18,7 +18,12 @@ carry of the last shard is the model's output; its backward is B(K-1)..B0 from t
 that kept its graph backpropagates through it, else it recomputes its forward from the saved input and RNG state,
 exactly as the loop's B units); an evaluation forward (no autograd) is E0..E(K-1).
 
-RNG: without ``seed`` the units draw from the stream the user's thread draws from (torch's global generator): its
+State: kept as a ModelTask's (training/resident.py): resident on a device when it fits, else per-shard entries
+with the lazy per-shard step when the optimizer is on its allowlist, else in host memory; the user's thread steps
+and reads it through access.py.
+
+RNG: without ``seed`` the units draw from the stream the user's thread draws from (torch's global generator, or its
+trial stream: streams.py): its
 state is handed to the task before a forward and taken back after it, so dropout and the user's own draws
 (shuffling) interleave as in the plain loop. With ``seed`` the task keeps a stream of its own (reproducible when
 several trials run in threads of one process, where the global generator is shared).
