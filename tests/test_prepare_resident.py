@@ -79,3 +79,30 @@ def test_weights_read_between_steps_see_the_step_resident_and_lazy():
         got, history, stats = _prepared(budget, ema=True, set_to_none=False)
         assert _diff(want, got) == 0.0 and history == want_history, budget
         assert stats["residency"]["step_path"] == ("resident" if budget is None else "lazy")
+
+
+def test_two_prepared_trials_in_threads_evict_each_other_and_stay_resident_and_exact():
+    """One device holds one task's state at a time: each step runs where its state is, moved back in after the
+    other task evicted it (each trial thread with its own random stream: prepare/streams.py)."""
+    import threading
+
+    from hydra_tune.prepare.streams import trial_stream
+
+    want, want_history, _ = loop()
+    results: dict[int, tuple] = {}
+    with ht.Runtime(devices=["cpu"], device_memory=90_000) as rt:
+        def trial(i: int) -> None:
+            with trial_stream():
+                results[i] = loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+
+        threads = [threading.Thread(target=trial, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = rt.stats()
+    assert sorted(results) == [0, 1] and stats["devices"][0]["evictions"] > 0
+    for got, history, model in results.values():
+        res = stats["tasks"][model.task.name]["residency"]
+        assert _diff(want, got) == 0.0 and history == want_history
+        assert res["step_path"] == "resident" and res["steps_on_host"] == 0, res
