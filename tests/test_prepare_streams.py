@@ -63,11 +63,24 @@ def test_trial_stream_keeps_a_threads_draws_its_own_and_is_off_for_one_job():
             got[name] = torch.cat([torch.rand(2), torch.rand(2)])
 
     torch.manual_seed(99)
-    before = torch.default_generator.get_state()
+    torch.randint(0, 2**62, ())
+    torch.randint(0, 2**62, ())  # what the two threads' streams drew to start from
+    after = torch.default_generator.get_state()
+    torch.manual_seed(99)
     threads = [threading.Thread(target=draw, args=(n,)) for n in "ab"]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
     assert torch.equal(got["a"], alone) and torch.equal(got["b"], alone)
-    assert torch.equal(torch.default_generator.get_state(), before)  # the global generator untouched
+    assert torch.equal(torch.default_generator.get_state(), after)  # the global generator: only the start seeds
+
+    firsts = []
+
+    def unseeded() -> None:
+        with trial_stream():
+            firsts.append(torch.rand(1))
+
+    for _ in range(2):
+        unseeded()
+    assert not torch.equal(firsts[0], firsts[1])  # trials that never seed do not all draw the same numbers

@@ -13,9 +13,9 @@ own (device/seeding.py routes them) and its CPU random ops draw from it (a ``Uni
 the task's stream): each trial equals its run alone in one thread, from the same seed.
 
 Rules: ``concurrent=False`` (trials one at a time, ``n_jobs=1``) changes nothing: the trials draw from torch's
-global generator, as the plain script's do. The stream starts as a fresh process's global generator does (torch's
-default seed), so a trial that never seeds is reproducible too (each trial starts from that same state, where in
-one thread the trials would continue one stream). CUDA random numbers drawn in the trial's own thread (not in
+global generator, as the plain script's do. The stream starts from a seed drawn from torch's global generator
+when the trial starts, so trials that never seed still differ from each other (as trials continuing one stream in
+one thread do; which trial gets which seed follows the order they start in). CUDA random numbers drawn in the trial's own thread (not in
 hydra_tune's units, which draw from the task's stream) are not routed: they come from the device's generator.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ def trial_stream(concurrent: bool = True) -> Iterator[torch.Generator | None]:
     if not concurrent:
         yield None
         return
-    generator = torch.Generator()  # the default seed, as torch's global generator in a fresh process
+    seed = int(torch.randint(0, 2**62, (), generator=torch.default_generator).item())
+    generator = torch.Generator().manual_seed(seed)  # a trial that never seeds: its own start, not a shared one
     with UnitMode(generator):      # also routes torch.manual_seed & co. to it (device/seeding.py)
         yield generator
 
