@@ -84,3 +84,24 @@ def test_trial_stream_keeps_a_threads_draws_its_own_and_is_off_for_one_job():
     for _ in range(2):
         unseeded()
     assert not torch.equal(firsts[0], firsts[1])  # trials that never seed do not all draw the same numbers
+
+
+class _Noisy(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2)  # an augmentation's draw, in a worker process
+
+
+def test_dataloader_workers_forked_in_a_trial_stream_draw_as_pytorch_seeds_them():
+    def draws() -> torch.Tensor:
+        torch.manual_seed(4)
+        loader = torch.utils.data.DataLoader(_Noisy(), batch_size=2, num_workers=1,
+                                             multiprocessing_context="fork")
+        return torch.cat(list(loader))
+
+    want = draws()
+    with trial_stream():
+        got = draws()
+    assert torch.equal(want, got)
