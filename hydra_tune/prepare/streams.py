@@ -17,33 +17,18 @@ global generator, as the plain script's do. The stream starts from a seed drawn 
 when the trial starts, so trials that never seed still differ from each other (as trials continuing one stream in
 one thread do; which trial gets which seed follows the order they start in). CUDA random numbers drawn in the trial's own thread (not in
 hydra_tune's units, which draw from the task's stream) are not routed: they come from the device's generator. A
-DataLoader worker forked from the trial's thread draws as PyTorch seeds it (from the loader's base seed, which the
-trial's stream gave).
+DataLoader worker (a child process: it starts with no dispatch mode) draws as PyTorch seeds it, from the loader's
+base seed, which the trial's stream gave.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
 from ..device import seeding
 from ..device.dispatch import UnitMode
-
-
-class _TrialMode(UnitMode):
-    """A UnitMode that a forked child (a DataLoader worker forked from the trial's thread keeps this thread's
-    modes) leaves alone: PyTorch seeds a worker's global generator itself, and its draws come from there."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        super().__init__(generator)
-        self._pid = os.getpid()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
-        if os.getpid() != self._pid:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -54,7 +39,7 @@ def trial_stream(concurrent: bool = True) -> Iterator[torch.Generator | None]:
         return
     seed = int(torch.randint(0, 2**62, (), generator=torch.default_generator).item())
     generator = torch.Generator().manual_seed(seed)  # a trial that never seeds: its own start, not a shared one
-    with _TrialMode(generator):    # also routes torch.manual_seed & co. to it (device/seeding.py)
+    with UnitMode(generator):      # also routes torch.manual_seed & co. to it (device/seeding.py)
         yield generator
 
 
