@@ -348,7 +348,9 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
     created. ``runtime``: use this runtime (a ``Runtime`` or a ``hydra_tune.node.connect(...)`` client) instead
     (the settings are then unused); the study does not close it. ``share``: "process" (an
     in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
-    the storage is persistent, else "process"). ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
+    the storage is persistent, else "process"); with "node", models of ``hydra_tune.prepare`` (driven by this
+    process's loop) train on a runtime in this process made with the same settings, with a RuntimeWarning.
+    ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
     that does not sample the same point for trials running at the same time. ``progress``: as for
     ``hydra_tune.Runtime``, seconds between one-line status logs (tasks, devices busy, samples/s, steps/s) at INFO on
     ``hydra_tune.progress``, in this process (a node server's or a passed runtime's status too: every task on it);
