@@ -44,8 +44,8 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from hydra_tune import api
 from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
-from hydra_tune.runtime.progress import ProgressLog, progress_seconds
 from hydra_tune.prepare.streams import trial_stream
+from hydra_tune.runtime.progress import ProgressLog, progress_seconds
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
 
@@ -254,7 +254,7 @@ class HydraStudy(optuna.Study):
 
 
 def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = None,
-                   local: "_LocalRuntime | None" = None) -> None:
+                   local: _LocalRuntime | None = None) -> None:
     if log is not None:
         log.stop()
     tasks.release_all()

@@ -46,11 +46,11 @@ import torch
 
 from ..device.devices import Device
 from ..errors import rule_error
-from .optimizer import direct, unwrapped
 from ..training.boundary import task_work
 from ..training.lazy import LazySteps
-from ..training.step import check_lazy
 from ..training.segments import Segment, Unit, segment_key
+from ..training.step import check_lazy
+from .optimizer import direct, unwrapped
 
 _POLL = 0.05  # seconds between looks at the task's status while the user's thread waits for its units
 

@@ -28,8 +28,8 @@ from ..training.build import AUTOCAST_DTYPES
 from .access import StateAccess
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
-from .streams import current_generator
 from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
+from .streams import current_generator
 
 _names = itertools.count(1)
 
