@@ -15,6 +15,7 @@ from typing import Any
 from . import _torch_version  # noqa: F401  (first: it refuses an old torch before a module below touches its internals)
 from .api import configure, current_handle, default_runtime, save_checkpoint, train
 from .config import RuntimeConfig
+from .prepare import prepare
 from .errors import EvaluationError, HydraError, NonFiniteLoss, PlanError, RuntimeClosed, TaskCancelled
 from .runtime.handle import TaskHandle
 from .runtime.runtime import Runtime
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 # folder named hydra_tune that shadows this package lacks it.
 __hydra_tune_package__ = True
 __all__ = ["ModelTask", "Runtime", "RuntimeConfig", "TaskHandle", "train", "save_checkpoint", "current_handle",
-           "configure", "default_runtime", "HydraError", "EvaluationError", "PlanError", "NonFiniteLoss",
+           "configure", "default_runtime", "prepare", "HydraError", "EvaluationError", "PlanError", "NonFiniteLoss",
            "TaskCancelled", "RuntimeClosed", "Trace", "plot_timeline", "simulate", "plan_model", "__version__"]
 
 _LAZY = {"HydraExecutor": ("hydra_tune.integrations.ray_tune", "HydraExecutor"),

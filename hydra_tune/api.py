@@ -63,12 +63,15 @@ def bind(submit: Callable[[ModelTask], TaskHandle]) -> Iterator[None]:
     only tasks that ``train`` submitted inside it (a pooled thread's next trial never sees the last one's), and
     on exit the thread's previous ``submit`` and handle are back. Blocks nest.
     """
-    previous = (getattr(_bound, "submit", None), getattr(_bound, "handle", None))
-    _bound.submit, _bound.handle = submit, None
+    previous = (getattr(_bound, "submit", None), getattr(_bound, "handle", None), getattr(_bound, "owned", None))
+    _bound.submit, _bound.handle, _bound.owned = submit, None, []
     try:
         yield
     finally:
-        _bound.submit, _bound.handle = previous
+        owned = _bound.owned
+        _bound.submit, _bound.handle, _bound.owned = previous
+        for handle in owned:  # prepared models of this scope (a pruned or stopped trial): released at once
+            _cancel_unfinished(handle)
 
 
 def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str, Any]]:
@@ -98,6 +101,26 @@ def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str,
     # a generator never started runs no `finally` when it is collected: this cancels such a task too
     weakref.finalize(metrics, _cancel_unfinished, handle).atexit = False
     return metrics
+
+
+def submit(task: ModelTask, runtime: Runtime | None = None, scoped: bool = False) -> TaskHandle:
+    """Submit ``task`` where ``train`` would (``runtime``, else this thread's ``bind`` block, else the default
+    runtime) and return its handle; ``scoped``: the task is cancelled when the ``bind`` block ends (used by
+    ``hydra_tune.prepare``: a trial that leaves its objective frees its prepared model at once).
+
+        handle = hydra_tune.api.submit(task)
+    """
+    bound = getattr(_bound, "submit", None)
+    if runtime is not None:
+        handle = runtime.submit(task)
+    elif bound is not None:
+        handle = bound(task)
+    else:
+        handle = default_runtime().submit(task)
+    owned = getattr(_bound, "owned", None)
+    if scoped and owned is not None and runtime is None and bound is not None:
+        owned.append(handle)
+    return handle
 
 
 def _metrics(handle: TaskHandle) -> Iterator[dict[str, Any]]:

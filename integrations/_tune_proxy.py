@@ -241,7 +241,10 @@ class RuntimeActor:
             self.router.use(s)
             try:
                 fn = cloudpickle.loads(fn_bytes)
-                with api.bind(lambda task: s.track(self.runtime.submit(tune_checked(task)))):
+                from hydra_tune.prepare.streams import trial_stream
+
+                # trials run in threads of this actor: each its own stream of torch's random numbers
+                with api.bind(lambda task: s.track(self.runtime.submit(tune_checked(task)))), trial_stream():
                     fn(config)
                 s.events.put(("done", None, None))
             except BaseException as exc:  # noqa: BLE001  (reported to the proxy, which re-raises it)

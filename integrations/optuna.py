@@ -44,6 +44,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 from hydra_tune import api
 from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
+from hydra_tune.prepare.streams import trial_stream
 from hydra_tune.runtime.progress import ProgressLog, progress_seconds
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
@@ -166,9 +167,12 @@ class HydraStudy(optuna.Study):
     """
 
     def __init__(self, base: optuna.Study, storage: BaseStorage, runtime: Any, owns_runtime: bool,
-                 trials_per_device: int = 2, progress: float | None = None) -> None:
+                 trials_per_device: int = 2, progress: float | None = None,
+                 local: RuntimeConfig | None = None) -> None:
         """``base``: the study ``optuna.create_study`` made on ``storage`` (the storage object it was given);
-        ``progress``: seconds between status lines of ``runtime.stats()`` logged here (None: none)."""
+        ``progress``: seconds between status lines of ``runtime.stats()`` logged here (None: none); ``local``: the
+        settings of a runtime in this process for prepared models (hydra_tune.prepare), made at the first one, when
+        ``runtime`` is the node's server (a prepared model is driven by this process's loop: it cannot train there)."""
         sampler = base.sampler
         if not isinstance(sampler, HydraSampler):
             sampler = HydraSampler(sampler)
@@ -178,8 +182,9 @@ class HydraStudy(optuna.Study):
         self.trials_per_device = trials_per_device
         self._owns = owns_runtime
         log = ProgressLog(runtime.stats, progress) if progress is not None else None
+        self._local = _LocalRuntime(local) if local is not None else None
         self._closer = weakref.finalize(self, _close_runtime, runtime if owns_runtime else None, self.sampler.tasks,
-                                        log)
+                                        log, self._local)
 
     @property
     def concurrency(self) -> int:
@@ -203,7 +208,10 @@ class HydraStudy(optuna.Study):
             raise rule_error("`trial` is an optuna.Trial of this study", "pass the trial that `study.ask()` of this "
                              "study returned (or the one `optimize` hands your objective)", kind=TypeError,
                              trial=type(trial).__name__, study=self.study_name)
-        handle = self.runtime.submit(task)
+        runtime = self.runtime
+        if self._local is not None and getattr(task, "drive_segments", None) is not None:
+            runtime = self._local.get()  # a prepared model: this process's runtime (see _LocalRuntime)
+        handle = runtime.submit(task)
         self.sampler.tasks.add(trial.number, handle)
         return handle
 
@@ -217,14 +225,16 @@ class HydraStudy(optuna.Study):
             raise rule_error("the study is open", "create a new study with hydra_tune.optuna_study(...)",
                              kind=RuntimeError, closed=True)
 
+        jobs = self.concurrency if n_jobs is None else n_jobs
+
         def objective(trial: Trial) -> Any:
-            with api.bind(lambda task: self.submit(trial, task)):
+            # trials in threads: each its own stream of torch's random numbers (hydra_tune/prepare/streams.py)
+            with api.bind(lambda task: self.submit(trial, task)), trial_stream(concurrent=jobs != 1):
                 try:
                     return func(trial)
                 finally:   # free its tasks now, before Optuna's bookkeeping (after_trial releases them too)
                     self.sampler.tasks.release(trial.number)
 
-        jobs = self.concurrency if n_jobs is None else n_jobs
         super().optimize(objective, n_trials=n_trials, timeout=timeout, n_jobs=jobs, catch=catch,
                          callbacks=callbacks, gc_after_trial=gc_after_trial, show_progress_bar=show_progress_bar)
 
@@ -243,12 +253,44 @@ class HydraStudy(optuna.Study):
         self.close()
 
 
-def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = None) -> None:
+def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = None,
+                   local: _LocalRuntime | None = None) -> None:
     if log is not None:
         log.stop()
     tasks.release_all()
     if runtime is not None:
         runtime.close()
+    if local is not None:
+        local.close()
+
+
+class _LocalRuntime:
+    """The runtime in this process for a node-shared study's prepared models (hydra_tune.prepare), made at the
+    first one with the study's settings, with a RuntimeWarning: the user's loop in this process drives a prepared
+    model, so it cannot train on the node's server (another process); its device memory is this runtime's budget,
+    which the server does not see (other processes' tasks on the same devices are not counted against it)."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self._runtime: Runtime | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Runtime:
+        with self._lock:
+            if self._runtime is None:
+                warnings.warn("hydra_tune.prepare in a study on the node's runtime server (persistent storage): "
+                              "prepared models train on a runtime in this process, whose device memory budget the "
+                              "server does not count; pass share='process' to train every task here, or use "
+                              "hydra_tune.ModelTask with hydra_tune.train to share the node's server",
+                              RuntimeWarning, stacklevel=4)
+                self._runtime = Runtime(config=self.config)
+            return self._runtime
+
+    def close(self) -> None:
+        with self._lock:
+            runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.close()
 
 
 def _device_count(runtime: Any) -> int:
@@ -306,7 +348,9 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
     created. ``runtime``: use this runtime (a ``Runtime`` or a ``hydra_tune.node.connect(...)`` client) instead
     (the settings are then unused); the study does not close it. ``share``: "process" (an
     in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
-    the storage is persistent, else "process"). ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
+    the storage is persistent, else "process"); with "node", models of ``hydra_tune.prepare`` (driven by this
+    process's loop) train on a runtime in this process made with the same settings, with a RuntimeWarning.
+    ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
     that does not sample the same point for trials running at the same time. ``progress``: as for
     ``hydra_tune.Runtime``, seconds between one-line status logs (tasks, devices busy, samples/s, steps/s) at INFO on
     ``hydra_tune.progress``, in this process (a node server's or a passed runtime's status too: every task on it);
@@ -336,6 +380,7 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
         storage = kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
         base = optuna.create_study(sampler=sampler, **kwargs)
     owns = runtime is None
+    local: RuntimeConfig | None = None
     if owns:
         if share == "auto":
             share = "process" if isinstance(storage, InMemoryStorage) else "node"
@@ -343,7 +388,8 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
             from hydra_tune import node
 
             runtime = node.connect(config=settings)
+            local = settings  # prepared models: a runtime in this process (_LocalRuntime)
         else:
             runtime = Runtime(config=settings, progress=seconds)
             seconds = None   # the runtime logs itself
-    return HydraStudy(base, storage, runtime, owns, trials_per_device, seconds)
+    return HydraStudy(base, storage, runtime, owns, trials_per_device, seconds, local=local)

@@ -91,6 +91,19 @@ class HydraExecutor(tune.Callback):
         return _proxy.make_proxy(fn_bytes, self.runtime_settings(), self.proxy_cpus,
                                  getattr(train_fn, "__name__", "hydra_trial"), self.report_proxy_modules)
 
+    def tuner(self, trainable: Callable[[dict[str, Any]], Any], **tuner_kwargs: Any) -> Any:
+        """``tune.Tuner(self.wrap(trainable), **tuner_kwargs)`` with this executor among its run config's callbacks:
+        the one line that moves a Tune script onto hydra_tune.
+
+            tuner = hydra_tune.HydraExecutor(devices="auto").tuner(train_fn, param_space=..., tune_config=...)
+        """
+        import dataclasses
+
+        run_config = tuner_kwargs.pop("run_config", None) or tune.RunConfig()
+        callbacks = [*(run_config.callbacks or []), self]
+        tuner_kwargs["run_config"] = dataclasses.replace(run_config, callbacks=callbacks)
+        return tune.Tuner(self.wrap(trainable), **tuner_kwargs)
+
     # -- runtimes -----------------------------------------------------------------------------------------
     def start_runtimes(self) -> dict[str, dict[str, Any]]:
         """Start (or find) one runtime actor per alive node; returns where each runs."""

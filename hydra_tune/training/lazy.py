@@ -74,6 +74,11 @@ class LazySteps:
         p = self._pending
         return p is not None and bool(set(p.pending_shards()) & set(self.needs(shard)))
 
+    def pending_any(self) -> bool:
+        """Whether any shard's update of the last begun step is not applied yet."""
+        p = self._pending
+        return p is not None and bool(p.pending_shards())
+
     def begin(self, where: Where) -> str | None:
         """Step t is due: snapshot, norms, found-inf, ``scaler.update()``; None, or why it was applied whole now
         (then every shard's update is done)."""

@@ -129,13 +129,20 @@ class TaskState:
 
     # -- training -------------------------------------------------------------------------------------------
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
-        """The task's training as a chain of segments (loop.py); each epoch's metrics go to ``emit``."""
+        """The task's training as a chain of segments (loop.py); each epoch's metrics go to ``emit``. A task with
+        a ``drive_segments(state, emit)`` method (hydra_tune.prepare: the user's own loop drives it) makes its own."""
+        drive = getattr(self.task, "drive_segments", None)
+        if drive is not None:
+            return drive(self, emit)
         self._loop = TrainingLoop(self)
         return self._loop.segments(emit)
 
     def retry(self, plan: Plan) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
         epoch's losses and the host buffers go back to where the segment began; the same batch runs again."""
+        retry = getattr(self.task, "retry_segment", None)  # a user-driven task (hydra_tune.prepare)
+        if self._loop is None and retry is not None:
+            return retry(self, plan)
         if self._loop is None:
             raise RuntimeError(f"task {self.task.name!r} has no segment in flight to retry")
         return self._loop.retry(plan)

@@ -1,0 +1,146 @@
+"""Throughput of prepared loops (the user's own loop after ``hydra_tune.prepare``) vs the same tasks as ModelTasks.
+
+    nice -n 5 python benchmarks/prepare_overhead.py                       # 4 MLP tasks, 2 CPU devices
+    nice -n 5 python benchmarks/prepare_overhead.py --model gpt2 --tasks 3 --steps 20 --device-memory 600KiB
+
+Both sides train the same tasks on one fresh runtime each (same devices and budget, so the same shard plans): N
+ModelTasks submitted at once and waited for, vs N threads each running the plain loop over a prepared model. Time
+counts everything from the first submit / thread start to the last task's end (set-up included: build, measure,
+plan). Prints samples/s of each and the ratio prepared / ModelTask (the goal: >= 0.95), and beside it the
+steady-state ratio: set-up and the first quarter of the steps excluded (from the moment every task has handed out
+its warm-up batches to the last task's end, the batches handed out in that window). One run's ratios, on a shared
+machine: read them, not the absolute times.
+
+Where the difference comes from: a prepared loop hands each forward and backward to the runtime and waits (two
+round trips through the task's host thread per minibatch, and the loss computed on the host), while a ModelTask's
+training segment (F.. L B..) is one round trip with the loss inside the last unit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import hydra_tune as ht  # noqa: E402
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def mlp_batches(n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(n)]
+
+
+def setup(model: str, steps: int, seed: int):
+    """(model factory, batches, the loss of a batch's output, how the model is called on a batch)."""
+    if model == "gpt2":
+        from conftest import lm_batches, make_gpt2
+
+        return make_gpt2, lm_batches(steps, seed=seed), (lambda out, b: out.loss), (lambda m, b: m(**b))
+    return make_mlp, mlp_batches(steps, seed), (lambda out, b: F.cross_entropy(out, b[1])), (lambda m, b: m(b[0]))
+
+
+class Stamped:
+    """The batches, each hand-out time noted in ``stamps`` (a ModelTask's data, or the prepared loop's)."""
+
+    def __init__(self, batches: list, stamps: list[float]) -> None:
+        self.batches, self.stamps = batches, stamps
+
+    def __iter__(self):
+        for b in self.batches:
+            self.stamps.append(time.perf_counter())
+            yield b
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def steady(stamps: list[list[float]], end: float, steps: int) -> tuple[int, float]:
+    """(batches handed out in the steady window, its seconds): from when every task handed out its first
+    ``steps // 4`` batches (a profile pass's hand-outs come first, so the last ``steps`` are the epoch's)."""
+    warm = max(1, steps // 4)
+    start = max(s[-steps + warm - 1] for s in stamps)
+    return sum(1 for s in stamps for t in s[-steps:] if t >= start), end - start
+
+
+def as_model_tasks(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
+    stamps: list[list[float]] = [[] for _ in range(args.tasks)]
+    with ht.Runtime(devices=args.devices, device_memory=args.device_memory) as rt:
+        t0 = time.perf_counter()
+        handles = []
+        for i in range(args.tasks):
+            make, batches, loss, _ = setup(args.model, args.steps, i)
+            handles.append(rt.submit(ht.ModelTask(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                                  Stamped(batches, stamps[i]), loss=loss, epochs=1, seed=i, name=f"task-{i}")))
+        for h in handles:
+            h.result()
+        end = time.perf_counter()
+        return end - t0, steady(stamps, end, args.steps)
+
+
+def as_prepared(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
+    errors: list[BaseException] = []
+    stamps: list[list[float]] = [[] for _ in range(args.tasks)]
+
+    def loop(i: int, rt: ht.Runtime) -> None:
+        try:
+            make, batches, loss_of, call = setup(args.model, args.steps, i)
+            model = make()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model, opt = ht.prepare(model, opt, seed=i, runtime=rt, name=f"prepared-{i}")
+            for b in Stamped(batches, stamps[i]):
+                loss = loss_of(call(model, b), b)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            model.release()
+        except BaseException as exc:  # noqa: BLE001  (reported after the run)
+            errors.append(exc)
+
+    with ht.Runtime(devices=args.devices, device_memory=args.device_memory) as rt:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=loop, args=(i, rt)) for i in range(args.tasks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        end = time.perf_counter()
+    if errors:
+        raise errors[0]
+    return end - t0, steady(stamps, end, args.steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
+    ap.add_argument("--tasks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
+    ap.add_argument("--device-memory", default="1536KiB")
+    args = ap.parse_args()
+    samples = args.tasks * args.steps * (4 if args.model == "gpt2" else 64)
+    per_batch = samples // (args.tasks * args.steps)
+    tasks_s, (tasks_n, tasks_w) = as_model_tasks(args)
+    prepared_s, (prep_n, prep_w) = as_prepared(args)
+    tasks_ss, prep_ss = tasks_n * per_batch / tasks_w, prep_n * per_batch / prep_w
+    print(f"{args.tasks} {args.model} tasks x {args.steps} steps on {args.devices} ({args.device_memory}):")
+    print(f"  ModelTask: {tasks_s:.2f} s ({samples / tasks_s:.0f} samples/s with set-up; steady "
+          f"{tasks_ss:.0f} samples/s over {tasks_n} batches)")
+    print(f"  prepared:  {prepared_s:.2f} s ({samples / prepared_s:.0f} samples/s with set-up; steady "
+          f"{prep_ss:.0f} samples/s over {prep_n} batches)")
+    print(f"throughput ratio prepared / ModelTask: {tasks_s / prepared_s:.2f}x with set-up, "
+          f"{prep_ss / tasks_ss:.2f}x steady (goal >= 0.95x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The user-driven task: the user's thread hands the runtime one forward or one backward at a time.
+
+    driver = Driver("prepared-1", seed=None)            # runner.py makes one per prepared model
+    driver.run(lambda: driver.open_forward(True), after)  # the user's thread: its host thread opens the segment,
+                                                          # a device runs it, then after() runs; the call returns
+    driver.run(lambda: driver.open_backward(grads), after)
+    driver.release()                                    # the task ends ("done"): the runtime frees what it held
+
+Why this shape: the runtime drives a task through its chain of segments (training/loop.py), advanced by the task's
+own host thread between segments. A prepared model has no loop of ours: its chain (``drive_segments``, reached
+through ``TaskState.segments``) waits in the host thread for the user's next call, hands the board that call's
+segment, and once the segment ran tells the waiting user thread. So the user's thread blocks for its own units
+only; other tasks' units run on the devices meanwhile, and the board, the gate, the trace and the stats see a
+prepared model as any other task.
+
+Segments: a training forward is F0..F(K-1) (the last shard's forward too: the loss is the user's), the output
+carry of the last shard is the model's output; its backward is B(K-1)..B0 from the output's gradients (a shard
+that kept its graph backpropagates through it, else it recomputes its forward from the saved input and RNG state,
+exactly as the loop's B units); an evaluation forward (no autograd) is E0..E(K-1).
+
+State: kept as a ModelTask's (training/resident.py): resident on a device when it fits, else per-shard entries
+with the lazy per-shard step when the optimizer is on its allowlist, else in host memory; the user's thread steps
+and reads it through access.py.
+
+RNG: without ``seed`` the units draw from the stream the user's thread draws from (torch's global generator, or its
+trial stream: streams.py): its
+state is handed to the task before a forward and taken back after it, so dropout and the user's own draws
+(shuffling) interleave as in the plain loop. With ``seed`` the task keeps a stream of its own (reproducible when
+several trials run in threads of one process, where the global generator is shared).
+
+A device out-of-memory re-plans the task (replan.py) and retries the segment in flight (``retry_segment``): a
+forward from its RNG state; a backward, whose forward's graphs and carries went with the old shards, as its forward
+once more (same RNG state, buffers and Python state put back first) followed by the backward.
+
+Rules: one minibatch in flight: a new forward drops a training forward whose backward never came; a backward
+needs the latest training forward's output. Errors of a unit end the task (the runtime's rule) and raise in the
+user's thread.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..device.devices import Device
+from ..errors import rule_error
+from ..training.boundary import task_work
+from ..training.lazy import LazySteps
+from ..training.segments import Segment, Unit, segment_key
+from ..training.step import check_lazy
+from .optimizer import direct, unwrapped
+
+_POLL = 0.05  # seconds between looks at the task's status while the user's thread waits for its units
+
+
+class _Request:
+    """One call of the user's: the segment to run, then done (or the task ended)."""
+
+    def __init__(self, make: Callable[[], Segment], after: Callable[[], None]) -> None:
+        self.make, self.after = make, after
+        self.done = threading.Event()
+
+
+class Driver:
+    """The user-driven chain of one prepared model (see the module docstring)."""
+
+    def __init__(self, name: str, seed: int | None) -> None:
+        self.name, self.seed = name, seed
+        self.handle: Any = None
+        self.state: Any = None
+        self._cv = threading.Condition()
+        self._request: _Request | None = None
+        self._calling = threading.Lock()  # held by the user's thread while its call runs
+        self._closed = False
+        self._made = 0
+        self._attempt: tuple[Any, Callable[[], Segment]] | None = None  # the segment in flight: RNG, rebuild
+        self.forward_snap: Any = None  # the RNG state the latest training forward started from
+        self.finished = False  # the chain ended: the state is back in host memory for good
+        self.pending = 0   # the training forward awaiting its backward (its number), 0: none
+        self.forwards = 0  # training forwards run
+
+    # -- the runtime's side (the task's host thread) ---------------------------------------------------------
+    def drive_segments(self, state: Any, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
+        """The chain ``TaskState.segments`` returns for this task: the user's requests, as they come."""
+        self.state = state
+        # the state is kept as a ModelTask's (resident, or per-shard entries stepped lazily: access.py); the lazy
+        # allowlist sees the optimizer as the user built it (ours only routes its step)
+        with unwrapped(state.optimizer) as opt:
+            verdict = check_lazy(opt, None, state.model)
+        # no scaler: the user's loop scales its loss with its own GradScaler (its scaler.step calls our step)
+        state.home.set_lazy(LazySteps(state.optimizer, None, None, list(state.model.parameters()), verdict))
+        try:
+            while True:
+                request = self._next_request()
+                if request is None:
+                    return
+                yield request.make()
+                with direct():
+                    request.after()
+                request.done.set()
+        finally:
+            with direct():
+                state.home.finish()
+            self.finished = True
+
+    def _next_request(self) -> _Request | None:
+        with self._cv:
+            while self._request is None and not self._closed and not self._ended():
+                self._cv.wait(_POLL)
+            request, self._request = self._request, None
+            return request
+
+    def _ended(self) -> bool:
+        return self.handle is not None and self.handle.done()
+
+    # -- the user's side -------------------------------------------------------------------------------------
+    def run(self, make: Callable[[], Segment], after: Callable[[], None] = lambda: None) -> None:
+        """Hand the task's host thread one segment and wait until it ran (and ``after`` it); raise the task's
+        error if it ended instead."""
+        if not self._calling.acquire(blocking=False):
+            raise rule_error("a prepared model is called by one thread at a time", "prepare one model per "
+                             "thread (each trial its own), or call it from one thread", kind=RuntimeError,
+                             task=self.name, thread=threading.current_thread().name)
+        try:
+            request = _Request(make, after)
+            with self._cv:
+                self._check_live()
+                self._request = request
+                self._cv.notify_all()
+            while not request.done.wait(_POLL):
+                if self._ended():
+                    self._check_live()
+        finally:
+            self._calling.release()
+
+    def _check_live(self) -> None:
+        if self._closed:
+            raise rule_error("a prepared model is used before it is released", "call hydra_tune.prepare(...) "
+                             "again for a new run", kind=RuntimeError, task=self.name)
+        if self._ended():
+            error = self.handle.error
+            if error is not None:
+                raise error
+            raise rule_error("a prepared model's task is running when the model is called", "prepare the model "
+                             "again (its task ended: cancelled by the runtime, the study or Tune)",
+                             kind=RuntimeError, task=self.name, status=self.handle.status)
+
+    def release(self, wait: bool = True) -> None:
+        """End the task (done): the host thread leaves the chain, the runtime frees what it held; ``wait``: until
+        it ended (not from garbage collection, which may run in any thread, the task's own included)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        handle = self.handle
+        if wait and handle is not None and not handle.done():
+            handle.wait(timeout=10)
+            if not handle.done():
+                handle.cancel()
+
+    # -- segments --------------------------------------------------------------------------------------------
+    def segment(self, units: list[tuple[str, Any, Callable[[Device], Any]]], train: bool) -> Segment:
+        """A Segment of ``(kind, shard, run)`` units over the store's batch, each as the loop wraps its units:
+        the shard's state in place first (home.use), the run as the task's own work."""
+        state = self.state
+        home, store, name = state.home, state.store, self.name
+        self._made += 1
+
+        def work(run: Callable[[Device], Any], shard: int) -> Callable[[Device], Any]:
+            def in_work(d: Device) -> Any:
+                with direct():  # a pending per-shard update steps through optimizer.step(): the original one
+                    home.use(shard, d)
+                with task_work(name):
+                    return run(d)
+            return in_work
+
+        def pre(ex: Any, kind: str) -> Callable[[Device], int]:
+            return lambda d: ex.prefetch(d, store, kind)
+
+        return Segment(name, self._made, tuple(Unit(name, kind, ex.index, self._made, work(run, ex.index),
+                                                    pre(ex, kind)) for kind, ex, run in units),
+                       train, segment_key(train, store.batch))
+
+    def open_forward(self, train: bool) -> Segment:
+        """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``, from the task's RNG state now (kept: a
+        retry, and a training forward's backward retried, start from it)."""
+        snap = self.state.rng.snapshot()
+        if train:
+            self.forward_snap = snap
+        self._attempt = (snap, lambda: self.segment(self._forward_list(train), train))
+        return self._attempt[1]()
+
+    def open_backward(self, out_grads: list[Any]) -> Segment:
+        """B(K-1)..B0 from the output's gradients. Retried after a device out-of-memory (its forward's kept
+        graphs and carries are gone then): the forward once more from its RNG state, then the backward."""
+        state = self.state
+
+        def put() -> None:
+            state.store.out_grads[len(state.execs) - 1] = out_grads
+
+        def again() -> Segment:
+            put()
+            return self.segment(self._forward_list(True) + self._backward_list(), True)
+        put()
+        self._attempt = (self.forward_snap, again)
+        return self.segment(self._backward_list(), True)
+
+    def retry_segment(self, state: Any, plan: Any) -> Segment:
+        """``TaskState.retry`` for this task (replan.py, after a device out-of-memory): the segment in flight
+        again over ``plan``'s shards, from where it began (RNG, buffers, Python state: ``reset_attempt``)."""
+        if self._attempt is None:
+            raise RuntimeError(f"task {self.name!r} has no segment in flight to retry")
+        snap, rebuild = self._attempt
+        state.rng.restore(snap)
+        state.store.reset_attempt()  # buffers and Python state as before the forward (undo kept since then)
+        with direct():  # pending per-shard updates are applied first
+            state.reshard(plan)
+        return rebuild()
+
+    def _forward_list(self, train: bool) -> list[tuple[str, Any, Callable[[Device], Any]]]:
+        state = self.state
+        store, rng, plan = state.store, state.rng, state.plan
+        if train:
+            return [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
+                                                        offload=plan.offloads(ex.index))) for ex in state.execs]
+        return [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False)) for ex in state.execs]
+
+    def _backward_list(self) -> list[tuple[str, Any, Callable[[Device], Any]]]:
+        state = self.state
+        store, rng = state.store, state.rng
+        return [("B", ex, lambda d, ex=ex: ex.backward(d, store, rng)) for ex in reversed(state.execs)]
+
+
+def float_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())

@@ -1,0 +1,155 @@
+"""What a prepared model cannot do faithfully: each refused at the call, naming it and the supported alternative.
+
+    hooks = HookCheck(model)        # prepare(): a model with hooks is refused now
+    hooks.check()                   # every forward: a hook registered since (on any submodule or parameter) raises
+
+Why each is refused rather than run:
+- hooks on the model's modules or parameters: the units run the modules on a device worker thread, a forward
+  hook runs again when a shard's backward recomputes its forward, and a parameter's tensor hook never fires (the
+  units differentiate device copies, not the parameters): the hook's effect would silently differ from the plain
+  loop's.
+- ``torch.compile(model)`` / ``model.compile()``: the compiled code would trace the hand-off to the runtime, not
+  the model; compile inside your model's own modules is not affected.
+- ``optimizer.step(closure)``: the closure's forward and backward would run inside the step, which the runtime
+  does not interleave with units of the same task.
+- inputs that require grad, ``backward(create_graph=True)``, a backward of an output whose forward was followed
+  by another forward: gradients flow only from the latest output into the parameters.
+- weights changed in place between a forward and its backward (``optimizer.step()`` in between): the plain
+  loop's backward raises for the saved tensors it changed; a recomputing unit would use the new weights.
+- a forward inside ``torch.autocast`` of a model prepared without that ``precision``: autocast is per thread,
+  and the units run on the runtime's threads (they would compute in fp32).
+- dtype changes after prepare (``.half()``, ``.to(torch.bfloat16)``), ``load_state_dict(assign=True)``: the
+  runtime planned the model's tensors as they were; use ``precision=`` or cast before ``prepare``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..errors import rule_error
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooks(model: nn.Module) -> list[str]:
+    """Where hooks are registered on ``model``: "<module>.<kind>" and "<parameter>.grad hook" entries."""
+    found = []
+    for name, module in model.named_modules():
+        for kind in _MODULE_HOOKS:
+            if getattr(module, kind, None):
+                found.append(f"{name or type(model).__name__}.{kind.strip('_')}")
+    from torch.nn.modules import module as torch_module  # torch keeps the global module hooks there
+
+    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        if getattr(torch_module, kind, None):
+            found.append(f"torch.nn.modules.module.register_module{kind.replace('_global', '')}")
+    for name, p in model.named_parameters():
+        # torch keeps a tensor's hooks in these attributes: there is no public reader
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+            found.append(f"{name}.grad hook")
+    return found
+
+
+def refuse_hooks(found: list[str], when: str) -> Exception:
+    return rule_error(f"a prepared model has no hooks on its modules or parameters ({when})", "compute what the "
+                      "hook computes in your loop from the model's output, or train the model with "
+                      "hydra_tune.ModelTask; or remove the hook before hydra_tune.prepare", kind=RuntimeError,
+                      hooks=found[:6])
+
+
+class HookCheck:
+    """The model's hooks: none at prepare, none registered since (checked at every forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        found = _hooks(model)
+        if found:
+            raise refuse_hooks(found, "at hydra_tune.prepare")
+
+    def check(self) -> None:
+        found = _hooks(self.model)
+        if found:
+            raise refuse_hooks(found, "registered after hydra_tune.prepare")
+
+
+def refuse_register(what: str) -> Exception:
+    return rule_error("a prepared model takes no hooks", "compute from the model's output in your loop instead "
+                      f"of `model.{what}(...)`, or train the model with hydra_tune.ModelTask", kind=RuntimeError,
+                      call=f"model.{what}")
+
+
+def refuse_compile() -> Exception:
+    return rule_error("a prepared model is not compiled (the runtime runs its shards)", "drop torch.compile(model) "
+                      "/ model.compile(); compile inside your modules if you need it, or train without prepare",
+                      kind=RuntimeError, call="torch.compile(prepared model)")
+
+
+def refuse_closure() -> Exception:
+    return rule_error("a prepared optimizer steps without a closure", "compute the loss and call "
+                      "loss.backward() before optimizer.step() (optimizers that need a closure, like LBFGS, are "
+                      "not supported by hydra_tune.prepare)", kind=RuntimeError, call="optimizer.step(closure)")
+
+
+def refuse_dtype(call: str) -> Exception:
+    return rule_error("a prepared model keeps the dtype it was prepared with", "cast the model before "
+                      "hydra_tune.prepare, or pass prepare(..., precision='bf16') for mixed precision",
+                      kind=RuntimeError, call=call)
+
+
+def check_inputs(leaves: list[Any]) -> None:
+    """Inputs that require grad would need their gradients from the units: refused."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        raise rule_error("a prepared model's inputs do not require grad (gradients flow into the parameters "
+                         "only)", "detach the inputs (x.detach()), or train the model without prepare",
+                         kind=RuntimeError, call="model(x) with x.requires_grad")
+
+
+def check_backward(number: int, pending: int) -> None:
+    if torch.is_grad_enabled():
+        raise rule_error("a prepared model's backward builds no graph of its own", "call loss.backward() "
+                         "without create_graph=True (higher-order gradients are not supported by prepare)",
+                         kind=RuntimeError, call="backward(create_graph=True)")
+    if number != pending:
+        raise rule_error("a prepared model's backward comes from the latest training forward's output, once",
+                         "call loss.backward() once after each forward (for gradient accumulation: forward, "
+                         "backward, forward, backward, ... then optimizer.step())", kind=RuntimeError,
+                         call="backward", forward=number, latest=pending or None)
+
+
+def check_unchanged(changed: list[str]) -> None:
+    """Weights changed in place between a forward and its backward: the plain loop's backward raises (its saved
+    tensors changed); the units would recompute from the new weights."""
+    if changed:
+        raise rule_error("a prepared model's weights are unchanged between a forward and its backward",
+                         "call optimizer.step() and other in-place changes of the weights after loss.backward()",
+                         kind=RuntimeError, changed=changed[:6])
+
+
+def _autocast_on() -> dict[str, torch.dtype]:
+    """This thread's enabled autocast regions: device type -> dtype."""
+    on = {}
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                on[device] = torch.get_autocast_dtype(device)
+        except (TypeError, AttributeError):  # torch before 2.4: the per-device functions
+            enabled = torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
+            if enabled:
+                on[device] = torch.get_autocast_cpu_dtype() if device == "cpu" else torch.get_autocast_gpu_dtype()
+    return on
+
+
+def check_autocast(precision: str, dtype: torch.dtype | None) -> None:
+    """The units run on device threads, outside the caller's thread-local autocast region: a forward inside one
+    must have been prepared with the same ``precision`` (the units then autocast alike)."""
+    on = _autocast_on()
+    if on and any(d != dtype for d in on.values()):
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+        want = sorted({names.get(d, str(d)) for d in on.values()})
+        raise rule_error("a prepared model called inside torch.autocast was prepared with that precision (its "
+                         "units run on the runtime's threads, outside your autocast block)", "pass "
+                         f"hydra_tune.prepare(..., precision={want[0]!r}) and keep the autocast block for your loss",
+                         kind=RuntimeError, autocast={k: str(v) for k, v in on.items()}, precision=precision)

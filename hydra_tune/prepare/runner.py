@@ -1,0 +1,214 @@
+"""One prepared model's calls: the batch from ``model(...)``'s arguments, the first call's submit, the RNG hand-off,
+the output (joined to the user's graph) and its backward.
+
+    run = Runner(model, optimizer, options)      # prepare() makes one
+    out = run.forward((x,), {})                  # model(x): F or E units; the output on x's device
+    run.access.step(inner)                       # optimizer.step(): where the task's state is (access.py)
+
+Rules (why in driver.py and bridge.py): ``model(x)`` (one positional argument: a tensor, a tuple or a dict, as a
+ModelTask batch would be) or ``model(**batch)`` (keywords: the model is called with them); a forward with autograd
+on runs F units and its output requires grad; under ``torch.no_grad()`` (or ``inference_mode``) E units, no
+graph. The task is submitted at the first call (it is measured and planned on that batch: errors of that raise
+there) to the runtime ``train`` would use: ``runtime=``, else the Optuna study's or Tune trial's (``bind``), else
+the default one.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..api import submit
+from ..errors import rule_error
+from ..task import ModelTask
+from ..training.build import AUTOCAST_DTYPES
+from .access import StateAccess
+from .bridge import Bridge, token
+from .driver import Driver, float_leaf
+from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
+from .streams import current_generator
+
+_names = itertools.count(1)
+
+
+def _profile_loss(out: Any, batch: Any) -> torch.Tensor:
+    """The loss the plan is measured with (the user's own is computed in their loop): the output's float sum."""
+    leaves = [t for t in tree_flatten(out)[0] if float_leaf(t)]
+    return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]
+
+
+class PreparedTask(ModelTask):
+    """A ModelTask whose chain the user's calls drive (``drive_segments``: TaskState.segments makes no loop)."""
+
+    def __init__(self, driver: Driver, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drive_segments = driver.drive_segments
+        self.retry_segment = driver.retry_segment
+
+    def __reduce__(self) -> Any:
+        # a node's runtime server (another process) would get a copy of the model the user's loop never sees
+        raise rule_error("a prepared model trains on a runtime in its own process", "use an in-process runtime: "
+                         "hydra_tune.optuna_study(..., share='process'), hydra_tune.Runtime or the default one; "
+                         "for a node-shared runtime use hydra_tune.ModelTask with hydra_tune.train",
+                         kind=RuntimeError, task=self.name)
+
+
+class Runner:
+    """The calls of one prepared model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, seed: int | None, precision: str,
+                 stages: Any, name: str | None, runtime: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.seed, self.precision, self.stages, self.runtime = seed, precision, stages, runtime
+        self.name = name if name is not None else f"prepared-{next(_names)}"
+        self.driver = Driver(self.name, seed)
+        self.access = StateAccess(self.driver)
+        self.hooks = HookCheck(model)
+        self._at_forward: tuple[list[Any], list[Any]] = ([], [])
+
+    @property
+    def handle(self) -> Any:
+        return self.driver.handle
+
+    def _submit(self, batch: Any) -> None:
+        model = self.model
+        modes = [(m, m.training) for m in model.modules()]  # the build puts the model in train mode
+        task = PreparedTask(self.driver, model, self._optimizer_for, [batch], loss=_profile_loss, epochs=None,
+                            seed=self.seed or 0, name=self.name, stages=self.stages, precision=self.precision)
+        try:
+            self.driver.handle = submit(task, self.runtime, scoped=True)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    def _optimizer_for(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The task's optimizer factory: the user's optimizer for the user's model; for another model (the
+        footprint's meta copy, which it steps to measure the state) a new one of its class and groups, so that
+        nothing but the user's loop ever steps the user's optimizer."""
+        opt = self.optimizer
+        if model is self.model:
+            return opt
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        theirs = list(model.parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [theirs[index[id(p)]] for p in g["params"]]} for g in opt.param_groups]
+        return type(opt)(groups, **opt.defaults)
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.hooks.check()
+        check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
+        batch = self._batch(args, kwargs)
+        leaves = tree_flatten(batch)[0]
+        check_inputs(leaves)
+        device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        host = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, batch)
+        train = torch.is_grad_enabled()
+        if self.driver.handle is None:
+            self._submit(host)
+        driver, got = self.driver, {}
+        # the stream this thread's own draws come from: torch's global generator, or its trial stream (streams.py)
+        stream = current_generator()
+        given = None if self.seed is not None else stream.get_state()
+
+        def make() -> Any:
+            state = driver.state
+            state.store.clear()  # an earlier training forward whose backward never came is dropped
+            state.store.batch = host
+            state.store.carries[0] = state.cut.prepare(host)
+            if given is not None:  # the units draw what the user's thread would draw next
+                state.rng.cpu.set_state(given)
+            return driver.open_forward(train)
+
+        def after() -> None:
+            state = driver.state
+            got["out"] = state.store.carries[len(state.execs)]
+            if given is not None:
+                got["rng"] = state.rng.cpu.get_state()
+            if not train:
+                state.store.clear()
+
+        driver.pending = 0
+        self._settle()
+        driver.run(make, after)
+        if "rng" in got:
+            stream.set_state(got["rng"])
+        out = got["out"]
+        if train:
+            driver.forwards += 1
+            driver.pending = driver.forwards
+            # what a recomputing B unit reads besides the saved input: the modules' modes and the weights
+            self._at_forward = ([(m, m.training) for m in self.model.modules()],
+                                [(p, p._version) for p in self.model.parameters()])  # torch's in-place counter
+            out = self._join(out, driver.forwards)
+        return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
+
+    def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs and not args:
+            return dict(kwargs)
+        if len(args) == 1 and not kwargs:
+            # as a one-item tuple: every stage family takes a tuple batch's first item as the model's input, so a
+            # tuple or list input reaches the model whole, as model(x) passes it
+            return (args[0],)
+        raise rule_error("a prepared model is called as model(x) or model(**batch)", "pass one input (a tensor, "
+                         "or a tuple whose first item the model takes) or keywords only, as a ModelTask batch",
+                         kind=TypeError, positional=len(args), keywords=sorted(kwargs))
+
+    def _join(self, out: Any, number: int) -> Any:
+        """The output's float tensors through the bridge: they require grad, and their backward runs B units."""
+        leaves, spec = tree_flatten(out)
+        where = [i for i, t in enumerate(leaves) if float_leaf(t)]
+        if not where:
+            return out
+        n = len(leaves)
+
+        def backward_fn(grads: list[torch.Tensor | None]) -> None:
+            self._backward(number, n, dict(zip(where, grads)))
+
+        joined = Bridge.apply(backward_fn, token(), *[leaves[i] for i in where])
+        for i, t in zip(where, joined):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    # -- backward --------------------------------------------------------------------------------------------
+    def _backward(self, number: int, n: int, grads: dict[int, torch.Tensor | None]) -> None:
+        driver = self.driver
+        check_backward(number, driver.pending)
+        driver.pending = 0
+        modes, versions = self._at_forward
+        check_unchanged([name for (name, p), (_, v) in zip(self.model.named_parameters(), versions)
+                         if p._version != v])
+        now = [(m, m.training) for m, _ in modes]
+        for m, mode in modes:  # model.eval() between forward and backward: the backward is still the forward's
+            m.training = mode
+        out_grads = [None if grads.get(i) is None else grads[i].detach().cpu() for i in range(n)]
+
+        def make() -> Any:
+            return driver.open_backward(out_grads)
+
+        def after() -> None:
+            state = driver.state
+            home = state.home
+            with home.locked():  # the gradients land in .grad, added as AccumulateGrad adds them
+                state.store.flush_grads()
+                state.store.clear()
+            if home.cache is None:
+                home.settle()
+            else:  # the user's loop reads and clips them now, then steps: evictions wait for that (state_cache.py)
+                home.settled.clear()
+
+        self._settle()
+        try:
+            driver.run(make, after)
+        finally:
+            for m, mode in now:
+                m.training = mode
+
+    def _settle(self) -> None:
+        """The user's thread is inside a call (not reading its state): evictions need not wait for it."""
+        state = self.driver.state
+        if state is not None:
+            state.home.settle()
