@@ -39,7 +39,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -49,10 +48,10 @@ from typing import Any
 import ray
 import torch
 import torch.nn.functional as F
+from _tune_faults import Chaos  # benchmarks/ is on sys.path
 from ray import cloudpickle, tune
 
 import hydra_tune as ht
-from hydra_tune.integrations import _tune_proxy
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # train_fn travels to the runtime actors by value
 FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 4}
@@ -142,82 +141,6 @@ class Watch(tune.Callback):
                             if t["state"] not in ("done", "cancelled", "failed")),
             "runtime_pids": sorted(st["pid"] for st in stats.values())}
         self.pids |= set(self.at_end["runtime_pids"])
-
-
-class Chaos:
-    """Injects ``kinds`` at ``times`` (seconds after start), each once a target trains; records what it did. Runs
-    in the main thread (a replacement node can only be started there: Ray sets signal handlers), the search in
-    another."""
-
-    def __init__(self, cluster: Any, watch: Watch, kinds: list[str], times: list[float], seed: int) -> None:
-        self.cluster, self.watch, self.rng = cluster, watch, random.Random(seed)
-        self.plan = list(zip(times, kinds))
-        self.done: list[dict[str, Any]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while self.watch.first_result is None:   # times count from the first result (runtimes start slowly)
-            if self.stop.wait(0.2):
-                return
-        t0 = self.watch.first_result
-        for at, kind in self.plan:
-            if self.stop.wait(max(0.0, at - (time.perf_counter() - t0))):
-                return
-            while not self.stop.is_set():
-                hit = getattr(self, f"_{kind}")()
-                if hit is not None:
-                    self.done.append(dict(hit, kind=kind, at_s=round(time.perf_counter() - t0, 2)))
-                    break
-                self.stop.wait(0.2)
-
-    def _targets(self, workers_only: bool = False) -> list[tuple[str, int, str]]:
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        workers = {n.node_id for n in self.cluster.worker_nodes}
-        with self.watch.lock:
-            out = [(t, pid, node) for t, (pid, node) in sorted(self.watch.running.items()) if node in alive]
-        return [x for x in out if x[2] in workers] if workers_only else out
-
-    def _node(self) -> dict[str, Any] | None:
-        targets = [t for t in self._targets(workers_only=True) if _runtime(t[2]) is not None]
-        if not targets:
-            return None
-        per_node: dict[str, int] = {}
-        for _, _, n in targets:
-            per_node[n] = per_node.get(n, 0) + 1
-        nid = self.rng.choice(sorted(n for n, k in per_node.items() if k == max(per_node.values())))   # the busiest
-        node = next(n for n in self.cluster.worker_nodes if n.node_id == nid)
-        self.cluster.remove_node(node, allow_graceful=False)
-        self.cluster.add_node(num_cpus=2)   # the replacement, as a spot instance's would join
-        return {"node": nid, "trials": sorted(t for t, _, n in targets if n == nid)}
-
-    def _actor(self) -> dict[str, Any] | None:
-        targets = self._targets()
-        if not targets:
-            return None
-        _, _, nid = self.rng.choice(targets)
-        actor = _runtime(nid)
-        if actor is None:
-            return None
-        ray.kill(actor, no_restart=True)
-        return {"node": nid, "trials": sorted(t for t, _, n in targets if n == nid)}
-
-    def _proxy(self) -> dict[str, Any] | None:
-        targets = self._targets()
-        if not targets:
-            return None
-        trial, pid, nid = self.rng.choice(targets)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return None
-        return {"node": nid, "trials": [trial], "pid": pid}
-
-
-def _runtime(node_id: str) -> Any:
-    try:
-        return ray.get_actor(_tune_proxy.actor_name(node_id), namespace=_tune_proxy.NAMESPACE)
-    except ValueError:
-        return None
 
 
 def search(cluster: Any, args: argparse.Namespace, root: str, name: str, faults: list[str]) -> dict[str, Any]:

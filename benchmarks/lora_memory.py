@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import threading
@@ -93,19 +92,14 @@ def _tasks(path: str, data: list, n: int):
     return [ht.ModelTask(_make(path, 2 << (i % 4)), opt, data, epochs=1, seed=i, name=f"lora{i}") for i in range(n)]
 
 
-def run_one(mode: str, n: int, batches: int) -> dict:
-    import torch
+def _match_costs(tasks: list) -> dict:
+    """The base's and the adapter's bytes, and what finding equal weights costs at submit (seconds per GB): a full
+    hash, the pool's probe for the first trial, its byte-by-byte comparison for a later one."""
+    from hydra_tune.training.shared_frozen import SharedFrozen, content_key
 
-    import hydra_tune as ht
-
-    torch.set_num_threads(1)
-    path, data = _setup(batches)
-    tasks = _tasks(path, data, n)
     probe = tasks[0].model()
     frozen = sum(p.numel() * p.element_size() for p in probe.parameters() if not p.requires_grad)
     trainable = sum(p.numel() * p.element_size() for p in probe.parameters() if p.requires_grad)
-    from hydra_tune.training.shared_frozen import SharedFrozen, content_key
-
     start = time.perf_counter()
     for p in probe.parameters():
         if not p.requires_grad:
@@ -115,43 +109,69 @@ def run_one(mode: str, n: int, batches: int) -> dict:
     first_s_per_gb = pool.share("probe", probe).match_seconds / (frozen / 1e9)
     second = tasks[1].model()
     later_s_per_gb = pool.share("second", second).match_seconds / (frozen / 1e9)
-    del probe, second, pool
+    return {"base_bytes": frozen, "adapter_param_bytes": trainable,
+            "blake2b_seconds_per_gb": round(hash_s_per_gb, 3),
+            "first_trial_seconds_per_gb": round(first_s_per_gb, 4),
+            "later_trial_seconds_per_gb": round(later_s_per_gb, 3)}
+
+
+def _run_plain(tasks: list) -> None:
+    """The trials as plain PEFT loops, two at a time in two threads (what 2 CPU devices would run)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from reference import plain_train
+
+    def worker(mine):
+        torch.set_num_threads(1)
+        for t in mine:
+            plain_train(t)
+
+    threads = [threading.Thread(target=worker, args=(tasks[k::2],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _run_hydra(mode: str, tasks: list, batches: int) -> dict:
+    """The trials on a 2-CPU runtime, frozen weights shared or not (``mode``): its admitted, pooled and copied
+    bytes."""
+    import hydra_tune as ht
+
+    out: dict = {}
+    config = ht.RuntimeConfig(devices=["cpu", "cpu"], share_frozen=mode == "shared")
+    admitted = 0
+    with ht.Runtime(config=config) as rt:
+        handles = [rt.submit(t) for t in tasks]
+        admitted = rt.host_memory()["admitted_bytes"]
+        out["pool_while_running"] = {k: v for k, v in rt.stats()["shared_frozen"].items()
+                                     if k != "per_task_shared_bytes"}
+        for h in handles:
+            h.result()
+        stats = rt.stats()
+    out["admitted_bytes_all_submitted"] = admitted
+    out["pool_copied_bytes"] = stats["shared_frozen"]["copied_bytes"]
+    out["h2d_state_bytes"] = {d["name"]: d["copies"]["h2d"].get("state", 0) for d in stats["devices"]}
+    out["minibatches"] = len(tasks) * batches
+    return out
+
+
+def run_one(mode: str, n: int, batches: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    path, data = _setup(batches)
+    tasks = _tasks(path, data, n)
+    costs = _match_costs(tasks)   # (its models are let go before the baseline is read)
     baseline = _rss()
     peak = Peak()
     start = time.perf_counter()
-    out: dict = {"mode": mode, "trials": n, "base_bytes": frozen, "adapter_param_bytes": trainable,
-                 "blake2b_seconds_per_gb": round(hash_s_per_gb, 3),
-                 "first_trial_seconds_per_gb": round(first_s_per_gb, 4),
-                 "later_trial_seconds_per_gb": round(later_s_per_gb, 3)}
+    out: dict = {"mode": mode, "trials": n, **costs}
     if mode == "plain":
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        from reference import plain_train
-
-        def worker(mine):
-            torch.set_num_threads(1)
-            for t in mine:
-                plain_train(t)
-
-        threads = [threading.Thread(target=worker, args=(tasks[k::2],)) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _run_plain(tasks)
     else:
-        config = ht.RuntimeConfig(devices=["cpu", "cpu"], share_frozen=mode == "shared")
-        admitted = 0
-        with ht.Runtime(config=config) as rt:
-            handles = [rt.submit(t) for t in tasks]
-            admitted = rt.host_memory()["admitted_bytes"]
-            out["pool_while_running"] = {k: v for k, v in rt.stats()["shared_frozen"].items()
-                                         if k != "per_task_shared_bytes"}
-            for h in handles:
-                h.result()
-            stats = rt.stats()
-        out["admitted_bytes_all_submitted"] = admitted
-        out["pool_copied_bytes"] = stats["shared_frozen"]["copied_bytes"]
-        out["h2d_state_bytes"] = {d["name"]: d["copies"]["h2d"].get("state", 0) for d in stats["devices"]}
-        out["minibatches"] = n * batches
+        out.update(_run_hydra(mode, tasks, batches))
     out["seconds"] = round(time.perf_counter() - start, 2)
     out["rss_above_baseline"] = peak.stop() - baseline
     return out

@@ -10,10 +10,7 @@ importing the parent package (which imports torch). The runtime actor imports hy
 The runtime settings travel as ``RuntimeConfig.as_dict()`` (plain values, validated where the executor was made)
 and become a ``RuntimeConfig`` again in the actor.
 
-How ``tune.report``/``tune.get_context`` keep working inside ``train_fn``: Ray's function API reads the
-process-wide ``ray.train._internal.session._session``. In the runtime actor that variable is replaced by a
-per-thread router (``route_sessions``, which checks the installed Ray still reads it), so each trial thread sees
-its own forwarding session.
+How ``tune.report``/``tune.get_context`` keep working inside ``train_fn``: _tune_session.py.
 
 How ``hydra_tune.train`` inside ``train_fn`` reaches the node's runtime: each trial thread runs ``train_fn`` inside
 ``hydra_tune.api.bind``, whose submit records every handle on the trial's session, so cancelling the trial
@@ -22,7 +19,6 @@ cancels its tasks.
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
 import time
@@ -74,119 +70,6 @@ def actor_name(node_id: str) -> str:
     return f"hydra_rt_{node_id}"
 
 
-class TrialStopped(BaseException):
-    """Raised in ``train_fn`` (at ``tune.report``) once Tune stopped the trial; a BaseException, so an
-    ``except Exception`` in user code does not swallow it."""
-
-
-class _ForwardSession:
-    """What ``train_fn`` sees as Ray's session inside the runtime actor: reports go to the trial's proxy."""
-    world_rank = local_rank = node_rank = 0
-    world_size = local_world_size = 1
-    metadata = None
-    synchronous_result_reporting = False
-
-    def __init__(self, trial_id: str, info: dict[str, Any], checkpoint: Any) -> None:
-        self.trial_id = trial_id
-        self.trial_name = info["trial_name"]
-        self.trial_dir = info["trial_dir"]
-        self.experiment_name = info["experiment_name"]
-        self.trial_resources = info["trial_resources"]
-        self.storage = info.get("storage")
-        self.run_id = info.get("run_id")
-        self.loaded_checkpoint = checkpoint
-        self.events: queue.Queue = queue.Queue()    # runtime thread -> proxy
-        self.ack = threading.Semaphore(0)           # proxy -> runtime thread: Tune took the report
-        self.cancelled: str | None = None
-        self.token = f"{time.time_ns()}-{id(self)}"   # this incarnation of the trial (restarts reuse trial_id)
-        self.thread: threading.Thread | None = None
-        self.handles: list[Any] = []                # the hydra_tune tasks this trial's train_fn submitted
-        self.lock = threading.Lock()
-
-    def track(self, handle: Any) -> Any:
-        """Record a task this trial submitted; one submitted after the trial was cancelled is cancelled now."""
-        with self.lock:
-            self.handles = [h for h in self.handles if not h.done()] + [handle]
-            late = self.cancelled is not None
-        if late:
-            handle.cancel()
-        return handle
-
-    def cancel_tasks(self) -> None:
-        """Cancel this trial's running tasks now (their state is freed)."""
-        with self.lock:
-            handles = list(self.handles)
-        for h in handles:
-            if not h.done():
-                h.cancel()
-
-    def forget_tasks(self) -> None:
-        """Drop the handles (and the trained models they hold) once the trial's thread has ended."""
-        with self.lock:
-            self.handles = []
-
-    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
-        if self.cancelled:
-            raise TrialStopped(self.cancelled)
-        self.events.put(("report", dict(metrics), checkpoint))
-        while not self.ack.acquire(timeout=0.1):   # block, as Tune does, until the proxy reported it
-            if self.cancelled:
-                raise TrialStopped(self.cancelled)
-        if self.cancelled:
-            raise TrialStopped(self.cancelled)
-
-
-class _ThreadRoutedSession:
-    """Installed as Ray's process-wide session in the runtime actor; each attribute access goes to the calling
-    thread's ``_ForwardSession`` (falsy in threads without one)."""
-
-    def __init__(self) -> None:
-        object.__setattr__(self, "_local", threading.local())
-
-    def use(self, session: _ForwardSession | None) -> None:
-        """The calling thread's session from now on (None: none)."""
-        self._local.session = session
-
-    def _current(self) -> _ForwardSession | None:
-        return getattr(self._local, "session", None)
-
-    def __bool__(self) -> bool:
-        return self._current() is not None
-
-    def __getattr__(self, name: str) -> Any:
-        s = self._current()
-        if s is None:
-            raise AttributeError(name)
-        return getattr(s, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._current(), name, value)
-
-
-def route_sessions(router: Any) -> None:
-    """Make ``router`` the session Ray's function API (``tune.report``, ``tune.get_checkpoint``,
-    ``tune.get_context``) reads in this process, and check that it does; RuntimeError naming Ray's version if not.
-
-    Third-party private, the one place hydra_tune touches Ray internals: Ray 2.41 to 2.60 keep the session in the
-    module variable ``ray.train._internal.session._session``, read by ``get_session()``, and offer no per-thread
-    hook. The check makes a Ray that moved it fail here, with its version, instead of in a trial's first report
-    ("`report` is meant to only be called inside a function that is executed by a Tuner")."""
-    try:
-        from ray.train._internal import session as module
-    except ImportError as exc:
-        raise RuntimeError(_moved(f"ray.train._internal.session does not import ({exc})")) from exc
-    if not hasattr(module, "_session") or not callable(getattr(module, "get_session", None)):
-        raise RuntimeError(_moved("ray.train._internal.session has no `_session` or `get_session`"))
-    module._session = router
-    if module.get_session() is not router:
-        raise RuntimeError(_moved("ray.train._internal.session.get_session() does not read `_session`"))
-
-
-def _moved(what: str) -> str:
-    return (f"Ray keeps Tune's function session in ray.train._internal.session._session must hold, but got ({what}, "
-            f"ray={ray.__version__}). Fix: install a supported Ray, pip install 'ray[tune]>=2.41,<2.61'.")
-
-
 class RuntimeActor:
     """The Ray actor of one node: owns the node's devices through the process's hydra_tune default runtime, made
     from ``config`` (a ``RuntimeConfig.as_dict()`` plus ``progress``), and runs every trial's ``train_fn`` in a
@@ -194,10 +77,12 @@ class RuntimeActor:
 
     def __init__(self, config: dict[str, Any], origin: str) -> None:
         check_package()   # before the import: a shadowing hydra_tune.py would run as the package
-        self.router = _ThreadRoutedSession()
+        # (imported here, not at the top: Tune's trial actors unpickle this module by value without hydra_tune)
+        from hydra_tune.integrations._tune_session import ThreadRoutedSession, route_sessions
+
+        self.router = ThreadRoutedSession()
         route_sessions(self.router)
         import hydra_tune
-
         from hydra_tune.runtime.progress import ENV
 
         settings = dict(config)
@@ -205,7 +90,7 @@ class RuntimeActor:
         os.environ[ENV] = str(settings.pop("progress", None) or 0)
         hydra_tune.configure(config=hydra_tune.RuntimeConfig(**settings))
         self.runtime = hydra_tune.default_runtime()   # devices are set up now, before the first trial
-        self.trials: dict[str, _ForwardSession] = {}
+        self.trials: dict[str, Any] = {}   # trial id -> its ForwardSession
         self.log: list[tuple[float, str, str]] = []
         self.origin = origin
         self.lock = threading.Lock()
@@ -229,13 +114,15 @@ class RuntimeActor:
 
     def start(self, trial_id: str, fn_bytes: bytes, config: dict[str, Any], info: dict[str, Any],
               checkpoint: Any) -> str:
+        from hydra_tune.integrations._tune_names import tune_checked  # refuses Tune's own result keys
+        from hydra_tune.integrations._tune_session import ForwardSession
+
         from hydra_tune import api
-        from hydra_tune.integrations._tune_names import tune_checked   # refuses Tune's own result keys
 
         old = self.trials.get(trial_id)
         if old is not None and old.thread is not None and old.thread.is_alive():
             self.cancel(trial_id, "restarted")
-        s = _ForwardSession(trial_id, info, checkpoint)
+        s = ForwardSession(trial_id, info, checkpoint)
 
         def run() -> None:
             self.router.use(s)

@@ -27,13 +27,10 @@ Shape:
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optuna
@@ -49,6 +46,7 @@ from hydra_tune.runtime.progress import ProgressLog, progress_seconds
 from hydra_tune.runtime.runtime import Runtime
 from hydra_tune.task import ModelTask
 
+from ._optuna_storage import creating, study_storage
 from ._versions import require
 
 require("optuna", optuna.__version__)   # a clear ImportError outside the tested range
@@ -298,40 +296,6 @@ def _device_count(runtime: Any) -> int:
     return devices if isinstance(devices, int) else len(devices)
 
 
-@contextlib.contextmanager
-def _creating(storage: Any) -> Iterator[None]:
-    """Processes that open a new SQLite file at once race in its schema set-up ("UNIQUE constraint failed:
-    alembic_version"): one process of this user at a time sets up a given file."""
-    path = storage[len("sqlite:///"):] if isinstance(storage, str) and storage.startswith("sqlite:///") else None
-    if not path or path.startswith(":memory:"):
-        yield
-        return
-    from hydra_tune.node.files import locked, private_dir
-
-    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-    with locked(os.path.join(private_dir(), f"sqlite-{digest}.lock")):
-        yield
-
-
-def _storage(storage: Any, heartbeat_interval: int | None) -> Any:
-    """The storage object the study is made on (so the study knows it without asking Optuna's privates): None
-    becomes an InMemoryStorage, a URL string an RDBStorage (with Optuna's heartbeat unless ``heartbeat_interval``
-    is None, so dead processes' trials can be failed); a storage object is kept."""
-    if storage is None:
-        return InMemoryStorage()
-    if not isinstance(storage, str):
-        return storage
-    if heartbeat_interval is not None and (isinstance(heartbeat_interval, bool) or
-                                           not isinstance(heartbeat_interval, int) or heartbeat_interval < 1):
-        raise rule_error("`heartbeat_interval >= 1` (seconds, an int) or None", "pass e.g. 10, or None to open "
-                         "the storage URL without a heartbeat", heartbeat_interval=heartbeat_interval)
-    # SQLite: wait for a writer of another process instead of failing with "database is locked" at once.
-    engine = {"connect_args": {"timeout": 60}} if storage.startswith("sqlite") else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(storage, engine_kwargs=engine, heartbeat_interval=heartbeat_interval)
-
-
 def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None,
                  host_memory: int | str | None = None, policy: str = "lrtf", config: RuntimeConfig | None = None,
                  runtime: Any = None, share: str = "auto", heartbeat_interval: int | None = 10,
@@ -376,20 +340,26 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(constant_liar=True)
     sampler = HydraSampler(sampler)   # checks it before the study is created
-    with _creating(kwargs.get("storage")):
-        storage = kwargs["storage"] = _storage(kwargs.get("storage"), heartbeat_interval)
+    with creating(kwargs.get("storage")):
+        storage = kwargs["storage"] = study_storage(kwargs.get("storage"), heartbeat_interval)
         base = optuna.create_study(sampler=sampler, **kwargs)
     owns = runtime is None
     local: RuntimeConfig | None = None
     if owns:
-        if share == "auto":
-            share = "process" if isinstance(storage, InMemoryStorage) else "node"
-        if share == "node":
-            from hydra_tune import node
-
-            runtime = node.connect(config=settings)
-            local = settings  # prepared models: a runtime in this process (_LocalRuntime)
-        else:
-            runtime = Runtime(config=settings, progress=seconds)
-            seconds = None   # the runtime logs itself
+        runtime, local, seconds = _own_runtime(share, storage, settings, seconds)
     return HydraStudy(base, storage, runtime, owns, trials_per_device, seconds, local=local)
+
+
+def _own_runtime(share: str, storage: Any, settings: RuntimeConfig,
+                 seconds: float | None) -> tuple[Any, RuntimeConfig | None, float | None]:
+    """The runtime a study makes for itself (``share``: "auto" decides by ``storage``): an in-process ``Runtime``
+    or a client of the node's runtime server; with it the settings of a runtime in this process for prepared
+    models (node only, see _LocalRuntime) and the progress seconds the study still logs itself (None: the
+    in-process runtime logs them)."""
+    if share == "auto":
+        share = "process" if isinstance(storage, InMemoryStorage) else "node"
+    if share == "node":
+        from hydra_tune import node
+
+        return node.connect(config=settings), settings, seconds
+    return Runtime(config=settings, progress=seconds), None, None

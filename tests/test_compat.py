@@ -81,24 +81,24 @@ def test_import_outside_the_range_names_installed_and_supported():
 def test_ray_session_hook_names_the_supported_range():
     """The runtime actor's message for a Ray that moved its session names the same range as the extras."""
     pytest.importorskip("ray")
-    from hydra_tune.integrations import _tune_proxy
+    from hydra_tune.integrations import _tune_session
 
-    assert f"'ray[tune]{_versions.spec('ray')}'" in _tune_proxy._moved("x")
+    assert f"'ray[tune]{_versions.spec('ray')}'" in _tune_session._moved("x")
 
 
 def test_ray_session_hook_routes_and_detects_a_moved_session(monkeypatch):
     pytest.importorskip("ray")
     from ray.train._internal import session as module
 
-    from hydra_tune.integrations import _tune_proxy
+    from hydra_tune.integrations import _tune_session
 
-    router = _tune_proxy._ThreadRoutedSession()
+    router = _tune_session.ThreadRoutedSession()
     monkeypatch.setattr(module, "_session", None)
-    _tune_proxy.route_sessions(router)
+    _tune_session.route_sessions(router)
     assert module.get_session() is router   # what tune.report reads on this Ray
     monkeypatch.setattr(module, "get_session", lambda: None)   # a Ray that reads its session elsewhere
     with pytest.raises(RuntimeError, match=r"ray=.*Fix: install a supported Ray"):
-        _tune_proxy.route_sessions(router)
+        _tune_session.route_sessions(router)
 
 
 def test_keywords_renamed_only_to_declared_parameters():

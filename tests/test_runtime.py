@@ -239,7 +239,7 @@ def test_a_fault_of_the_board_fails_the_tasks_instead_of_hanging_them():
     submitted after the fault is gone train as usual."""
     calls = {"n": 0}
     with ht.Runtime(devices=["cpu"]) as rt:
-        pick = rt.scheduler._pick  # fault injection: the policy raises once
+        pick = rt.scheduler._picker.pick  # fault injection: the policy raises once
 
         def broken(records, index, idle):
             calls["n"] += 1
@@ -247,7 +247,7 @@ def test_a_fault_of_the_board_fails_the_tasks_instead_of_hanging_them():
                 raise ZeroDivisionError("estimate / 0")
             return pick(records, index, idle)
 
-        rt.scheduler._pick = broken
+        rt.scheduler._picker.pick = broken
         h = rt.submit(ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=2, name="victim"))
         assert h.wait(30), "the task hung"
         assert h.status == "failed" and "scheduler failed on device cpu:0" in str(h.error)

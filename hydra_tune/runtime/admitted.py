@@ -34,7 +34,7 @@ class Admitted:
         # Written under the board's lock:
         self.opening = False        # its host thread is advancing the chain now
         self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
-        self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (_estimate)
+        self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (Picker.estimate)
         self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
         self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
         self.open_seconds = 0.0     # how long its last opening took

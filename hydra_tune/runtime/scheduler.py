@@ -22,27 +22,23 @@ once, and its chain is let go when that thread returns (a thread that never retu
 """
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
-from ..policy.schedule import POLICIES, Estimator, Ready, defers, lrtf
 from ..training.footprint import Footprint
 from ..training.state import TaskState
 from .admitted import Admitted
 from .handle import TaskHandle
 from .host import HostThread
+from .picker import AFFINITY, Picker
 
 # How long a device waits for the next segment of the task the policy kept it on: 4 times that task's last opening
 # (its host work: optimizer step, next batch), at least 50 ms, at most 1 s; past that it runs other ready tasks
 # (a data iterator that blocks holds no device longer than that).
 KEEP_WAIT = (4.0, 0.05, 1.0)
-# LRTF's affinity band here (policy/schedule.py lrtf): estimates of equal tasks differ by tens of percent on a busy
-# machine, and without it small tasks moved their state between devices about every fourth segment.
-AFFINITY = 0.3
 
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
@@ -55,7 +51,7 @@ class Scheduler:
         self.policy = policy
         self._history = history      # ended tasks' records kept (the newest; None: all)
         self._dropped = 0            # records dropped past it
-        self._pick = functools.partial(lrtf, affinity=AFFINITY) if policy == "lrtf" else POLICIES[policy]
+        self._picker = Picker(policy)  # the policy and the remaining-time estimates
         self._on_end = on_end
         self.cond = threading.Condition()
         self._ready: list[tuple[int, Admitted]] = []  # (its place: when it left a device, task)
@@ -66,7 +62,6 @@ class Scheduler:
         self._admitted = 0
         self._closed = False
         self._idle: set[int] = set()
-        self._estimator = Estimator()
 
     @property
     def closed(self) -> bool:
@@ -109,7 +104,7 @@ class Scheduler:
             self._ready = [(q, a) for q, a in self._ready if a is not task]
             record = dict(task.stats(), state=status)
             self._keep_record(task.name, record)
-            self._estimator.forget(task.name)
+            self._picker.estimator.forget(task.name)
             self._left = [h for h in self._left if h.alive] + [task.host]
             self.cond.notify_all()  # a device waiting for its next segment stops waiting
         task.host.stop()
@@ -180,7 +175,8 @@ class Scheduler:
         """Block until a task is ready for device ``index`` (its next segment open); None once closed."""
         with self.cond:
             self._idle.add(index)
-            self.cond.wait_for(lambda: self._closed or self._ready and not self._defers(index))
+            self.cond.wait_for(lambda: self._closed
+                               or self._ready and not self._picker.defers(index, self._ready, self._idle))
             self._idle.discard(index)
             self.cond.notify_all()  # a device that deferred to this one decides again
             if self._closed:
@@ -201,16 +197,17 @@ class Scheduler:
         with self.cond:
             wait = min(max(factor * task.open_seconds, least), most)
             state = task.state  # (None once ended)
-            floor = (1 - AFFINITY) * self._estimator.remaining(task.name, state.remaining()) if state else 0.0
+            estimator = self._picker.estimator
+            floor = (1 - AFFINITY) * estimator.remaining(task.name, state.remaining()) if state else 0.0
             # (many small tasks: waiting for each host thread's wake-up and step idles the device about as long
             # as it computes; a task from another device would move its state, costing more than the wait)
             self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task
-                               or any(self._mine(a, index, floor) for _, a in self._ready), wait)
+                               or any(self._picker.mine(a, index, floor) for _, a in self._ready), wait)
             opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
             task.kept_by = None
             if self._closed:
                 return None
-            other = None if opened else self._local(index, floor)
+            other = None if opened else self._picker.local(index, floor, self._ready)
             if other is not None:
                 self._ready.remove(other)
                 # kept for this device's next choice: another device that has other work does not take it
@@ -257,13 +254,13 @@ class Scheduler:
     def observe(self, task: Admitted, kind: str, seconds: float) -> None:
         """A unit of ``task`` ran for ``seconds``: feeds the remaining-time estimates."""
         with self.cond:
-            self._estimator.observe(task.name, kind, seconds)
+            self._picker.estimator.observe(task.name, kind, seconds)
             task.units += 1
 
     def replanned(self, task: Admitted) -> None:
         """``task``'s units changed (a re-plan): its measured unit times no longer apply."""
         with self.cond:
-            self._estimator.forget(task.name)
+            self._picker.estimator.forget(task.name)
             task.left = None
 
     # -- reading ---------------------------------------------------------------------------------------------
@@ -346,57 +343,10 @@ class Scheduler:
         self._seq += 1
         return self._seq
 
-    def _estimate(self, task: Admitted, current: bool = False) -> float:
-        """``task``'s estimated seconds left, kept while it waits in the ready queue (its state and unit times
-        change only when it runs; a task not measured yet follows the mean over all, so it is asked anew)."""
-        if task.left is not None and not current:
-            return task.left
-        left = self._estimator.remaining(task.name, task.state.remaining())
-        if not current and self._estimator.measured(task.name):
-            task.left = left
-        return left
-
-    def _records(self, index: int, cands: list[tuple[int, Admitted]], current: Admitted | None) -> list[Ready]:
-        """The policy's view of ``cands`` for device ``index`` (``current``: as if ready now, last run here)."""
-        return [self._record(index, seq, a, a is current) for seq, a in cands]
-
-    def _record(self, index: int, seq: int, task: Admitted, current: bool) -> Ready:
-        """(the lock held) ``task``'s Ready record, reused while its fields are unchanged (with many ready tasks,
-        making a frozen record for each at every pick was a large part of a small model's segment)."""
-        key = (seq, index if current else task.last_device, self._estimate(task, current), task.turns + current,
-               *task.state.home.holder())
-        kept = task.record
-        if kept is None or kept[0] != key:
-            kept = task.record = (key, Ready(task.name, key[0], key[1], key[2], key[3], task.order, key[4], key[5]))
-        return kept[1]
-
-    def _defers(self, index: int) -> bool:
-        """Whether device ``index`` leaves every ready task to the other idle devices holding their state
-        (policy.schedule.defers); only where they hold state are the records built (cheap for the common case)."""
-        others = self._idle - {index}
-        if not others:
-            return False
-        held = [(a.last_device, *a.state.home.holder()) for _, a in self._ready]
-        return defers([Ready(a.name, seq, last, 0.0, 0, 0, on, nbytes)
-                       for (seq, a), (last, on, nbytes) in zip(self._ready, held)], index, sorted(others))
-
     def _push(self, task: Admitted) -> None:
         task.left = None  # its next segment is open: its estimate is asked anew
         self._ready.append((task.since, task))
         self.cond.notify_all()  # every waiter: a device waiting for a kept task must not swallow the wake-up
-
-    def _mine(self, task: Admitted, index: int, floor: float) -> bool:
-        return task.last_device == index and task.set_aside in (None, index) and self._estimate(task) >= floor
-
-    def _local(self, index: int, floor: float) -> tuple[int, Admitted] | None:
-        """The ready-queue entry the policy picks among the tasks that last ran on device ``index`` with at least
-        ``floor`` estimated seconds left (None: there is none)."""
-        local = [(seq, a, self._estimate(a)) for seq, a in self._ready if self._mine(a, index, floor)]
-        if not local:
-            return None
-        records = [Ready(a.name, seq, index, left, a.turns, a.order) for seq, a, left in local]
-        seq, task, _ = local[self._pick(records, index, [])]
-        return seq, task
 
     def _choose(self, index: int, current: Admitted | None = None) -> Admitted | None:
         """Pop the ready task the policy gives device ``index``. ``current``, the task whose segment the device
@@ -412,7 +362,7 @@ class Scheduler:
         cands = [(seq, a) for _, seq, a in ready] + ([(self._seq + 1, current)] if current is not None else [])
         if not cands:
             return None
-        pos = self._pick(self._records(index, cands, current), index, idle)
+        pos = self._picker.pick(self._picker.records(index, cands, current), index, idle)
         return cands[pos][1] if pos == len(ready) else self._ready.pop(ready[pos][0])[1]
 
     def _release_set_aside(self, index: int) -> None:
