@@ -27,8 +27,12 @@ Rules:
   tasks go on with the values they were built with. With no clean copy left the entry is poisoned: every holder
   fails at its next step naming the writer, and no device copy is made from it (a unit needing one raises).
   Units never see a host write: they run on the pool's device copies, and a device copy written in place by a
-  forward is refused when next handed out. Writes through ``.data`` are not seen by version counters: hydra_tune
-  cannot detect them (tasks must not write into frozen weights).
+  forward is refused when next handed out. A CPU device (a stand-in whose "device copy" is host memory too) that
+  cannot keep its copy (``DEVICE_SHARE`` of its budget) gets the pooled host tensor itself instead of a new copy
+  per unit: a forward writing into it moves the pool's counter, and with no clean copy to restore from the entry
+  is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either). Writes
+  through ``.data`` are not seen by version counters: hydra_tune cannot detect them (tasks must not write into
+  frozen weights).
 * Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
@@ -86,6 +90,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         if x.numel() % size == 0:
             return torch.equal(x.view(wide), y.view(wide))  # integer views: bits compared, not values
     return torch.equal(x, y)
+
+
+def _host_device(device: Any) -> bool:
+    torch_device = getattr(device, "torch_device", None)
+    return torch_device is not None and torch.device(torch_device).type == "cpu"
 
 
 def _qualifies(p: nn.Parameter) -> bool:
@@ -160,6 +169,7 @@ class SharedFrozen:
         self._tasks: dict[str, TaskShares] = {}
         self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
+        self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
         self.match_seconds = 0.0
         self.compared_bytes = 0
 
@@ -266,8 +276,9 @@ class SharedFrozen:
                 for t, n in written:  # the writer fails at its own next check, whoever restores it
                     self._wrote.setdefault(t, []).append(n)
                 if written and not entry.poisoned:
-                    clean = [c for c, v in entry.devices.values()
-                             if c._version == v and c.untyped_storage().nbytes()]
+                    clean = [c for c, v in entry.devices.values()  # not the host tensor itself (CPU devices)
+                             if c._version == v and c.untyped_storage().nbytes()
+                             and c.data_ptr() != entry.tensor.data_ptr()]
                     if clean:
                         with torch.no_grad():
                             entry.tensor.copy_(clean[0].to(entry.tensor.device))
@@ -298,10 +309,21 @@ class SharedFrozen:
                                  "into frozen weights in forward; make them buffers or trainable",
                                  device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
             return copy
+        keep = self._keep_on(device, entry.nbytes)
+        if _host_device(device) and not keep:
+            # a CPU stand-in's "device copy" would be host memory again, made anew for every unit: the pooled
+            # tensor itself serves, read-only (a write in place moves its counter: refused at the next hand-out).
+            # A copy that can be kept is still made: it is the clean source a write into the host is undone from
+            copy = entry.tensor.detach()
+            with self._lock:
+                self.aliased[device.name] = self.aliased.get(device.name, 0) + entry.nbytes
+                if key in self._entries:
+                    entry.devices[device.name] = (copy, copy._version)
+            return copy
         copy = device.copier.to_device(host, "state")
         with self._lock:
             self.copied[device.name] = self.copied.get(device.name, 0) + entry.nbytes
-        if self._keep_on(device, entry.nbytes):
+        if keep:
             with self._lock:
                 if key in self._entries:
                     entry.devices[device.name] = (copy, copy._version)
@@ -312,7 +334,8 @@ class SharedFrozen:
         if budget is None:
             return True
         with self._lock:
-            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices)
+            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices
+                   and e.devices[device.name][0].data_ptr() != e.tensor.data_ptr())
         return kept + nbytes <= DEVICE_SHARE * budget
 
     def forget_device_copies(self) -> None:
@@ -339,5 +362,5 @@ class SharedFrozen:
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
-                    "copied_bytes": dict(self.copied),
+                    "copied_bytes": dict(self.copied), "aliased_bytes": dict(self.aliased),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}

@@ -1,0 +1,61 @@
+"""Host memory of LoRA trials sharing one base (issue 18, second round): admission charges a trial what it holds
+once its frozen weights are pooled, and CPU devices read the pooled base in place instead of copying it per unit
+(training/shared_frozen.py, training/footprint.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from reference import max_param_diff, plain_train, trained
+from test_peft_lora import BUDGET, Gated, batches, distinct_bytes, lora_bert, task
+
+import hydra_tune as ht
+from hydra_tune.training.footprint import TASK_OVERHEAD
+
+pytest.importorskip("peft", reason="PEFT support needs the `peft` extra (pip install hydra_tune[peft])")
+
+
+def test_admission_charges_lora_trials_their_own_part_not_the_frozen_base_again():
+    """The overhead allowance holds one optimizer step's temporaries of the largest *trainable* parameter: a
+    frozen embedding larger than every adapter is no part of it (it was charged once per trial before)."""
+    go = threading.Event()
+    tasks = [task(f"r{r}", r=r, data=Gated(batches(2), go), seed=r, epochs=1) for r in (2, 4, 8)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=BUDGET, host_memory="1GB") as rt:
+        handles = [rt.submit(t) for t in tasks]
+        admitted = rt.host_memory()
+        go.set()
+        models = [trained(h) for h in handles]
+        stats = rt.stats()
+    base = distinct_bytes(lora_bert()())
+    own = []
+    for t, m in zip(tasks, models):
+        trainable = [p.numel() * p.element_size() for p in m.parameters() if p.requires_grad]
+        largest_frozen = max(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+        assert largest_frozen > max(trainable)  # else this test could not tell the two apart
+        fp = stats["tasks"][t.name]["host_footprint"]
+        assert fp["overhead"] == TASK_OVERHEAD + max(trainable), (t.name, fp)
+        assert fp["grads"] == sum(trainable)
+        # its parameters, buffers and unpooled frozen ones; gradients; AdamW's state (measured); one minibatch's
+        # activations; the fixed allowance and one step's temporaries
+        own.append(fp["params"] + fp["grads"] + fp["optimizer"] + fp["activations"] + TASK_OVERHEAD
+                   + max(trainable))
+        assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
+    # the base once (to the pool), each trial what it holds: nothing of the base a second time
+    pooled = admitted["admitted"]["(shared frozen weights)"]
+    assert base <= pooled < 2 * base
+    assert admitted["admitted_bytes"] <= pooled + sum(own), (admitted, base, own)
+
+
+def test_a_cpu_device_that_cannot_keep_a_copy_reads_the_pooled_base_in_place():
+    """Before: a CPU device whose budget share could not keep a pooled tensor's copy made a new one for every
+    unit of every trial (host memory and time); now it reads the pooled host tensor itself, bit-exact."""
+    tasks = [task(f"t{r}", r=r, epochs=2) for r in (2, 4)]
+    base = distinct_bytes(lora_bert()())
+    with ht.Runtime(devices=["cpu"], device_memory=BUDGET) as rt:
+        models = [trained(h) for h in [rt.submit(t) for t in tasks]]
+        pool = rt.stats()["shared_frozen"]
+    copied, aliased = pool["copied_bytes"].get("cpu:0", 0), pool.get("aliased_bytes", {}).get("cpu:0", 0)
+    assert copied <= base, pool  # each pooled tensor copied at most once (those its budget share keeps)
+    assert aliased > 0, pool
+    for t, m in zip(tasks, models):
+        assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
