@@ -59,3 +59,29 @@ def test_a_cpu_device_that_cannot_keep_a_copy_reads_the_pooled_base_in_place():
     assert aliased > 0, pool
     for t, m in zip(tasks, models):
         assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
+
+
+def test_an_ended_trials_model_its_user_let_go_is_freed_when_the_next_trial_ends():
+    """PEFT models are reference cycles: without a collection at each trial's end, an ended trial's model (with
+    its private copy of the base) stayed in memory until one of Python's rare full collections."""
+    import gc
+    import weakref
+
+    go = threading.Event()
+    first, second = task("first", epochs=1), task("second", data=Gated(batches(2), go), epochs=1)
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()  # the collector's own timing out of the picture: only what the runtime frees counts
+    try:
+        with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+            h_first, h_second = rt.submit(first), rt.submit(second)
+            model = trained(h_first)
+            gone = weakref.ref(model.base_model.model.bert.embeddings.word_embeddings.weight)
+            del model, h_first
+            assert gone() is not None  # a cycle: not freed by reference counting
+            go.set()
+            trained(h_second)
+            assert gone() is None
+    finally:
+        if was:
+            gc.enable()

@@ -41,6 +41,7 @@ Rules:
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import threading
@@ -262,6 +263,10 @@ class SharedFrozen:
                 for p in {id(p): p for p in private}.values():
                     if p.data_ptr() != 0 and p.device.type == "cpu":
                         p.data = p.data.clone()
+        # PEFT models are reference cycles (freed only by Python's collector, whose full passes are rare in a
+        # process this size): an ended trial's model its user let go (with its own copy of the base) is freed now,
+        # at the next trial's end, not held for many trials
+        gc.collect()
 
     def check(self, task: str, keys: set[Any]) -> tuple[list[str], list[str]]:
         """(names of ``task``'s parameters it wrote into, who wrote into others it holds with no clean copy
