@@ -85,3 +85,21 @@ def test_an_ended_trials_model_its_user_let_go_is_freed_when_the_next_trial_ends
     finally:
         if was:
             gc.enable()
+
+
+def test_two_cpu_devices_share_one_copy_of_the_pooled_base():
+    """CPU devices share one address space: the second takes the first one's kept copy (before: each made and
+    kept its own, two copies of the base in host memory beside the pool's)."""
+    go = threading.Event()
+    tasks = [task(f"t{r}", r=r, data=Gated(batches(3), go), seed=r, epochs=1) for r in (2, 4)]
+    base = distinct_bytes(lora_bert()())
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=None) as rt:
+        handles = [rt.submit(t) for t in tasks]
+        go.set()
+        models = [trained(h) for h in handles]
+        pool = rt.stats()["shared_frozen"]
+    used = set(pool["copied_bytes"]) | set(pool.get("reused_bytes", {}))
+    assert used == {"cpu:0", "cpu:1"}, pool   # both devices ran units over the pooled base
+    assert sum(pool["copied_bytes"].values()) <= base, pool   # made once, for both
+    for t, m in zip(tasks, models):
+        assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name

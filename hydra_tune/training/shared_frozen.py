@@ -30,7 +30,9 @@ Rules:
   forward is refused when next handed out. A CPU device (a stand-in whose "device copy" is host memory too) that
   cannot keep its copy (``DEVICE_SHARE`` of its budget) gets the pooled host tensor itself instead of a new copy
   per unit: a forward writing into it moves the pool's counter, and with no clean copy to restore from the entry
-  is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either). Writes
+  is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either).
+  CPU devices share one address space: a CPU device takes another CPU device's kept copy (one clean copy serves
+  them all). Writes
   through ``.data`` are not seen by version counters: hydra_tune cannot detect them (tasks must not write into
   frozen weights).
 * Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
@@ -96,6 +98,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _host_device(device: Any) -> bool:
     torch_device = getattr(device, "torch_device", None)
     return torch_device is not None and torch.device(torch_device).type == "cpu"
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
 
 
 def _qualifies(p: nn.Parameter) -> bool:
@@ -171,6 +177,7 @@ class SharedFrozen:
         self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
         self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
+        self.reused: dict[str, int] = {}         # CPU device -> pooled bytes it took from another CPU device's copy
         self.match_seconds = 0.0
         self.compared_bytes = 0
 
@@ -314,6 +321,10 @@ class SharedFrozen:
                                  "into frozen weights in forward; make them buffers or trainable",
                                  device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
             return copy
+        if _host_device(device):
+            copy = self._cpu_copy(key, entry, device)
+            if copy is not None:
+                return copy
         keep = self._keep_on(device, entry.nbytes)
         if _host_device(device) and not keep:
             # a CPU stand-in's "device copy" would be host memory again, made anew for every unit: the pooled
@@ -333,6 +344,19 @@ class SharedFrozen:
                 if key in self._entries:
                     entry.devices[device.name] = (copy, copy._version)
         return copy
+
+    def _cpu_copy(self, key: Any, entry: _Entry, device: Any) -> torch.Tensor | None:
+        """Another CPU device's clean copy of ``entry``, now also ``device``'s: CPU devices share one address
+        space, so one copy serves them all (read-only: a write moves its counter, refused at the next hand-out)."""
+        with self._lock:
+            for copy, version in entry.devices.values():
+                if copy._version == version and copy.untyped_storage().nbytes() and _on_host(copy) \
+                        and copy.data_ptr() != entry.tensor.data_ptr():
+                    self.reused[device.name] = self.reused.get(device.name, 0) + entry.nbytes
+                    if key in self._entries:
+                        entry.devices[device.name] = (copy, version)
+                    return copy
+        return None
 
     def _keep_on(self, device: Any, nbytes: int) -> bool:
         budget = getattr(device, "budget", None)
@@ -368,4 +392,5 @@ class SharedFrozen:
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
                     "copied_bytes": dict(self.copied), "aliased_bytes": dict(self.aliased),
+                    "reused_bytes": dict(self.reused),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}
