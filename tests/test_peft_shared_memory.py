@@ -61,11 +61,15 @@ def test_a_cpu_device_that_cannot_keep_a_copy_reads_the_pooled_base_in_place():
         assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
 
 
-def test_an_ended_trials_model_its_user_let_go_is_freed_when_the_next_trial_ends():
-    """PEFT models are reference cycles: without a collection at each trial's end, an ended trial's model (with
-    its private copy of the base) stayed in memory until one of Python's rare full collections."""
+def test_an_ended_trials_model_its_user_let_go_is_freed_when_the_next_trial_ends(monkeypatch):
+    """PEFT models are reference cycles: without a collection at trials' ends, an ended trial's model (with its
+    private copy of the base) stayed in memory until one of Python's rare full collections. (The pool collects
+    once ended trials shared COLLECT_BYTES; this tiny base is below it, so the test lowers it.)"""
     import gc
     import weakref
+
+    from hydra_tune.training import shared_frozen
+    monkeypatch.setattr(shared_frozen, "COLLECT_BYTES", 1)
 
     go = threading.Event()
     first, second = task("first", epochs=1), task("second", data=Gated(batches(2), go), epochs=1)

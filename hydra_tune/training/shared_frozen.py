@@ -39,7 +39,9 @@ Rules:
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
   weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
-  back at the end; an entry nobody holds is forgotten, with its device copies.
+  back at the end; an entry nobody holds is forgotten, with its device copies. PEFT models are reference
+  cycles: once ended tasks shared ``COLLECT_BYTES``, the pool runs Python's collector, so ended models their
+  users let go (each with its private copy of the base) are freed then.
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ from ..errors import rule_error
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25
+#: Ended tasks' shared bytes after which the pool runs Python's collector (their models may be reference cycles).
+COLLECT_BYTES = 16 << 20
 _SAMPLES, _SAMPLE, _ENDS = 64, 64, 4096   # a probe reads 64 chunks of 64 bytes plus the first and last 4 KiB
 
 
@@ -177,6 +181,7 @@ class SharedFrozen:
         self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
         self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
+        self._ended_bytes = 0                    # shared bytes of the tasks ended since the last collection
         self.reused: dict[str, int] = {}         # CPU device -> pooled bytes it took from another CPU device's copy
         self.match_seconds = 0.0
         self.compared_bytes = 0
@@ -272,8 +277,15 @@ class SharedFrozen:
                         p.data = p.data.clone()
         # PEFT models are reference cycles (freed only by Python's collector, whose full passes are rare in a
         # process this size): an ended trial's model its user let go (with its own copy of the base) is freed now,
-        # at the next trial's end, not held for many trials
-        gc.collect()
+        # at a later trial's end, not held for many trials. A full pass holds the GIL ~0.2 s: it runs once ended
+        # tasks shared COLLECT_BYTES since the last one (tiny models' trials go without)
+        with self._lock:
+            self._ended_bytes += shares.nbytes
+            collect = self._ended_bytes >= COLLECT_BYTES
+            if collect:
+                self._ended_bytes = 0
+        if collect:
+            gc.collect()
 
     def check(self, task: str, keys: set[Any]) -> tuple[list[str], list[str]]:
         """(names of ``task``'s parameters it wrote into, who wrote into others it holds with no clean copy
