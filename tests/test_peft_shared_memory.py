@@ -107,3 +107,35 @@ def test_two_cpu_devices_share_one_copy_of_the_pooled_base():
     assert sum(pool["copied_bytes"].values()) <= base, pool   # made once, for both
     for t, m in zip(tasks, models):
         assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
+
+
+def test_a_unit_writing_into_a_pooled_tensor_a_cpu_device_reads_in_place_fails_visibly():
+    """A CPU device with no room to keep a copy reads the pooled host tensor itself: a write into it in place
+    (a forward that changes a frozen weight) is refused at the next hand-out and fails every holder, never
+    silently trains the others on changed weights."""
+    import types
+
+    import torch
+
+    from hydra_tune.training.shared_frozen import SharedFrozen
+
+    def frozen():
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8).requires_grad_(False)
+
+    a, b = frozen(), frozen()
+    pool = SharedFrozen()
+    shares = {name: pool.share(name, m) for name, m in (("a", a), ("b", b))}
+    cpu = types.SimpleNamespace(name="cpu:0", torch_device=torch.device("cpu"), budget=0, copier=None)
+    seen = pool.device_copy(a.weight, cpu)
+    assert seen.data_ptr() == a.weight.data_ptr() == b.weight.data_ptr()  # no copy made
+    assert pool.stats()["aliased_bytes"] == {"cpu:0": a.weight.numel() * 4}
+    seen.mul_(2.0)   # a unit's forward writes into it
+    with pytest.raises(ValueError, match="changes no frozen parameter"):
+        pool.device_copy(a.weight, cpu)
+    failures = []
+    for name in ("a", "b"):
+        with pytest.raises(ValueError, match="changes no frozen parameter") as err:
+            shares[name].check()
+        failures.append(str(err.value))
+    assert all("weight" in f for f in failures), failures
