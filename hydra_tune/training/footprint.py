@@ -22,7 +22,7 @@ What a training task holds in host memory at its peak (hydra_tune keeps every ta
   where the devices may offload (``keep``: devices whose ``releases_graphs`` is set), every stage but the last
   offloading.
 * overhead: a fixed allowance per task (``TASK_OVERHEAD``: Python objects, allocator slack, the step's
-  temporaries) plus the largest parameter once more (an optimizer step's per-parameter temporaries).
+  temporaries) plus the largest trainable parameter once more (an optimizer step's per-parameter temporaries).
 
 A task whose state stays on a device (training/resident.py) keeps its host tensors to write it back into: its
 footprint is the same either way.
@@ -207,12 +207,13 @@ def _optimizer_rule(model: nn.Module) -> int:
 
 
 def _param_bytes(model: nn.Module, grad_accumulation: int) -> tuple[int, int, int]:
-    """(parameters + buffers, gradients, largest parameter) in bytes; a shared parameter counts once."""
+    """(parameters + buffers, gradients, largest trainable parameter) in bytes; a shared parameter counts once.
+    Only trainable parameters get an optimizer step's temporaries: a frozen embedding (LoRA) adds none."""
     params = list(model.parameters())
     sizes = [p.numel() * p.element_size() for p in params]
     state = sum(sizes) + sum(b.numel() * b.element_size() for b in model.buffers())
-    grads = sum(n for p, n in zip(params, sizes) if p.requires_grad)
-    return state, grads * (2 if grad_accumulation > 1 else 1), max(sizes, default=0)
+    trained = [n for p, n in zip(params, sizes) if p.requires_grad]
+    return state, sum(trained) * (2 if grad_accumulation > 1 else 1), max(trained, default=0)
 
 
 def _activation_bound(costs: Sequence[StageCost], fewest: int, keep: bool) -> int:

@@ -27,16 +27,25 @@ Rules:
   tasks go on with the values they were built with. With no clean copy left the entry is poisoned: every holder
   fails at its next step naming the writer, and no device copy is made from it (a unit needing one raises).
   Units never see a host write: they run on the pool's device copies, and a device copy written in place by a
-  forward is refused when next handed out. Writes through ``.data`` are not seen by version counters: hydra_tune
-  cannot detect them (tasks must not write into frozen weights).
+  forward is refused when next handed out. A CPU device (a stand-in whose "device copy" is host memory too) that
+  cannot keep its copy (``DEVICE_SHARE`` of its budget) gets the pooled host tensor itself instead of a new copy
+  per unit: a forward writing into it moves the pool's counter, and with no clean copy to restore from the entry
+  is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either).
+  CPU devices share one address space: a CPU device takes another CPU device's kept copy (one clean copy serves
+  them all). Writes
+  through ``.data`` are not seen by version counters: hydra_tune cannot detect them (tasks must not write into
+  frozen weights).
 * Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
   weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
-  back at the end; an entry nobody holds is forgotten, with its device copies.
+  back at the end; an entry nobody holds is forgotten, with its device copies. PEFT models are reference
+  cycles: once ended tasks shared ``COLLECT_BYTES``, the pool runs Python's collector, so ended models their
+  users let go (each with its private copy of the base) are freed then.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import threading
@@ -52,6 +61,8 @@ from ..errors import rule_error
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25
+#: Ended tasks' shared bytes after which the pool runs Python's collector (their models may be reference cycles).
+COLLECT_BYTES = 16 << 20
 _SAMPLES, _SAMPLE, _ENDS = 64, 64, 4096   # a probe reads 64 chunks of 64 bytes plus the first and last 4 KiB
 
 
@@ -86,6 +97,15 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         if x.numel() % size == 0:
             return torch.equal(x.view(wide), y.view(wide))  # integer views: bits compared, not values
     return torch.equal(x, y)
+
+
+def _host_device(device: Any) -> bool:
+    torch_device = getattr(device, "torch_device", None)
+    return torch_device is not None and torch.device(torch_device).type == "cpu"
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
 
 
 def _qualifies(p: nn.Parameter) -> bool:
@@ -160,6 +180,9 @@ class SharedFrozen:
         self._tasks: dict[str, TaskShares] = {}
         self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
+        self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
+        self._ended_bytes = 0                    # shared bytes of the tasks ended since the last collection
+        self.reused: dict[str, int] = {}         # CPU device -> pooled bytes it took from another CPU device's copy
         self.match_seconds = 0.0
         self.compared_bytes = 0
 
@@ -252,6 +275,17 @@ class SharedFrozen:
                 for p in {id(p): p for p in private}.values():
                     if p.data_ptr() != 0 and p.device.type == "cpu":
                         p.data = p.data.clone()
+        # PEFT models are reference cycles (freed only by Python's collector, whose full passes are rare in a
+        # process this size): an ended trial's model its user let go (with its own copy of the base) is freed now,
+        # at a later trial's end, not held for many trials. A full pass holds the GIL ~0.2 s: it runs once ended
+        # tasks shared COLLECT_BYTES since the last one (tiny models' trials go without)
+        with self._lock:
+            self._ended_bytes += shares.nbytes
+            collect = self._ended_bytes >= COLLECT_BYTES
+            if collect:
+                self._ended_bytes = 0
+        if collect:
+            gc.collect()
 
     def check(self, task: str, keys: set[Any]) -> tuple[list[str], list[str]]:
         """(names of ``task``'s parameters it wrote into, who wrote into others it holds with no clean copy
@@ -266,8 +300,9 @@ class SharedFrozen:
                 for t, n in written:  # the writer fails at its own next check, whoever restores it
                     self._wrote.setdefault(t, []).append(n)
                 if written and not entry.poisoned:
-                    clean = [c for c, v in entry.devices.values()
-                             if c._version == v and c.untyped_storage().nbytes()]
+                    clean = [c for c, v in entry.devices.values()  # not the host tensor itself (CPU devices)
+                             if c._version == v and c.untyped_storage().nbytes()
+                             and c.data_ptr() != entry.tensor.data_ptr()]
                     if clean:
                         with torch.no_grad():
                             entry.tensor.copy_(clean[0].to(entry.tensor.device))
@@ -298,21 +333,50 @@ class SharedFrozen:
                                  "into frozen weights in forward; make them buffers or trainable",
                                  device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
             return copy
+        if _host_device(device):
+            copy = self._cpu_copy(key, entry, device)
+            if copy is not None:
+                return copy
+        keep = self._keep_on(device, entry.nbytes)
+        if _host_device(device) and not keep:
+            # a CPU stand-in's "device copy" would be host memory again, made anew for every unit: the pooled
+            # tensor itself serves, read-only (a write in place moves its counter: refused at the next hand-out).
+            # A copy that can be kept is still made: it is the clean source a write into the host is undone from
+            copy = entry.tensor.detach()
+            with self._lock:
+                self.aliased[device.name] = self.aliased.get(device.name, 0) + entry.nbytes
+                if key in self._entries:
+                    entry.devices[device.name] = (copy, copy._version)
+            return copy
         copy = device.copier.to_device(host, "state")
         with self._lock:
             self.copied[device.name] = self.copied.get(device.name, 0) + entry.nbytes
-        if self._keep_on(device, entry.nbytes):
+        if keep:
             with self._lock:
                 if key in self._entries:
                     entry.devices[device.name] = (copy, copy._version)
         return copy
+
+    def _cpu_copy(self, key: Any, entry: _Entry, device: Any) -> torch.Tensor | None:
+        """Another CPU device's clean copy of ``entry``, now also ``device``'s: CPU devices share one address
+        space, so one copy serves them all (read-only: a write moves its counter, refused at the next hand-out)."""
+        with self._lock:
+            for copy, version in entry.devices.values():
+                if copy._version == version and copy.untyped_storage().nbytes() and _on_host(copy) \
+                        and copy.data_ptr() != entry.tensor.data_ptr():
+                    self.reused[device.name] = self.reused.get(device.name, 0) + entry.nbytes
+                    if key in self._entries:
+                        entry.devices[device.name] = (copy, version)
+                    return copy
+        return None
 
     def _keep_on(self, device: Any, nbytes: int) -> bool:
         budget = getattr(device, "budget", None)
         if budget is None:
             return True
         with self._lock:
-            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices)
+            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices
+                   and e.devices[device.name][0].data_ptr() != e.tensor.data_ptr())
         return kept + nbytes <= DEVICE_SHARE * budget
 
     def forget_device_copies(self) -> None:
@@ -339,5 +403,6 @@ class SharedFrozen:
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
-                    "copied_bytes": dict(self.copied),
+                    "copied_bytes": dict(self.copied), "aliased_bytes": dict(self.aliased),
+                    "reused_bytes": dict(self.reused),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}

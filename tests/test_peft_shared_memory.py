@@ -1,0 +1,141 @@
+"""Host memory of LoRA trials sharing one base (issue 18, second round): admission charges a trial what it holds
+once its frozen weights are pooled, and CPU devices read the pooled base in place instead of copying it per unit
+(training/shared_frozen.py, training/footprint.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from reference import max_param_diff, plain_train, trained
+from test_peft_lora import BUDGET, Gated, batches, distinct_bytes, lora_bert, task
+
+import hydra_tune as ht
+from hydra_tune.training.footprint import TASK_OVERHEAD
+
+pytest.importorskip("peft", reason="PEFT support needs the `peft` extra (pip install hydra_tune[peft])")
+
+
+def test_admission_charges_lora_trials_their_own_part_not_the_frozen_base_again():
+    """The overhead allowance holds one optimizer step's temporaries of the largest *trainable* parameter: a
+    frozen embedding larger than every adapter is no part of it (it was charged once per trial before)."""
+    go = threading.Event()
+    tasks = [task(f"r{r}", r=r, data=Gated(batches(2), go), seed=r, epochs=1) for r in (2, 4, 8)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=BUDGET, host_memory="1GB") as rt:
+        handles = [rt.submit(t) for t in tasks]
+        admitted = rt.host_memory()
+        go.set()
+        models = [trained(h) for h in handles]
+        stats = rt.stats()
+    base = distinct_bytes(lora_bert()())
+    own = []
+    for t, m in zip(tasks, models):
+        trainable = [p.numel() * p.element_size() for p in m.parameters() if p.requires_grad]
+        largest_frozen = max(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+        assert largest_frozen > max(trainable)  # else this test could not tell the two apart
+        fp = stats["tasks"][t.name]["host_footprint"]
+        assert fp["overhead"] == TASK_OVERHEAD + max(trainable), (t.name, fp)
+        assert fp["grads"] == sum(trainable)
+        # its parameters, buffers and unpooled frozen ones; gradients; AdamW's state (measured); one minibatch's
+        # activations; the fixed allowance and one step's temporaries
+        own.append(fp["params"] + fp["grads"] + fp["optimizer"] + fp["activations"] + TASK_OVERHEAD
+                   + max(trainable))
+        assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
+    # the base once (to the pool), each trial what it holds: nothing of the base a second time
+    pooled = admitted["admitted"]["(shared frozen weights)"]
+    assert base <= pooled < 2 * base
+    assert admitted["admitted_bytes"] <= pooled + sum(own), (admitted, base, own)
+
+
+def test_a_cpu_device_that_cannot_keep_a_copy_reads_the_pooled_base_in_place():
+    """Before: a CPU device whose budget share could not keep a pooled tensor's copy made a new one for every
+    unit of every trial (host memory and time); now it reads the pooled host tensor itself, bit-exact."""
+    tasks = [task(f"t{r}", r=r, epochs=2) for r in (2, 4)]
+    base = distinct_bytes(lora_bert()())
+    with ht.Runtime(devices=["cpu"], device_memory=BUDGET) as rt:
+        models = [trained(h) for h in [rt.submit(t) for t in tasks]]
+        pool = rt.stats()["shared_frozen"]
+    copied, aliased = pool["copied_bytes"].get("cpu:0", 0), pool.get("aliased_bytes", {}).get("cpu:0", 0)
+    assert copied <= base, pool  # each pooled tensor copied at most once (those its budget share keeps)
+    assert aliased > 0, pool
+    for t, m in zip(tasks, models):
+        assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
+
+
+def test_an_ended_trials_model_its_user_let_go_is_freed_when_the_next_trial_ends(monkeypatch):
+    """PEFT models are reference cycles: without a collection at trials' ends, an ended trial's model (with its
+    private copy of the base) stayed in memory until one of Python's rare full collections. (The pool collects
+    once ended trials shared COLLECT_BYTES; this tiny base is below it, so the test lowers it.)"""
+    import gc
+    import weakref
+
+    from hydra_tune.training import shared_frozen
+    monkeypatch.setattr(shared_frozen, "COLLECT_BYTES", 1)
+
+    go = threading.Event()
+    first, second = task("first", epochs=1), task("second", data=Gated(batches(2), go), epochs=1)
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()  # the collector's own timing out of the picture: only what the runtime frees counts
+    try:
+        with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+            h_first, h_second = rt.submit(first), rt.submit(second)
+            model = trained(h_first)
+            gone = weakref.ref(model.base_model.model.bert.embeddings.word_embeddings.weight)
+            del model, h_first
+            assert gone() is not None  # a cycle: not freed by reference counting
+            go.set()
+            trained(h_second)
+            assert gone() is None
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_two_cpu_devices_share_one_copy_of_the_pooled_base():
+    """CPU devices share one address space: the second takes the first one's kept copy (before: each made and
+    kept its own, two copies of the base in host memory beside the pool's)."""
+    go = threading.Event()
+    tasks = [task(f"t{r}", r=r, data=Gated(batches(3), go), seed=r, epochs=1) for r in (2, 4)]
+    base = distinct_bytes(lora_bert()())
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=None) as rt:
+        handles = [rt.submit(t) for t in tasks]
+        go.set()
+        models = [trained(h) for h in handles]
+        pool = rt.stats()["shared_frozen"]
+    used = set(pool["copied_bytes"]) | set(pool.get("reused_bytes", {}))
+    assert used == {"cpu:0", "cpu:1"}, pool   # both devices ran units over the pooled base
+    assert sum(pool["copied_bytes"].values()) <= base, pool   # made once, for both
+    for t, m in zip(tasks, models):
+        assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
+
+
+def test_a_unit_writing_into_a_pooled_tensor_a_cpu_device_reads_in_place_fails_visibly():
+    """A CPU device with no room to keep a copy reads the pooled host tensor itself: a write into it in place
+    (a forward that changes a frozen weight) is refused at the next hand-out and fails every holder, never
+    silently trains the others on changed weights."""
+    import types
+
+    import torch
+
+    from hydra_tune.training.shared_frozen import SharedFrozen
+
+    def frozen():
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8).requires_grad_(False)
+
+    a, b = frozen(), frozen()
+    pool = SharedFrozen()
+    shares = {name: pool.share(name, m) for name, m in (("a", a), ("b", b))}
+    cpu = types.SimpleNamespace(name="cpu:0", torch_device=torch.device("cpu"), budget=0, copier=None)
+    seen = pool.device_copy(a.weight, cpu)
+    assert seen.data_ptr() == a.weight.data_ptr() == b.weight.data_ptr()  # no copy made
+    assert pool.stats()["aliased_bytes"] == {"cpu:0": a.weight.numel() * 4}
+    seen.mul_(2.0)   # a unit's forward writes into it
+    with pytest.raises(ValueError, match="changes no frozen parameter"):
+        pool.device_copy(a.weight, cpu)
+    failures = []
+    for name in ("a", "b"):
+        with pytest.raises(ValueError, match="changes no frozen parameter") as err:
+            shares[name].check()
+        failures.append(str(err.value))
+    assert all("weight" in f for f in failures), failures
