@@ -65,8 +65,9 @@ def ckpt_fn(config: dict) -> None:
     torch.save(ht.current_handle().model().state_dict(), config["out"])
 
 
-# First in the file: it runs a cluster of its own (shutting down any local Ray), so it comes before the tests
-# that share conftest's local Ray rather than stopping it between them.
+# It runs a cluster of its own (shutting down any local Ray): conftest runs it after the tests that share the local
+# Ray (they are moved together), and `ray` puts it in their xdist group, so no other process's Ray runs beside it.
+@pytest.mark.ray
 def test_multi_node_trials_train_on_their_own_node():
     from ray.cluster_utils import Cluster
 
