@@ -58,18 +58,23 @@ def _quiet_transformers():
 # -- `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup), then the `serial` tests alone ----------
 # A test whose assertion depends on having the machine to itself (a measured makespan, thread counts against the
 # cores) carries `pytest.mark.serial`: the Makefile runs those in a second pytest call, after the parallel one.
-# Every Ray test joins the xdist group "ray": one worker runs them all, one after another, on one local Ray.
+# Every Ray test joins the xdist group "ray": one worker runs them all, one after another, on one local Ray; the
+# other tests are grouped by file.
 SERIAL_REASON = "needs the machine to itself: `make test` runs it alone, after the parallel run"
 
 
-class _RayGroup:
-    """Puts every test that takes `local_ray` or carries `pytest.mark.ray` in the xdist group "ray"."""
+class _Groups:
+    """Puts every test that takes `local_ray` or carries `pytest.mark.ray` in the xdist group "ray", and every other
+    test in its file's group: a file's tests run on one worker in their order, as in a plain run (module fixtures
+    such as test_node.py's node server are shared by them, and set up once)."""
 
     @pytest.hookimpl(tryfirst=True)   # before xdist names the groups (and before -m deselects)
     def pytest_collection_modifyitems(self, items):
         for item in items:
             if "local_ray" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray"):
                 item.add_marker(pytest.mark.xdist_group("ray"))
+            else:
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_configure(config):
@@ -77,7 +82,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "ray: starts a Ray cluster of its own; runs in the xdist group of the Ray tests")
     if not config.pluginmanager.hasplugin("xdist"):   # pytest -p no:xdist, or xdist not installed
         config.addinivalue_line("markers", "xdist_group(name): the tests pytest-xdist runs on one worker")
-    config.pluginmanager.register(_RayGroup(), "hydra_tune_ray_group")
+    config.pluginmanager.register(_Groups(), "hydra_tune_xdist_groups")
 
 
 # -- one local Ray for every test that asks for it ------------------------------------------------------------
