@@ -91,8 +91,22 @@ def pytest_configure(config):
 _LAST_RAY_TEST = pytest.StashKey[str]()
 
 
+def _xdist_group_ids(items) -> None:
+    """pytest-xdist (3.8) names a test's group by appending "@group" to ``item._nodeid``, which pytest >= 9 no longer
+    reads (its node ids live in ``item._id``): without this, --dist loadgroup sends every test alone, the Ray tests
+    to both workers (two local Rays on 2 cores). A no-op where xdist's renaming took (older pytest) or did not run."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        meant = item.__dict__.get("_nodeid")
+        if isinstance(meant, str) and meant != item.nodeid and hasattr(item, "_id"):
+            item._id = coerce_node_id(meant)
+
+
 @pytest.hookimpl(trylast=True)   # after -k/-m deselection: the last Ray test is one that runs
 def pytest_collection_modifyitems(config, items):
+    if config.getvalue("loadgroup") if hasattr(config.option, "loadgroup") else False:   # an xdist worker
+        _xdist_group_ids(items)
     ray_tests = [item for item in items if "local_ray" in getattr(item, "fixturenames", ())]
     if not ray_tests:
         return
