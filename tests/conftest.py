@@ -55,14 +55,58 @@ def _quiet_transformers():
     logging.set_verbosity_error()
 
 
+# -- `make test` runs the suite on 2 workers (pytest-xdist, --dist loadgroup), then the `serial` tests alone ----------
+# A test whose assertion depends on having the machine to itself (a measured makespan, thread counts against the
+# cores) carries `pytest.mark.serial`: the Makefile runs those in a second pytest call, after the parallel one.
+# Every Ray test joins the xdist group "ray": one worker runs them all, one after another, on one local Ray; the
+# other tests are grouped by file.
+SERIAL_REASON = "needs the machine to itself: `make test` runs it alone, after the parallel run"
+
+
+class _Groups:
+    """Puts every test that takes `local_ray` or carries `pytest.mark.ray` in the xdist group "ray", and every other
+    test in its file's group: a file's tests run on one worker in their order, as in a plain run (module fixtures
+    such as test_node.py's node server are shared by them, and set up once)."""
+
+    @pytest.hookimpl(tryfirst=True)   # before xdist names the groups (and before -m deselects)
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            if "local_ray" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray"):
+                item.add_marker(pytest.mark.xdist_group("ray"))
+            else:
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"serial: {SERIAL_REASON}")
+    config.addinivalue_line("markers", "ray: starts a Ray cluster of its own; runs in the xdist group of the Ray tests")
+    if not config.pluginmanager.hasplugin("xdist"):   # pytest -p no:xdist, or xdist not installed
+        config.addinivalue_line("markers", "xdist_group(name): the tests pytest-xdist runs on one worker")
+    config.pluginmanager.register(_Groups(), "hydra_tune_xdist_groups")
+
+
 # -- one local Ray for every test that asks for it ------------------------------------------------------------
 # Starting a local Ray costs 5-14 s on 2 busy cores: the Ray tests of all modules share one, run one after another
 # (the collection hook below groups them), and it is shut down as soon as the last of them ends.
 _LAST_RAY_TEST = pytest.StashKey[str]()
 
 
+def _xdist_group_ids(items) -> None:
+    """pytest-xdist (3.8) names a test's group by appending "@group" to ``item._nodeid``, which pytest >= 9 no longer
+    reads (its node ids live in ``item._id``): without this, --dist loadgroup sends every test alone, the Ray tests
+    to both workers (two local Rays on 2 cores). A no-op where xdist's renaming took (older pytest) or did not run."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        meant = item.__dict__.get("_nodeid")
+        if isinstance(meant, str) and meant != item.nodeid and hasattr(item, "_id"):
+            item._id = coerce_node_id(meant)
+
+
 @pytest.hookimpl(trylast=True)   # after -k/-m deselection: the last Ray test is one that runs
 def pytest_collection_modifyitems(config, items):
+    if config.getvalue("loadgroup") if hasattr(config.option, "loadgroup") else False:   # an xdist worker
+        _xdist_group_ids(items)
     ray_tests = [item for item in items if "local_ray" in getattr(item, "fixturenames", ())]
     if not ray_tests:
         return

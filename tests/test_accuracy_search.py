@@ -90,15 +90,12 @@ def tune_fn(config: dict) -> None:
         tune.report(metrics)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
+@pytest.fixture
+def local_ray(local_ray):
+    """conftest's shared local Ray (a Ray of this module's own cost 5-14 s to start)."""
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])   # tune_fn travels to the runtime actor
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _check_against_direct(results) -> None:

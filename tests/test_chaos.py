@@ -17,8 +17,9 @@ import pytest
 pytest.importorskip("optuna")
 # 50-100 s and timing-sensitive on a loaded 2-core machine (how many kills land before the study ends): kept out
 # of `make test`'s time budget; benchmarks/chaos_optuna.py is the full run.
-pytestmark = pytest.mark.skipif(os.environ.get("HYDRA_TUNE_CHAOS") != "1",
-                                reason="slow chaos study: run with HYDRA_TUNE_CHAOS=1 (or benchmarks/chaos_optuna.py)")
+_REASON = "slow chaos study: run with HYDRA_TUNE_CHAOS=1 (or benchmarks/chaos_optuna.py)"
+pytestmark = [pytest.mark.skipif(os.environ.get("HYDRA_TUNE_CHAOS") != "1", reason=_REASON),
+              pytest.mark.serial]   # kill timing depends on load: alone, after the parallel run
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 

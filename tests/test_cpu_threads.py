@@ -15,6 +15,8 @@ import threading
 
 import pytest
 
+pytestmark = pytest.mark.serial   # counts threads against the cores: alone, after `make test`'s parallel run
+
 _CASES = textwrap.dedent("""
     import json, os, sys, traceback
     import torch

@@ -11,7 +11,9 @@ import hashlib
 import os
 import pickle
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -69,12 +71,21 @@ def _finishes_exactly(rt: ht.Runtime, h) -> None:
     assert other.status == "done"
 
 
-def test_full_file_system_fails_the_checkpoint_keeps_the_previous_one_and_the_task_goes_on(tmp_path):
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    """A directory with a short path: the message quotes the checkpoint path in full only up to 80 characters, and
+    pytest's tmp_path under xdist (.../popen-gw0/test_...) is longer."""
+    where = tempfile.mkdtemp(prefix="htdf", dir="/tmp")
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_full_file_system_fails_the_checkpoint_keeps_the_previous_one_and_the_task_goes_on(tmp_path, short_dir):
     with ht.Runtime(devices=["cpu"]) as rt:
         h = rt.submit(_task())
         size = os.path.getsize(h.checkpoint(tmp_path / "probe.pt", timeout=60))
         # room for one checkpoint, not for the new one's temp file beside it
-        with _tmpfs(str(tmp_path / "small"), (size * 3 // 2 + 4095) // 4096 * 4096) as small:
+        with _tmpfs(os.path.join(short_dir, "small"), (size * 3 // 2 + 4095) // 4096 * 4096) as small:
             path = os.path.join(small, "ck.pt")
             assert h.checkpoint(path, timeout=60) == path
             before = _digest(path)
@@ -92,10 +103,10 @@ def test_full_file_system_fails_the_checkpoint_keeps_the_previous_one_and_the_ta
         _finishes_exactly(rt, h)
 
 
-def test_read_only_file_system_fails_the_checkpoint_and_the_task_goes_on(tmp_path):
+def test_read_only_file_system_fails_the_checkpoint_and_the_task_goes_on(short_dir):
     with ht.Runtime(devices=["cpu"]) as rt:
         h = rt.submit(_task())
-        with _tmpfs(str(tmp_path / "ro"), 16 << 20) as where:
+        with _tmpfs(os.path.join(short_dir, "ro"), 16 << 20) as where:
             path = os.path.join(where, "ck.pt")
             h.checkpoint(path, timeout=60)
             before = _digest(path)

@@ -79,6 +79,8 @@ def test_zero_keeps_none():
         assert stats["history"]["ended_dropped"] == 1 and stats["history"]["trace_dropped"] > 0
 
 
+# serial: on 2 busy cores beside another xdist worker it once ended with one thread more (9 -> 10) than it began
+@pytest.mark.serial
 def test_node_server_churn_keeps_rss_fds_and_threads_flat(tmp_path):
     """benchmarks/node_churn.py --quick in its own process: rounds of 3 client processes (4 tasks each: finished,
     cancelled running, cancelled at once, left running at a disconnect) through one node server whose history bound

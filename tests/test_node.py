@@ -134,6 +134,9 @@ def test_two_clients_share_one_server_and_see_each_others_tasks():
         assert info["pid"] == a.pid and a.stats()["tasks"][info["name"]]["state"] == "done"
 
 
+# serial: beside another xdist worker on 2 busy cores the server's device bytes were read non-zero right after the
+# handle ended cancelled (twice): left as found, reported; alone it has always passed
+@pytest.mark.serial
 def test_cancel_running_task_ends_it_cancelled_in_client_and_server():
     with _connect() as rt:
         h = rt.submit(ht.ModelTask(_mlp, _sgd, _data(100), loss=_slow_mse, epochs=50, name="victim"))

@@ -238,6 +238,7 @@ def test_bad_input_fails_early_with_the_rule_and_the_fix():
         lower_bound([SimTask("x", (SimUnit("F", 0, float("nan")),))], 1)
 
 
+@pytest.mark.serial   # a measured makespan: another test beside it would stretch it
 @pytest.mark.skipif(not hasattr(__import__("hydra_tune").Runtime, "trace"), reason="Runtime.trace() not there yet")
 def test_simulator_reproduces_measured_run():
     import torch
