@@ -112,10 +112,10 @@ def test_the_random_router_makes_one_unit_mode_for_its_calls_and_draws_as_plain(
 def test_the_board_reuses_a_waiting_tasks_policy_record_and_every_task_stays_exact(monkeypatch):
     """With many ready tasks, a device's pick builds a policy record only for the tasks whose fields changed
     since the last pick (most only waited), not one per ready task at every pick."""
-    import hydra_tune.runtime.scheduler as scheduler
+    import hydra_tune.runtime.picker as picker
 
     made, offered, inside = [0], [0], [False]
-    real_ready, real_records = scheduler.Ready, scheduler.Scheduler._records
+    real_ready, real_records = picker.Ready, picker.Picker.records
 
     def counting_ready(*args, **kwargs):
         made[0] += inside[0]
@@ -129,8 +129,8 @@ def test_the_board_reuses_a_waiting_tasks_policy_record_and_every_task_stays_exa
         finally:
             inside[0] = False
 
-    monkeypatch.setattr(scheduler, "Ready", counting_ready)
-    monkeypatch.setattr(scheduler.Scheduler, "_records", counting_records)
+    monkeypatch.setattr(picker, "Ready", counting_ready)
+    monkeypatch.setattr(picker.Picker, "records", counting_records)
     def wide() -> nn.Module:  # units long enough that the other tasks wait ready meanwhile
         return nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 512), nn.ReLU(),
                              nn.Linear(512, 3))
