@@ -57,7 +57,7 @@ from _perf import (
 )
 
 import hydra_tune as ht
-from hydra_tune.errors import PlanError, format_bytes
+from hydra_tune.errors import format_bytes
 
 GIB = 1 << 30
 FULL = Size(12, 768, 12, 50257, 512, 8)

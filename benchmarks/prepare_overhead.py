@@ -81,7 +81,8 @@ def as_model_tasks(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
         for i in range(args.tasks):
             make, batches, loss, _ = setup(args.model, args.steps, i)
             handles.append(rt.submit(ht.ModelTask(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
-                                                  Stamped(batches, stamps[i]), loss=loss, epochs=1, seed=i, name=f"task-{i}")))
+                                                  Stamped(batches, stamps[i]), loss=loss, epochs=1, seed=i,
+                                                  name=f"task-{i}")))
         for h in handles:
             h.result()
         end = time.perf_counter()

@@ -6,7 +6,8 @@
     out.backward(g)                  # each saved tensor comes back on its own device, with its own layout
 
 Rules (each one a way the CUDA autograd engine has crashed or could read wrong values):
-* Only a tensor on the copier's device (or on ``meta``: a footprint's model), of plain strided layout, not a parameter/buffer (``keep``) and holding at
+* Only a tensor on the copier's device (or on ``meta``: a footprint's model), of plain strided layout, not a
+  parameter/buffer (``keep``) and holding at
   least ``copier.offload_min_bytes`` bytes is moved. Everything else is returned as it was saved: CPU scalars that
   CUDA kernels read on the host (SDPA's ``philox_seed``/``philox_offset``), other devices' tensors, tiny tensors.
 * What moves is the tensor's whole storage, once per storage: the tensor comes back as a view with its dtype,

@@ -7,7 +7,8 @@ task's state is.
 
 Why the same object and not a wrapper: LR schedulers, GradScaler and checkpoint code read and write its
 ``param_groups`` and ``state`` and check ``isinstance(opt, torch.optim.Optimizer)``. Only ``step``, ``zero_grad``,
-``state_dict`` and ``load_state_dict`` are replaced (instance attributes, so a scheduler's own step wrapper still wraps ours): a closure is
+``state_dict`` and ``load_state_dict`` are replaced (instance attributes, so a scheduler's own step wrapper still
+wraps ours): a closure is
 refused (refusals.py); the step runs where the task's state is (runner.py ``step``: over the device tensors when its
 whole state is resident, else the lazy per-shard step's boundary, else in host memory), under the state's lock.
 

@@ -15,7 +15,8 @@ the task's stream): each trial equals its run alone in one thread, from the same
 Rules: ``concurrent=False`` (trials one at a time, ``n_jobs=1``) changes nothing: the trials draw from torch's
 global generator, as the plain script's do. The stream starts from a seed drawn from torch's global generator
 when the trial starts, so trials that never seed still differ from each other (as trials continuing one stream in
-one thread do; which trial gets which seed follows the order they start in). CUDA random numbers drawn in the trial's own thread (not in
+one thread do; which trial gets which seed follows the order they start in). CUDA random numbers drawn in the trial's
+own thread (not in
 hydra_tune's units, which draw from the task's stream) are not routed: they come from the device's generator. A
 DataLoader worker (a child process: it starts with no dispatch mode) draws as PyTorch seeds it, from the loader's
 base seed, which the trial's stream gave.

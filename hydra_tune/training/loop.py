@@ -10,7 +10,8 @@ gradients, and every ``grad_accumulation`` batches clip, step the optimizer and 
 gradients (in the task's RNG stream when its first step drew random numbers: a noisy optimizer; a step that only
 starts drawing later draws from torch's global generator); after each epoch it evaluates (eval_loss and the task's
 metrics, summed in the last shard's eval units: metrics.py; then ``eval_fn(model)``: evaluate.py), steps a
-metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics; with ``eval_every=N`` it evaluates and emits after every N-th
+metric-driven scheduler (ReduceLROnPlateau) with the named metric, and emits the epoch's metrics; with
+``eval_every=N`` it evaluates and emits after every N-th
 step and after the last one instead, before that step's boundary (a checkpoint there resumes after the report).
 ``epochs=None``: epochs go on until ``max_steps`` or until the task is cancelled. At each step boundary and epoch
 end it serves the checkpoints and snapshots asked, and those asked before it hands out its next minibatch (the model
