@@ -85,14 +85,8 @@ def train(task: ModelTask, runtime: Runtime | None = None) -> Iterator[dict[str,
     on ``current_handle()`` is this task's. Closing the iterator early (``break``, an exception, garbage
     collection, an iterator dropped before its first item) cancels the task.
     """
-    bound = getattr(_bound, "submit", None)
     try:
-        if runtime is not None:
-            handle = runtime.submit(task)
-        elif bound is not None:
-            handle = bound(task)
-        else:
-            handle = default_runtime().submit(task)
+        handle = submit(task, runtime)
     except BaseException as exc:  # current_handle() must not return the task of an earlier train() now
         _bound.handle = _NotSubmitted(getattr(task, "name", None), f"{type(exc).__name__}: {exc}")
         raise

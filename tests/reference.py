@@ -112,6 +112,19 @@ def trained(handle: Any) -> torch.nn.Module:
     return handle.model()
 
 
+def smallest_plan(task: Any, start_kib: int = 200, stop_kib: int = 2000) -> Any:
+    """``task`` built (a TaskState) for the tightest device budget that plans, in steps of 25 KiB: the most shards."""
+    import hydra_tune as ht
+    from hydra_tune.training.state import TaskState
+
+    for kib in range(start_kib, stop_kib, 25):
+        try:
+            return TaskState.build(task, kib * 1024)
+        except ht.PlanError:
+            continue
+    raise AssertionError(f"no budget from {start_kib} up to {stop_kib} KiB plans this model")
+
+
 def run_in_mode(state: Any, mode: str, device: Any = None) -> Any:
     """Run all of ``state``'s segments on one fresh CPU device (or ``device``) with every shard but the last in
     ``mode`` (recompute, keep or offload: the last shard's L unit never recomputes); the device, its resident copies

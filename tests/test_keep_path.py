@@ -18,13 +18,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import lm_batches, make_gpt2
-from reference import max_param_diff, plain_train, run_in_mode
+from reference import max_param_diff, plain_train, run_in_mode, smallest_plan
 
 import hydra_tune as ht
 from hydra_tune.device.devices import RECOMPUTE_ENV, CpuDevice, releases_graphs
 from hydra_tune.device.offload import Offloader
 from hydra_tune.device.streams import CudaCopier
-from hydra_tune.training.state import TaskState
 
 
 class Event:
@@ -166,12 +165,7 @@ def _gpt_task() -> ht.ModelTask:
 def test_training_through_the_cuda_copier_matches_plain_loop(mode):
     task = _gpt_task()
     ref, _ = plain_train(task)
-    for kib in range(200, 2000, 25):  # the tightest budget that plans: the most shards
-        try:
-            state = TaskState.build(task, kib * 1024)
-            break
-        except ht.PlanError:
-            continue
+    state = smallest_plan(task)  # the most shards
     assert len(state.execs) >= 3, state.plan
     device = CpuDevice("cpu:0", None)
     device.copier, rec = _copier()

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 from conftest import lm_batches, make_gpt2
+from reference import smallest_plan
 
 import hydra_tune as ht
 from hydra_tune.device.devices import CpuDevice
-from hydra_tune.training.state import TaskState
 
 TOLERANCE = 0.10
 
@@ -41,19 +41,10 @@ def _bert():
 FAMILIES = {"gpt2": make_gpt2, "llama": _llama, "opt": _opt, "bert": _bert}
 
 
-def _smallest_plan(task: ht.ModelTask) -> TaskState:
-    for kib in range(300, 2000, 25):  # the tightest budget that plans: the most shards
-        try:
-            return TaskState.build(task, kib * 1024)
-        except ht.PlanError:
-            continue
-    raise AssertionError("no budget up to 2000 KiB plans this model")
-
-
 def unit_table(factory, mode: str) -> list[tuple[str, int, int]]:
     """(unit, predicted, measured) for one minibatch with every shard but the last in ``mode``."""
     task = ht.ModelTask(factory, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batches(1), seed=0)
-    state = _smallest_plan(task)
+    state = smallest_plan(task, 300)
     k = len(state.execs)
     flags = tuple(i < k - 1 for i in range(k))
     state.plan = dataclasses.replace(state.plan, keep=(False,) * k,

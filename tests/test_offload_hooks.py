@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import torch
 from conftest import lm_batches, make_gpt2
-from reference import max_param_diff, plain_train, run_in_mode
+from reference import max_param_diff, plain_train, run_in_mode, smallest_plan
 
 import hydra_tune as ht
 from hydra_tune.device.devices import CpuDevice
 from hydra_tune.device.streams import HostCopier
 from hydra_tune.training.residency import offloading
-from hydra_tune.training.state import TaskState
 
 
 class MetaCopier(HostCopier):
@@ -102,12 +101,7 @@ def _gpt_task() -> ht.ModelTask:
 def test_offloaded_gpt2_with_dropout_matches_plain_loop():
     task = _gpt_task()
     ref, _ = plain_train(task)
-    for kib in range(200, 2000, 25):  # the tightest budget that plans: the most shards
-        try:
-            state = TaskState.build(task, kib * 1024)
-            break
-        except ht.PlanError:
-            continue
+    state = smallest_plan(task)  # the most shards
     assert len(state.execs) >= 3, state.plan
     device = run_in_mode(state, "offload")
     assert device.account.current == 0
