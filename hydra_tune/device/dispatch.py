@@ -242,6 +242,17 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
         account.track(t.untyped_storage())  # type: ignore[union-attr]
 
 
+def draw_global_seed() -> int:
+    """A seed in [0, 2**62) drawn from torch's global generator, under the lock a UnitMode holds while it lends that
+    generator a task's state (``_seeded``): a draw outside the lock could take numbers from the lent state, moving
+    that task's stream and giving this caller the task's numbers.
+
+        seed = draw_global_seed()
+    """
+    with _GLOBAL_RNG_LOCK:
+        return int(torch.randint(0, 2**62, (), generator=torch.default_generator).item())
+
+
 class paused_accounting:
     """Within a UnitMode with an account: allocations here are host memory, not the device's."""
 

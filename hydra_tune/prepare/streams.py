@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from ..device import seeding
-from ..device.dispatch import UnitMode
+from ..device.dispatch import UnitMode, draw_global_seed
 
 
 @contextlib.contextmanager
@@ -38,7 +38,7 @@ def trial_stream(concurrent: bool = True) -> Iterator[torch.Generator | None]:
     if not concurrent:
         yield None
         return
-    seed = int(torch.randint(0, 2**62, (), generator=torch.default_generator).item())
+    seed = draw_global_seed()  # under the lock: another trial's unit may be lending the global generator its state
     generator = torch.Generator().manual_seed(seed)  # a trial that never seeds: its own start, not a shared one
     with UnitMode(generator):      # also routes torch.manual_seed & co. to it (device/seeding.py)
         yield generator
