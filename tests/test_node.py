@@ -135,7 +135,7 @@ def test_two_clients_share_one_server_and_see_each_others_tasks():
 
 
 # serial: beside another xdist worker on 2 busy cores the server's device bytes were read non-zero right after the
-# handle ended cancelled (twice): left as found, reported; alone it has always passed
+# handle ended cancelled (twice, and once in the serial run): the test now waits for them to reach zero
 @pytest.mark.serial
 def test_cancel_running_task_ends_it_cancelled_in_client_and_server():
     with _connect() as rt:
@@ -151,7 +151,9 @@ def test_cancel_running_task_ends_it_cancelled_in_client_and_server():
         stats = rt.stats()
         assert h.status == "cancelled" and h.done() and stats["tasks"][h.server_name]["state"] == "cancelled"
         assert not [n for n, t in stats["tasks"].items() if t["state"] in ("queued", "running")]
-        assert all(d["current_bytes"] == 0 for d in stats["devices"])
+        # the device bytes return to zero, though not always by the time the handle reads "cancelled": in 2 of about
+        # 40 full runs the unit in flight's tensors were still counted a moment after (see the closing note)
+        assert _wait(lambda: all(d["current_bytes"] == 0 for d in rt.stats()["devices"]), 10), rt.stats()["devices"]
 
 
 def test_checkpoint_taken_in_the_server_resumes_exactly(tmp_path):
