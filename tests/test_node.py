@@ -151,8 +151,8 @@ def test_cancel_running_task_ends_it_cancelled_in_client_and_server():
         stats = rt.stats()
         assert h.status == "cancelled" and h.done() and stats["tasks"][h.server_name]["state"] == "cancelled"
         assert not [n for n, t in stats["tasks"].items() if t["state"] in ("queued", "running")]
-        # the device bytes return to zero, though not always by the time the handle reads "cancelled": in 2 of about
-        # 40 full runs the unit in flight's tensors were still counted a moment after (see the closing note)
+        # the device bytes return to zero, though not always by the time the handle reads "cancelled": in 3 full
+        # runs of the suite they were still counted a moment after (cause not found; see the closing note)
         assert _wait(lambda: all(d["current_bytes"] == 0 for d in rt.stats()["devices"]), 10), rt.stats()["devices"]
 
 
