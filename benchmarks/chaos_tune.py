@@ -133,8 +133,14 @@ class Watch(tune.Callback):
         self._ended(trial)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
-        """Before the executor's own hook stops the runtimes (it comes after this one): what is still alive."""
+        """Before the executor's own hook stops the runtimes (it comes after this one): what is still alive. A
+        trial's thread that has sent its last result may still be returning: it gets up to 10 s to end (one that
+        never ends is still counted)."""
+        deadline = time.time() + 10
         stats = self.ex.runtime_stats()
+        while time.time() < deadline and any(s == "running" for st in stats.values() for s in st["trials"].values()):
+            time.sleep(0.2)
+            stats = self.ex.runtime_stats()
         self.at_end = {
             "threads": sorted(t for st in stats.values() for t, s in st["trials"].items() if s == "running"),
             "tasks": sorted(n for st in stats.values() for n, t in st["tasks"].items()
