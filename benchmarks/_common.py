@@ -321,8 +321,15 @@ def emit(results: Result, args: argparse.Namespace, t_start: float) -> None:
     results["meta"] = {"size": asdict(args.size), "quick": args.quick, "repeats": args.repeats, "cpus": os.cpu_count(),
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_at_start": args.loadavg,
                        "loadavg_at_end": os.getloadavg(), "script_wall_s": time.perf_counter() - t_start}
-    line = json.dumps(results)
-    if args.json:
-        with open(args.json, "w") as f:
+    write_line(results, args.json)
+
+
+def write_line(results: dict, path: str | None, total_s: float | None = None) -> None:
+    """Print ``results`` as one JSON line (after ``total N s`` when ``total_s`` is given), also to ``path``."""
+    line = json.dumps(results, default=str)
+    if path:
+        with open(path, "w") as f:
             f.write(line + "\n")
+    if total_s is not None:
+        print(f"\ntotal {total_s:.0f} s")
     print(line)

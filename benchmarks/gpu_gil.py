@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 import torch
-from _common import Size
+from _common import Size, write_line
 from _perf import Case, Steps, TimedData, adamw, batches, clean, gpt2_factory, plain_loop, steady_sps
 
 import hydra_tune as ht
@@ -178,12 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     report(rows)
     out = {"benchmark": "gpu_gil", "device": device, "device_name": name, "torch": torch.__version__,
            "rows": rows, "busy": BUSY, "seconds": time.perf_counter() - t0}
-    line = json.dumps(out, default=str)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
-    print(f"\ntotal {out['seconds']:.0f} s")
-    print(line)
+    write_line(out, args.json, out["seconds"])
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from _budget import ShardBudget
-from _common import Size
+from _common import Size, write_line
 from _perf import (
     Case,
     Result,
@@ -301,12 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "gpu_perf", "device": device, "device_name": name, "torch": torch.__version__,
            "steps": {"warm": args.warm, "steady": args.steps}, "repeats": args.repeats, "results": results,
            "skipped": skipped, "failed": failed, "seconds": time.perf_counter() - t0}
-    line = json.dumps(out, default=str)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
-    print(f"\ntotal {out['seconds']:.0f} s")
-    print(line)
+    write_line(out, args.json, out["seconds"])
     return 1 if failed else 0
 
 if __name__ == "__main__":

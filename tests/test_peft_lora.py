@@ -286,7 +286,8 @@ def test_share_frozen_false_keeps_each_trial_its_own_base_and_bad_values_are_ref
     assert max_param_diff(plain_train(task("own", epochs=1))[0], model) == 0.0
 
 
-def test_a_write_with_no_clean_device_copy_left_fails_every_holder_naming_the_writer():
+def two_equal_frozen_linears() -> tuple:
+    """A SharedFrozen pool holding two equal frozen Linear(8, 8) of tasks "a" and "b": (pool, a, b, shares)."""
     from hydra_tune.training.shared_frozen import SharedFrozen
 
     def frozen():
@@ -295,7 +296,11 @@ def test_a_write_with_no_clean_device_copy_left_fails_every_holder_naming_the_wr
 
     a, b = frozen(), frozen()
     pool = SharedFrozen()
-    shares = {name: pool.share(name, m) for name, m in (("a", a), ("b", b))}
+    return pool, a, b, {name: pool.share(name, m) for name, m in (("a", a), ("b", b))}
+
+
+def test_a_write_with_no_clean_device_copy_left_fails_every_holder_naming_the_writer():
+    pool, a, b, shares = two_equal_frozen_linears()
     with torch.no_grad():
         b.weight.add_(1.0)   # b writes into the pooled weight; no device ever copied it
     with pytest.raises(ValueError, match="changes no frozen parameter") as own:

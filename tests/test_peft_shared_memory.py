@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from reference import max_param_diff, plain_train, trained
-from test_peft_lora import BUDGET, Gated, batches, distinct_bytes, lora_bert, task
+from test_peft_lora import BUDGET, Gated, batches, distinct_bytes, lora_bert, task, two_equal_frozen_linears
 
 import hydra_tune as ht
 from hydra_tune.training.footprint import TASK_OVERHEAD
@@ -117,15 +117,7 @@ def test_a_unit_writing_into_a_pooled_tensor_a_cpu_device_reads_in_place_fails_v
 
     import torch
 
-    from hydra_tune.training.shared_frozen import SharedFrozen
-
-    def frozen():
-        torch.manual_seed(0)
-        return torch.nn.Linear(8, 8).requires_grad_(False)
-
-    a, b = frozen(), frozen()
-    pool = SharedFrozen()
-    shares = {name: pool.share(name, m) for name, m in (("a", a), ("b", b))}
+    pool, a, b, shares = two_equal_frozen_linears()
     cpu = types.SimpleNamespace(name="cpu:0", torch_device=torch.device("cpu"), budget=0, copier=None)
     seen = pool.device_copy(a.weight, cpu)
     assert seen.data_ptr() == a.weight.data_ptr() == b.weight.data_ptr()  # no copy made
