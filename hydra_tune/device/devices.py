@@ -12,7 +12,6 @@ NVML (pynvml, imported lazily) for free memory and falls back to ``torch.cuda``.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import threading
 import time
@@ -23,33 +22,13 @@ import torch
 
 from ..errors import rule_error
 from .dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
+from .offload import releases_graphs
+from .quiet import QuietUnits
 from .rng import TaskRNG
 from .seeding import OnDevice, seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
-
-
-RECOMPUTE_ENV = "HYDRA_TUNE_CUDA_RECOMPUTE"
-
-
-def releases_graphs(device_type: str) -> bool:
-    """Whether plans on a device of ``device_type`` may keep or offload a forward's graph for its backward.
-
-        releases_graphs("cuda")   # True, unless HYDRA_TUNE_CUDA_RECOMPUTE=1: every CUDA backward recomputes
-
-    CPU: always. CUDA: yes by default. Offloaded activations come back on the device they came from with their
-    layout and after their copy out (device/offload.py: the first CUDA run crashed when CPU-resident SDPA seeds
-    were moved to the GPU), and every tensor that crosses streams is recorded on the stream that uses it
-    (device/streams.py; both checked on CPU with a recording stand-in). ``HYDRA_TUNE_CUDA_RECOMPUTE=1`` forces
-    recompute on CUDA should a GPU still find a problem there (``0`` or unset: keep and offload allowed)."""
-    if device_type != "cuda":
-        return True
-    value = os.environ.get(RECOMPUTE_ENV, "0").strip()
-    if value not in ("0", "1", ""):
-        raise rule_error(f"{RECOMPUTE_ENV} is 0 or 1", f"set {RECOMPUTE_ENV}=1 to make every CUDA plan "
-                         "recompute its backward, or unset it", **{RECOMPUTE_ENV: value})
-    return value != "1"
 
 
 class Device:
@@ -69,6 +48,7 @@ class Device:
         self.states: Any = None  # the runtime's StateCache (training/resident.py): tasks' state kept here; None: off
         self.copy_bandwidth: float | None = None  # bytes/s host<->device, measured by start()
         self.measuring = False  # count this segment's allocations op by op (CPU stand-ins, see measure())
+        self.quiet: QuietUnits | None = None  # CPU stand-ins: segments that run with no RNG routing (quiet.py)
         # Kept and offloaded forwards free storages their graph still references (resize_(0)) and refill them
         # for the backward: see releases_graphs() for CUDA.
         self.releases_graphs = releases_graphs(torch_device.type)
@@ -189,6 +169,9 @@ class CpuDevice(Device):
         self._measured: dict[Any, set[Any]] = {}  # task -> the segment keys measured
         self._unrouted: set[Any] = set()
         self._task: Any = None
+        self._key: Any = None
+        self._drew = False
+        self.quiet = QuietUnits()  # segment keys measured to draw nothing: run with no router (quiet.py)
 
     def limit_memory(self, nbytes: int | None) -> None:
         """Test-only: an allocation that would take this device's accounted bytes past ``nbytes`` raises
@@ -201,7 +184,8 @@ class CpuDevice(Device):
         # one with the same task and input shapes exactly, so each distinct one is counted once: the device's
         # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
         # whose measured units drew random numbers the light router does not know keeps the full mode.
-        self._task = key[0] if isinstance(key, tuple) else key
+        self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
+        self._drew = False  # whether a measured unit of this segment drew random numbers on the CPU
         seen = self._measured.setdefault(self._task, set())
         if key in seen and self._task not in self._unrouted and self.account.limit is None:
             return False
@@ -216,6 +200,7 @@ class CpuDevice(Device):
         # router with a random op it does not know; and the records would grow with every task the runtime saw.
         self._measured.pop(task, None)
         self._unrouted.discard(task)
+        self.quiet.forget(task)
 
     @contextlib.contextmanager
     def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode | None]:
@@ -224,6 +209,11 @@ class CpuDevice(Device):
                 yield mode
             if mode.seeded - ROUTED:
                 self._unrouted.add(self._task)
+            self._drew = self._drew or bool(mode.seeded)  # any unit of the segment (a recompute replays F's)
+            self.quiet.measured(self._key, drew=self._drew)
+        elif self.quiet.allows(self._key):
+            with self.quiet.guarded(self._key, rng):
+                yield None
         else:
             with RandomRouter(rng.cpu), seeding_to(rng):
                 yield None

@@ -220,6 +220,8 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
             return func(*args, **kwargs)
         # An op without a generator argument draws from the global generator: lend it our state, briefly.
         with _GLOBAL_RNG_LOCK:
+            if not _LENT:  # quiet units (quiet.py) stop for good: their guard cannot see into a lent window
+                _LENT.append(True)
             saved = torch.default_generator.get_state()
             torch.default_generator.set_state(self.generator.get_state())
             try:
@@ -240,6 +242,20 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
             if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == key:
                 return
         account.track(t.untyped_storage())  # type: ignore[union-attr]
+
+
+_LENT: list[bool] = []  # non-empty once any task lent the global generator its state (``UnitMode._seeded``)
+
+
+def lent_global() -> bool:
+    """Whether a task ever lent torch's global CPU generator its own state in this process."""
+    return bool(_LENT)
+
+
+def global_rng_state() -> torch.Tensor:
+    """torch's global CPU generator state, read outside any task's lent window (quiet.py's guard)."""
+    with _GLOBAL_RNG_LOCK:
+        return torch.default_generator.get_state()
 
 
 def draw_global_seed() -> int:

@@ -19,11 +19,14 @@ Rules (each one a way the CUDA autograd engine has crashed or could read wrong v
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from ..errors import rule_error
 
 
 class _Span:
@@ -144,3 +147,25 @@ class Offloader:
 
     def __exit__(self, *exc: Any) -> None:
         self._cm.__exit__(*exc)
+
+
+RECOMPUTE_ENV = "HYDRA_TUNE_CUDA_RECOMPUTE"
+
+
+def releases_graphs(device_type: str) -> bool:
+    """Whether plans on a device of ``device_type`` may keep or offload a forward's graph for its backward.
+
+        releases_graphs("cuda")   # True, unless HYDRA_TUNE_CUDA_RECOMPUTE=1: every CUDA backward recomputes
+
+    CPU: always. CUDA: yes by default. Offloaded activations come back on the device they came from with their
+    layout and after their copy out (device/offload.py: the first CUDA run crashed when CPU-resident SDPA seeds
+    were moved to the GPU), and every tensor that crosses streams is recorded on the stream that uses it
+    (device/streams.py; both checked on CPU with a recording stand-in). ``HYDRA_TUNE_CUDA_RECOMPUTE=1`` forces
+    recompute on CUDA should a GPU still find a problem there (``0`` or unset: keep and offload allowed)."""
+    if device_type != "cuda":
+        return True
+    value = os.environ.get(RECOMPUTE_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise rule_error(f"{RECOMPUTE_ENV} is 0 or 1", f"set {RECOMPUTE_ENV}=1 to make every CUDA plan "
+                         "recompute its backward, or unset it", **{RECOMPUTE_ENV: value})
+    return value != "1"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..device.devices import Device
+from ..device.quiet import UnroutedDraw
 from ..errors import TaskCancelled
 from ..training.replan import is_oom, replan
 from ..training.residency import ShardCache
@@ -91,6 +92,8 @@ class DeviceWorker:
         out.update(states.stats() if states is not None else {"resident_tasks": 0, "resident_bytes": 0,
                                                               "evictions": 0})
         out["copies"] = self.device.copier.counts.snapshot()
+        if self.device.quiet is not None:  # units run with no random-number routing, and their reruns (quiet.py)
+            out["unrouted"] = dict(self.device.quiet.counts)
         return out
 
     # -- the compute thread ---------------------------------------------------------------------------------
@@ -201,7 +204,8 @@ class DeviceWorker:
                        following: Following) -> Admitted | None:
         """``unit`` raised: re-plan after an out-of-memory (the same minibatch runs again), else end the task.
         Returns the device's next task."""
-        retry = is_oom(exc) and self._replan(task, unit, exc)
+        retry = (is_oom(exc) and self._replan(task, unit, exc)) or (isinstance(exc, UnroutedDraw)
+                                                                    and self._rerun(task, exc))
         if not retry:
             self.board.end(task, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
         nxt = self._following(following)
@@ -230,6 +234,18 @@ class DeviceWorker:
             self.board.end(task, "failed", error)
             return False
         self.board.replanned(task)
+        return True
+
+    def _rerun(self, task: Admitted, exc: BaseException) -> bool:
+        """A unit run without routing drew random numbers (device/quiet.py): the same minibatch runs again from
+        its start, on the same plan, routed; False when that failed (the task then ended with why)."""
+        exc.__traceback__ = None  # its frames hold the unit's device tensors
+        self._hooks.drop_copies(task.state.execs)
+        try:
+            task.segment = task.state.retry(task.state.plan, replanned=False)
+        except BaseException as error:  # noqa: BLE001  (e.g. a forward that changed a tensor attribute in place)
+            self.board.end(task, "failed", error)
+            return False
         return True
 
     def _next_task(self, current: Admitted) -> tuple[Admitted | None, Future[None] | None]:

@@ -413,4 +413,5 @@ class ShardExec:
                 copier.wait_copies_out()
             for p, g in grads:
                 store.add_grad(p, g)
-        store.carries.pop(self.index, None)
+        if self.index:  # the first carry (the prepared batch) stays to the segment's end: a rerun starts from it
+            store.carries.pop(self.index, None)

@@ -137,15 +137,21 @@ class TaskState:
         self._loop = TrainingLoop(self)
         return self._loop.segments(emit)
 
-    def retry(self, plan: Plan) -> Segment:
+    def retry(self, plan: Plan, replanned: bool = True) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
-        epoch's losses and the host buffers go back to where the segment began; the same batch runs again."""
+        epoch's losses and the host buffers go back to where the segment began; the same batch runs again.
+        ``replanned=False``: the same plan again (a rerun, device/quiet.py), not counted in ``replans``."""
+        replans = self.replans
         retry = getattr(self.task, "retry_segment", None)  # a user-driven task (hydra_tune.prepare)
         if self._loop is None and retry is not None:
-            return retry(self, plan)
-        if self._loop is None:
+            segment = retry(self, plan)
+        elif self._loop is None:
             raise RuntimeError(f"task {self.task.name!r} has no segment in flight to retry")
-        return self._loop.retry(plan)
+        else:
+            segment = self._loop.retry(plan)
+        if not replanned:  # both retry paths re-cut the model through reshard(), which counts a re-plan
+            self.replans = replans
+        return segment
 
     def reshard(self, plan: Plan, replanned: bool = True) -> None:
         """Cut the model along ``plan`` from now on (a re-plan: counted in ``replans``; else planned for per-shard
