@@ -21,7 +21,8 @@ from conftest import lm_batches, make_gpt2
 from reference import max_param_diff, plain_train, run_in_mode, smallest_plan
 
 import hydra_tune as ht
-from hydra_tune.device.devices import RECOMPUTE_ENV, CpuDevice, releases_graphs
+from hydra_tune.device.devices import CpuDevice
+from hydra_tune.device.offload import RECOMPUTE_ENV, releases_graphs
 from hydra_tune.device.offload import Offloader
 from hydra_tune.device.streams import CudaCopier
 

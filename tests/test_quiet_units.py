@@ -83,9 +83,18 @@ def test_late_draw_reruns_routed_and_stays_exact() -> None:
     assert device["unrouted"]["reruns"] == 1
 
 
+def _measured_quiet(key: tuple) -> QuietUnits:
+    """A QuietUnits that measured one unit of ``key`` drawing nothing."""
+    quiet = QuietUnits()
+    quiet.begin_segment()
+    with dispatch.UnitMode(torch.Generator().manual_seed(0)) as mode, quiet.measuring(key, mode):
+        torch.ones(3).add_(1)
+    return quiet
+
+
 def test_guard_raises_on_a_draw_and_routes_the_key_from_then_on() -> None:
-    quiet, key = QuietUnits(), ("t", "train")
-    quiet.measured(key, drew=False)
+    key = ("t", "train")
+    quiet = _measured_quiet(key)
     assert quiet.allows(key)
     with quiet.guarded(key, TaskRNG(0)):
         torch.ones(3).add_(1)  # no draw: no error
@@ -96,14 +105,29 @@ def test_guard_raises_on_a_draw_and_routes_the_key_from_then_on() -> None:
     assert quiet.counts == {"quiet": 1, "reruns": 1}
 
 
-def test_measured_draw_in_any_unit_of_the_segment_keeps_it_routed() -> None:
-    # A dropout model: its training segment draws, its eval segment does not; only eval runs unrouted.
+def test_dropout_stage_alone_is_routed_and_the_task_stays_exact() -> None:
+    # A dropout model cut into stages: its training units draw only inside the Dropout stage, which is routed;
+    # the Linear stages and the eval units run with no router. Same weights as the plain loop.
     task = _task(lambda: nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2)), eval_data=_batches(3))
     model, device = _run(task)
     plain, _ = plain_train(task)
     assert max_param_diff(model, plain) == 0.0
-    assert device["unrouted"]["quiet"] >= 3  # the second epoch's eval units
+    assert device["unrouted"]["quiet"] >= 14  # all but the first (measured) train and eval segments
     assert device["unrouted"]["reruns"] == 0
+
+
+def test_a_draw_outside_every_stage_keeps_the_segment_on_the_router() -> None:
+    # The loss draws (noise added to the target): not inside any stage, so training units stay routed; the eval
+    # segment (whose loss draws too) as well. Exact either way.
+    def noisy_mse(out: torch.Tensor, batch: tuple) -> torch.Tensor:
+        return F.mse_loss(out, batch[1] + torch.empty_like(batch[1]).normal_(0.0, 0.01))
+
+    task = ht.ModelTask(lambda: nn.Sequential(nn.Linear(8, 2)), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        _batches(), loss=noisy_mse, epochs=2, seed=7)
+    model, device = _run(task)
+    plain, _ = plain_train(task)
+    assert max_param_diff(model, plain) == 0.0
+    assert device["unrouted"] == {"quiet": 0, "reruns": 0}
 
 
 def test_foreign_draw_during_an_unrouted_unit_costs_a_rerun_not_exactness() -> None:
@@ -144,8 +168,9 @@ def test_foreign_draw_during_an_unrouted_unit_costs_a_rerun_not_exactness() -> N
 def test_lending_the_global_generator_stops_quiet_units() -> None:
     # randn_like takes no generator argument: a routed unit lends it the task's state under the global lock;
     # a quiet unit's stray draw in that window would move the lent stream unseen, so quiet units stop for good.
-    quiet, key = QuietUnits(), ("t", "eval")
-    quiet.measured(key, drew=False)
+    key = ("t", "eval")
+    quiet = _measured_quiet(key)
+    assert quiet.allows(key)
     with dispatch.UnitMode(torch.Generator().manual_seed(0)):
         torch.randn_like(torch.ones(2))
     assert not quiet.allows(key)

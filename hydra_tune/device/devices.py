@@ -140,6 +140,10 @@ class Device:
         """Where a task's host thread runs its optimizer step over tensors on this device."""
         return contextlib.nullcontext()
 
+    def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """Around one stage's call inside a unit (CPU stand-ins: routing by stage, device/quiet.py)."""
+        return contextlib.nullcontext()
+
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         """Count ``tensors`` (made outside any unit, e.g. by an optimizer step on this device) as this device's
         memory until they are freed. CUDA counts every allocation itself: nothing to do."""
@@ -170,7 +174,6 @@ class CpuDevice(Device):
         self._unrouted: set[Any] = set()
         self._task: Any = None
         self._key: Any = None
-        self._drew = False
         self.quiet = QuietUnits()  # segment keys measured to draw nothing: run with no router (quiet.py)
 
     def limit_memory(self, nbytes: int | None) -> None:
@@ -185,7 +188,7 @@ class CpuDevice(Device):
         # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
         # whose measured units drew random numbers the light router does not know keeps the full mode.
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
-        self._drew = False  # whether a measured unit of this segment drew random numbers on the CPU
+        self.quiet.begin_segment()
         seen = self._measured.setdefault(self._task, set())
         if key in seen and self._task not in self._unrouted and self.account.limit is None:
             return False
@@ -206,11 +209,10 @@ class CpuDevice(Device):
     def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode | None]:
         if self.measuring:
             with UnitMode(rng.cpu, self.account) as mode, seeding_to(rng):
-                yield mode
+                with self.quiet.measuring(self._key, mode) if self._key is not None else contextlib.nullcontext():
+                    yield mode
             if mode.seeded - ROUTED:
                 self._unrouted.add(self._task)
-            self._drew = self._drew or bool(mode.seeded)  # any unit of the segment (a recompute replays F's)
-            self.quiet.measured(self._key, drew=self._drew)
         elif self.quiet.allows(self._key):
             with self.quiet.guarded(self._key, rng):
                 yield None
@@ -220,6 +222,9 @@ class CpuDevice(Device):
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return UnitMode(self._scratch, self.account)  # clones count as this device's memory
+
+    def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        return self.quiet.stage_scope(name)  # type: ignore[union-attr]
 
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:

@@ -192,6 +192,7 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
         self.account = account
         self.paused = False
         self.seeded: set[str] = set()  # base names of the random aten ops run under this mode
+        self.draws = 0  # CPU random aten ops run under this mode (which stages draw: device/quiet.py)
         self._seeds = seeding.Scratch(cpu_generator)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -199,6 +200,7 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
         where = _op_device(args, kwargs).type if _is_seeded(func) else None
         if where == "cpu":
             self.seeded.add(func._schema.name.split("::")[-1])
+            self.draws += 1
             out = self._seeded(func, args, dict(kwargs))
         elif where == "meta" and _fills_self(func):
             out = args[0]  # a meta tensor has no values to draw (a model's init on the meta device: no work)

@@ -1,29 +1,35 @@
-"""Units that run with no random-number routing at all, guarded: a CPU device's segments that drew nothing.
+"""Units that run with random-number routing only where they draw, guarded: a CPU device's measured segments.
 
     quiet = QuietUnits()
-    quiet.measured(key, drew=bool(mode.seeded))       # after a measured (UnitMode) segment of ``key``
-    if quiet.allows(key):
-        with quiet.guarded(key, rng): ...            # the unit: no per-call router; raises UnroutedDraw if it drew
+    quiet.begin_segment()                              # a segment of ``key`` is measured (UnitMode, op by op)
+    with quiet.measuring(key, mode): ...               # each of its units: which stages drew (by stage name)
+    if quiet.allows(key):                              # a later segment of ``key``:
+        with quiet.guarded(key, rng):                  #   no router around the unit; raises UnroutedDraw if it
+            with quiet.stage_scope("2:Dropout"): ...   #   drew outside the stages routed here
 
 Why: the light router (dispatch.RandomRouter) is a torch-function mode, so every torch call of a unit pays a Python
 hook to find the few that draw random numbers: on small models about a sixth of a unit alone and far more when
-devices contend for the GIL. Most segments draw nothing (evaluation, models without dropout), and the device
-measured each segment key once op by op (UnitMode.seeded says whether it drew): those run without any mode.
+devices contend for the GIL. The device measured each segment key once op by op; the stages whose calls drew then
+(a Dropout, an attention block) are the only ones routed, the rest of the unit runs with no mode at all, and a
+segment that drew nothing (evaluation, models without dropout) runs wholly unrouted. Draws outside any stage (in
+the loss) keep the key on the router.
 
-Rules (nothing silently wrong): a unit run this way may still draw (a draw on some minibatches only, say); an
+Rules (nothing silently wrong): a quiet unit may still draw elsewhere (a draw on some minibatches only, say); an
 unrouted CPU draw takes torch's global generator. So the global generator's state is read before and after the
 unit (under the lock that lending it takes, dispatch._GLOBAL_RNG_LOCK); if it moved, the unit raises
-``UnroutedDraw``, the key is routed from then on, and the worker runs the segment again from its start (the
-retry of an out-of-memory, without a re-plan): exact. A draw by another thread of the process in that time
-(user code outside any task) reads the same: a needless retry, never a wrong result. Once any task lent the global
-generator (a random op without a ``generator`` argument, dispatch.UnitMode._seeded), quiet units stop for the
-process: a quiet unit's stray draw inside that window would move the lent stream, not the global one.
+``UnroutedDraw``, the key goes back to the router, and the worker runs the segment again from its start (the retry
+of an out-of-memory, without a re-plan): exact. A draw by another thread of the process in that time (user code
+outside any task) reads the same: a needless rerun, never a wrong result. Once any task lent the global generator
+(a random op without a ``generator`` argument, dispatch.UnitMode._seeded), quiet units stop for the process: a
+stray draw inside that window would move the lent stream, not the global one. Stages are named, not numbered, so a
+re-plan that cuts the model anew keeps what was measured. One device thread uses an instance at a time.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections.abc import Hashable, Iterator
+from typing import Any
 
 import torch
 
@@ -31,45 +37,94 @@ from . import dispatch
 from .rng import TaskRNG
 from .seeding import seeding_to
 
+_NULL = contextlib.nullcontext()
+
 
 class UnroutedDraw(RuntimeError):
     """A unit run without routing drew from torch's global CPU generator: its segment runs again, routed."""
 
 
 class QuietUnits:
-    """Per device: the segment keys measured to draw no random numbers, run unrouted with the guard."""
+    """Per device: for each measured segment key, the stages whose calls drew (see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._quiet: set[Hashable] = set()
+        self._stages: dict[Hashable, frozenset[str]] = {}  # key -> names of the stages that drew
         self.counts = {"quiet": 0, "reruns": 0}
+        self._mode: dispatch.UnitMode | None = None  # the measured unit's mode, while one runs
+        self._drawing: set[str] = set()
+        self._inside = 0  # draws seen inside stages, in the measured unit
+        self._stray = False  # some unit of the measured segment drew outside every stage
+        self._routed: frozenset[str] = frozenset()  # the running quiet unit's stages to route
+        self._rng: TaskRNG | None = None
 
-    def measured(self, key: Hashable, drew: bool) -> None:
-        """A measured unit of segment ``key`` ran; ``drew``: it drew random numbers on the CPU."""
+    # -- measuring --------------------------------------------------------------------------------------------
+    def begin_segment(self) -> None:
+        self._drawing, self._stray = set(), False
+
+    @contextlib.contextmanager
+    def measuring(self, key: Hashable, mode: dispatch.UnitMode) -> Iterator[None]:
+        """Around a measured unit of segment ``key`` (every unit of it: a recompute replays F's draws)."""
+        self._mode, self._inside, before = mode, 0, mode.draws
+        try:
+            yield
+        finally:
+            self._mode = None
+        self._stray = self._stray or mode.draws - before > self._inside
         with self._lock:
-            if drew:
-                self._quiet.discard(key)
+            if self._stray:
+                self._stages.pop(key, None)
             else:
-                self._quiet.add(key)
+                self._stages[key] = frozenset(self._drawing)
 
+    @contextlib.contextmanager
+    def _count(self, name: str, mode: dispatch.UnitMode) -> Iterator[None]:
+        before = mode.draws
+        try:
+            yield
+        finally:
+            if mode.draws > before:
+                self._drawing.add(name)
+                self._inside += mode.draws - before
+
+    # -- running ----------------------------------------------------------------------------------------------
     def allows(self, key: Hashable) -> bool:
-        return key in self._quiet and not dispatch.lent_global()
+        return key in self._stages and not dispatch.lent_global()
 
     def forget(self, task: str) -> None:
         with self._lock:
-            self._quiet = {k for k in self._quiet if not (isinstance(k, tuple) and k and k[0] == task)}
+            self._stages = {k: v for k, v in self._stages.items() if not (isinstance(k, tuple) and k[:1] == (task,))}
+
+    def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """Around one stage's call: counted while measured, routed in a quiet unit if it drew then, else nothing."""
+        mode = self._mode
+        if mode is not None:
+            return self._count(name, mode)
+        if name in self._routed:
+            return self._route()
+        return _NULL
+
+    @contextlib.contextmanager
+    def _route(self) -> Iterator[None]:
+        rng = self._rng  # set by guarded() around every quiet unit
+        with dispatch.RandomRouter(rng.cpu), seeding_to(rng):  # type: ignore[union-attr]
+            yield
 
     @contextlib.contextmanager
     def guarded(self, key: Hashable, rng: TaskRNG) -> Iterator[None]:
-        """Run the unit with only the task's seeding calls routed; raise UnroutedDraw if the global generator
-        moved meanwhile (the key is routed from then on)."""
+        """Run the unit routing only its drawing stages; raise UnroutedDraw if the global generator moved
+        meanwhile (the key goes back to the router)."""
+        self._routed, self._rng = self._stages.get(key, frozenset()), rng
         before = dispatch.global_rng_state()
-        with seeding_to(rng):
-            yield None
+        try:
+            with seeding_to(rng):
+                yield None
+        finally:
+            self._routed, self._rng = frozenset(), None
         if not torch.equal(before, dispatch.global_rng_state()):
             with self._lock:
-                self._quiet.discard(key)
+                self._stages.pop(key, None)
                 self.counts["reruns"] += 1
-            raise UnroutedDraw(f"a unit of segment {key!r} measured to draw no random numbers drew from torch's "
-                               "global CPU generator; it runs again with its draws routed to the task's stream")
+            raise UnroutedDraw(f"a unit of segment {key!r} drew from torch's global CPU generator outside the stages "
+                               "measured to draw; it runs again with its draws routed to the task's stream")
         self.counts["quiet"] += 1

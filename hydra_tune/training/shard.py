@@ -145,7 +145,8 @@ class ShardExec:
         with self.precision(device):
             for stage, bound in zip(self.stages, self._bound):
                 given = {name: copies[key] for name, key in bound.binding}
-                carry, after = bound.call(carry, copies)
+                with device.stage_scope(stage.name):  # a quiet unit routes the stages that draw (quiet.py)
+                    carry, after = bound.call(carry, copies)
                 for name, key in bound.binding:
                     if after[name] is not given[name]:
                         copies[key] = self._assigned(stage.name, name, self.tensors[key], after[name])
