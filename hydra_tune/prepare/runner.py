@@ -28,6 +28,8 @@ from ..training.build import AUTOCAST_DTYPES
 from .access import StateAccess
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
+from .guard import PendingGuard
+from .optimizer import direct
 from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
 from .streams import current_generator
 
@@ -64,8 +66,10 @@ class Runner:
         self.model, self.optimizer = model, optimizer
         self.seed, self.precision, self.stages, self.runtime = seed, precision, stages, runtime
         self.name = name if name is not None else f"prepared-{next(_names)}"
-        self.driver = Driver(self.name, seed)
+        self.guard = PendingGuard(lambda: self.access.flush())
+        self.driver = Driver(self.name, seed, self.guard)
         self.access = StateAccess(self.driver)
+        self.guard.watch(optimizer)
         self.hooks = HookCheck(model)
         self._at_forward: tuple[list[Any], list[Any]] = ([], [])
 
@@ -99,7 +103,8 @@ class Runner:
 
     # -- forward ---------------------------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.hooks.check()
+        with direct():  # reads the parameters' hooks: not a read of their (maybe pending) values
+            self.hooks.check()
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
         leaves = tree_flatten(batch)[0]
