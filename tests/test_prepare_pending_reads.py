@@ -183,3 +183,34 @@ def test_first_step_zero_grad_then_eval_matches(opt_name):
         got, history = run(lambda m, o: ht.prepare(m, o, runtime=rt, name="first"))
         assert rt.stats()["tasks"]["first"]["residency"]["step_path"] == "lazy"
     assert _diff(want, got) == 0.0 and history == want_history
+
+
+def test_gpt2_tied_weights_read_through_the_lists_its_optimizer_was_built_from():
+    """GPT-2 (tied embeddings, dropout, labels=) in shards, AdamW over two lists kept from before prepare: after
+    each step the loop reads weights through them, zeroes, and reads a gradient (None)."""
+    from conftest import lm_batches, make_gpt2
+
+    def run(prepare=None):
+        torch.manual_seed(0)
+        model = make_gpt2()
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=3e-3)
+        if prepare is not None:
+            model, opt = prepare(model, opt)
+        history: list = []
+        for batch in lm_batches(4):
+            out = model(**batch)
+            out.loss.backward()
+            opt.step()
+            history.append([p.sum().item() for p in decay[:2] + decay[-1:]])  # wte (tied with lm_head) first
+            opt.zero_grad()
+            history.append([p.grad is None for p in rest[:2]] + [out.loss.item()])
+        return {k: v.clone() for k, v in model.state_dict().items()}, history
+
+    want, want_history = run()
+    with ht.Runtime(devices=["cpu"], device_memory=1_600_000) as rt:  # 2 shards, per-shard entries
+        got, history = run(lambda m, o: ht.prepare(m, o, runtime=rt, name="gpt2"))
+        res = rt.stats()["tasks"]["gpt2"]["residency"]
+    assert _diff(want, got) == 0.0 and history == want_history
+    assert res["step_path"] == "lazy" and res["lazy_pending_reads"] > 0, res
