@@ -73,6 +73,21 @@ def test_a_loop_that_reads_nothing_between_steps_keeps_every_update_lazy():
     assert res["lazy_pending_reads"] == 0 and res["shard_steps_on_device"] > 0, res
 
 
+def test_model_zero_grad_keeps_every_update_lazy_and_exact():
+    """model.zero_grad() (as Hugging Face's Trainer calls it) between step() and the next forward."""
+    models = []
+
+    def between(model, opt, kept, history):
+        models[:] = [model]  # the loop's own model (plain, then prepared)
+
+    def zero(opt):
+        models[0].zero_grad()
+
+    want, want_history, got, history, res = both(between=between, zero=zero)
+    assert _diff(want, got) == 0.0 and history == want_history
+    assert res["lazy_pending_reads"] == 0 and res["shard_steps_on_device"] > 0, res
+
+
 def test_gradients_read_between_step_and_zero_grad_are_the_steps_gradients():
     """model.parameters() and optimizer.param_groups after step(): the gradients the step used (not None)."""
     def between(model, opt, kept, history):
