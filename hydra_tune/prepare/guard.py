@@ -2,7 +2,8 @@
 
     guard = PendingGuard(access.flush)        # runner.py: one per prepared model
     guard.watch(optimizer)                    # optimizer.state reads are checked too
-    guard.mark(shard, params)                 # lazy.py: step t began, these parameters' updates are pending
+    guard.stepped_here(); guard.mark(shard, params)   # lazy.py: the loop's thread began step t: these
+                                                      # parameters' updates are pending
     kept[0].sum(); optimizer.param_groups[0]["params"][0].data; optimizer.state[p]   # loop's thread: flush first
     guard.unmark([shard])                     # lazy.py: its update is being applied: plain parameters again
 
@@ -98,9 +99,12 @@ class PendingGuard:
     def markable(params: Iterable[torch.Tensor]) -> bool:
         return all(type(p) is nn.Parameter or type(p) is PendingParameter for p in params)
 
-    def mark(self, shard: int, params: list[nn.Parameter]) -> None:
-        """Shard ``shard``'s update of these parameters is pending (the loop's thread began the step)."""
+    def stepped_here(self) -> None:
+        """This thread (the loop's) began the step whose updates are marked next: its reads apply them."""
         self._loop = threading.get_ident()
+
+    def mark(self, shard: int, params: list[nn.Parameter]) -> None:
+        """Shard ``shard``'s update of these parameters is pending."""
         for p in params:
             _OWNERS[id(p)] = self
             p.__class__ = PendingParameter

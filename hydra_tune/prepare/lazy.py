@@ -51,6 +51,7 @@ class PreparedLazySteps(LazySteps):
             self.why_whole = why
             self.flush(where)
             return why
+        self.guard.stepped_here()
         for shard in pending.pending_shards():
             self.guard.mark(shard, pending.stepped(shard))
         return None
@@ -68,14 +69,15 @@ class PreparedLazySteps(LazySteps):
     @contextlib.contextmanager
     def _plain(self, shards: Sequence[int]) -> Iterator[None]:
         """Their parameters plain ``nn.Parameter``s while their updates are applied (torch picks an optimizer's
-        foreach or fused kernels only for plain ones, as in the plain loop); those still pending after an error
-        marked again."""
+        foreach or fused kernels only for plain ones, as in the plain loop); afterwards what is still pending is
+        marked (after an error) and nothing else."""
         taken = self.guard.unmark(shards)
         try:
             yield
         finally:
             pending = self._pending
             left = set(pending.pending_shards()) if pending is not None else set()
+            self.guard.unmark([s for s in self.guard.marked() if s not in left])
             for shard, params in taken.items():
                 if shard in left:
                     self.guard.mark(shard, params)
