@@ -131,9 +131,11 @@ class PendingGuard:
 
     def read(self, what: str) -> None:
         """A read of a pending parameter (or of the optimizer's state) outside the runtime's own code."""
-        if not self._marked or _runtime_thread():
+        if not self._marked:
             return
         if threading.get_ident() != self._loop:
+            if _runtime_thread():
+                return
             raise rule_error("a prepared model's weights are read in the thread that steps its optimizer while "
                              "their update is pending (read from another thread)", "read them in your training "
                              "loop's thread, or after its next forward", kind=RuntimeError, call=what,
