@@ -13,7 +13,10 @@ machine: read them, not the absolute times.
 
 Where the difference comes from: a prepared loop hands each forward and backward to the runtime and waits (two
 round trips through the task's host thread per minibatch, and the loss computed on the host), while a ModelTask's
-training segment (F.. L B..) is one round trip with the loss inside the last unit.
+training segment (F.. L B..) is one round trip with the loss inside the last unit. The "device work" line prints each
+side's device busy seconds and units: a prepared minibatch is two segments (F.., then B..), and its last shard's
+B unit recomputes that shard's forward (the plan keeps no graph of the last shard: a ModelTask's L unit needs
+none), so its devices are busy longer for the same work.
 """
 from __future__ import annotations
 
@@ -73,7 +76,13 @@ def steady(stamps: list[list[float]], end: float, steps: int) -> tuple[int, floa
     return sum(1 for s in stamps for t in s[-steps:] if t >= start), end - start
 
 
-def as_model_tasks(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
+def device_work(rt: ht.Runtime) -> tuple[float, int]:
+    """(busy seconds, units) summed over the runtime's devices."""
+    devices = rt.stats()["devices"]
+    return sum(d["busy_seconds"] for d in devices), sum(d["units"] for d in devices)
+
+
+def as_model_tasks(args: argparse.Namespace) -> tuple[float, tuple[int, float], tuple[float, int]]:
     stamps: list[list[float]] = [[] for _ in range(args.tasks)]
     with ht.Runtime(devices=args.devices, device_memory=args.device_memory) as rt:
         t0 = time.perf_counter()
@@ -86,10 +95,10 @@ def as_model_tasks(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
         for h in handles:
             h.result()
         end = time.perf_counter()
-        return end - t0, steady(stamps, end, args.steps)
+        return end - t0, steady(stamps, end, args.steps), device_work(rt)
 
 
-def as_prepared(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
+def as_prepared(args: argparse.Namespace) -> tuple[float, tuple[int, float], tuple[float, int]]:
     errors: list[BaseException] = []
     stamps: list[list[float]] = [[] for _ in range(args.tasks)]
 
@@ -116,9 +125,10 @@ def as_prepared(args: argparse.Namespace) -> tuple[float, tuple[int, float]]:
         for t in threads:
             t.join()
         end = time.perf_counter()
+        work = device_work(rt)
     if errors:
         raise errors[0]
-    return end - t0, steady(stamps, end, args.steps)
+    return end - t0, steady(stamps, end, args.steps), work
 
 
 def main() -> None:
@@ -131,14 +141,16 @@ def main() -> None:
     args = ap.parse_args()
     samples = args.tasks * args.steps * (4 if args.model == "gpt2" else 64)
     per_batch = samples // (args.tasks * args.steps)
-    tasks_s, (tasks_n, tasks_w) = as_model_tasks(args)
-    prepared_s, (prep_n, prep_w) = as_prepared(args)
+    tasks_s, (tasks_n, tasks_w), (tasks_busy, tasks_units) = as_model_tasks(args)
+    prepared_s, (prep_n, prep_w), (prep_busy, prep_units) = as_prepared(args)
     tasks_ss, prep_ss = tasks_n * per_batch / tasks_w, prep_n * per_batch / prep_w
     print(f"{args.tasks} {args.model} tasks x {args.steps} steps on {args.devices} ({args.device_memory}):")
     print(f"  ModelTask: {tasks_s:.2f} s ({samples / tasks_s:.0f} samples/s with set-up; steady "
           f"{tasks_ss:.0f} samples/s over {tasks_n} batches)")
     print(f"  prepared:  {prepared_s:.2f} s ({samples / prepared_s:.0f} samples/s with set-up; steady "
           f"{prep_ss:.0f} samples/s over {prep_n} batches)")
+    print(f"  device work: ModelTask {tasks_busy:.2f} busy s in {tasks_units} units, prepared {prep_busy:.2f} busy s "
+          f"in {prep_units} units")
     print(f"throughput ratio prepared / ModelTask: {tasks_s / prepared_s:.2f}x with set-up, "
           f"{prep_ss / tasks_ss:.2f}x steady (goal >= 0.95x)")
 

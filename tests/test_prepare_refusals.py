@@ -45,6 +45,16 @@ def test_a_parameter_grad_hook_at_prepare_is_refused(rt):
         _prepared(rt, model)
 
 
+@pytest.mark.parametrize("register", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_parameter_hook_registered_after_prepare_is_refused_at_the_next_forward(rt, register):
+    model, opt = _prepared(rt)
+    F.cross_entropy(model(X), Y).backward()
+    opt.step()
+    getattr(model.module[4].bias, register)(lambda t: None)
+    with pytest.raises(RuntimeError, match=r"registered after hydra_tune.prepare.*4\.bias\.grad hook"):
+        model(X)
+
+
 def test_hooks_on_the_prepared_model_itself_are_refused(rt):
     model, _ = _prepared(rt)
     with pytest.raises(RuntimeError, match=r"takes no hooks.*model\.register_forward_hook"):

@@ -8,8 +8,10 @@
 Modules, one idea each: model.py (the nn.Module proxy), optimizer.py (the user's optimizer, its step routed),
 runner.py (a call: batch, submit, RNG hand-off, output, backward), driver.py (the user-driven chain the runtime
 runs), access.py (the user's thread's step, zero_grad and reads where the state is: resident or lazy per shard),
-streams.py (a stream of random numbers per concurrent trial thread), bridge.py (the autograd Function joining the
-output to the user's graph), refusals.py (what is refused).
+lazy.py (the lazy per-shard step with the user's loop zeroing and reading between steps), guard.py (reads of weights
+whose update is pending: applied first, or refused from another thread), streams.py (a stream of random numbers
+per concurrent trial thread), bridge.py (the autograd Function joining the output to the user's graph),
+refusals.py (what is refused).
 
 Rules: fp32 on CPU the trained weights are bit-identical to the same loop without ``prepare`` (same seed: model
 init, dropout and data order as there). One model object per prepare. The model's task is released when the model

@@ -12,10 +12,11 @@ optimizer is on the lazy allowlist keeps per-shard entries and steps each shard 
 loop then runs its clipping and ``optimizer.step()`` over those tensors, exactly as its own GPU loop would.
 
 Rules: the step and ``zero_grad`` hold the state's lock (no eviction overlaps them). When the step due is the lazy
-one, ``optimizer.step()`` only begins it (hyper-parameters snapshotted before the user's ``scheduler.step()``) and
-``optimizer.zero_grad()`` (set_to_none) leaves the pending gradients: each shard's update sets them to None when it
-is applied, before the shard's next unit; ``zero_grad(set_to_none=False)`` applies every update first. Whatever
-reads the weights from the user side applies the pending updates first (``flush``); what hands them out of the
+one, ``optimizer.step()`` only begins it (hyper-parameters snapshotted before the user's ``scheduler.step()``);
+``optimizer.zero_grad()`` (set_to_none) then holds the pending gradients in the pending step's keeping (``.grad``
+reads None at once, lazy.py) and ``zero_grad(set_to_none=False)`` applies every update first, then zeroes in place.
+Whatever reads the weights from the user side applies the pending updates first (``flush``: ``model.parameters()``
+here, any other reference through guard.py); what hands them out of the
 loop (``state_dict``, ``load_state_dict``, ``torch.save``, ``copy.deepcopy``, ``.module``) also writes the state
 back to host memory (it moves in again at the next call: counted in the stats). Before the first call (no task yet)
 everything is the user's model's own, in host memory.
@@ -72,9 +73,10 @@ class StateAccess:
         with direct(), home.lock:
             lazy = home.lazy
             if lazy is not None and lazy.pending_any():
-                if set_to_none:
-                    return  # each pending shard's update sets its gradients to None (lazy.py), before its next use
-                home.flush()
+                if set_to_none:  # the gradients the pending updates need wait in their keeping; .grad reads None
+                    lazy.hold_grads()
+                else:  # zeroed in place as in the plain loop: the updates read them first
+                    home.flush()
             inner(set_to_none)
 
     def flush(self) -> None:
@@ -82,6 +84,10 @@ class StateAccess:
         if home is not None:
             with direct():
                 home.flush()
+
+    def watch(self, optimizer: Any) -> None:
+        """Reads of ``optimizer.state`` apply pending updates first (guard.py; again after load_state_dict)."""
+        self.driver.guard.watch(optimizer)
 
     def to_host(self) -> None:
         home = self._home()

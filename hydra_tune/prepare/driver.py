@@ -1,6 +1,6 @@
 """The user-driven task: the user's thread hands the runtime one forward or one backward at a time.
 
-    driver = Driver("prepared-1", seed=None)            # runner.py makes one per prepared model
+    driver = Driver("prepared-1", None, guard)          # runner.py makes one per prepared model
     driver.run(lambda: driver.open_forward(True), after)  # the user's thread: its host thread opens the segment,
                                                           # a device runs it, then after() runs; the call returns
     driver.run(lambda: driver.open_backward(grads), after)
@@ -47,9 +47,10 @@ import torch
 from ..device.devices import Device
 from ..errors import rule_error
 from ..training.boundary import task_work
-from ..training.lazy import LazySteps
 from ..training.segments import Segment, Unit, segment_key
 from ..training.step import check_lazy
+from .guard import PendingGuard
+from .lazy import PreparedLazySteps
 from .optimizer import direct, unwrapped
 
 _POLL = 0.05  # seconds between looks at the task's status while the user's thread waits for its units
@@ -66,8 +67,8 @@ class _Request:
 class Driver:
     """The user-driven chain of one prepared model (see the module docstring)."""
 
-    def __init__(self, name: str, seed: int | None) -> None:
-        self.name, self.seed = name, seed
+    def __init__(self, name: str, seed: int | None, guard: PendingGuard) -> None:
+        self.name, self.seed, self.guard = name, seed, guard
         self.handle: Any = None
         self.state: Any = None
         self._cv = threading.Condition()
@@ -90,7 +91,7 @@ class Driver:
         with unwrapped(state.optimizer) as opt:
             verdict = check_lazy(opt, None, state.model)
         # no scaler: the user's loop scales its loss with its own GradScaler (its scaler.step calls our step)
-        state.home.set_lazy(LazySteps(state.optimizer, None, None, list(state.model.parameters()), verdict))
+        state.home.set_lazy(PreparedLazySteps(state.optimizer, list(state.model.parameters()), verdict, self.guard))
         try:
             while True:
                 request = self._next_request()
@@ -214,7 +215,8 @@ class Driver:
         snap, rebuild = self._attempt
         state.rng.restore(snap)
         state.store.reset_attempt()  # buffers and Python state as before the forward (undo kept since then)
-        with direct():  # pending per-shard updates are applied first
+        with direct():  # pending per-shard updates are applied first, where their entries are (before the new
+            state.home.flush()  # shards are cut: their parameters are plain nn.Parameters again, guard.py)
             state.reshard(plan)
         return rebuild()
 

@@ -135,8 +135,8 @@ class PreparedModel(nn.Module):
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._hydra_runner.access.flush()  # a pending update reads its gradients
-        self._hydra_model.zero_grad(set_to_none)
+        # as optimizer.zero_grad(): the gradients pending updates still need are held for them (access.py)
+        self._hydra_runner.access.zero_grad(self._hydra_model.zero_grad, set_to_none)
 
     def requires_grad_(self, requires_grad: bool = True) -> "PreparedModel":
         self._hydra_model.requires_grad_(requires_grad)

@@ -43,7 +43,8 @@ def direct() -> Iterator[None]:
         _local.depth -= 1
 
 
-def _is_direct() -> bool:
+def is_direct() -> bool:
+    """Whether this thread is inside ``direct()`` (the runtime's own calls, not the user's loop)."""
     return getattr(_local, "depth", 0) > 0
 
 
@@ -56,14 +57,14 @@ def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Opti
     inner_zero = optimizer.zero_grad
 
     def step(self: Any, closure: Any = None) -> Any:
-        if _is_direct():
+        if is_direct():
             return inner(closure)
         if closure is not None:
             raise refuse_closure()
         return runner.step(inner)
 
     def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        if _is_direct():
+        if is_direct():
             return inner_zero(set_to_none)
         return runner.zero_grad(inner_zero, set_to_none)
 
@@ -76,6 +77,7 @@ def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Opti
     def load_state_dict(self: Any, state: dict[str, Any]) -> None:
         runner.to_host()  # loaded into host tensors; they move in again at the next call
         inner_load(state)
+        runner.watch(optimizer)  # its state mapping was replaced: reads of it are checked again (guard.py)
 
     step.__doc__ = inner.__doc__
     zero_grad.__doc__ = inner_zero.__doc__

@@ -68,9 +68,21 @@ class HookCheck:
         found = _hooks(model)
         if found:
             raise refuse_hooks(found, "at hydra_tune.prepare")
+        # every forward looks at these (the model's modules are the planned ones): a module's hook dicts are
+        # filled in place by register_*_hook; a parameter's are made at its first hook, so read each time
+        self._dicts = [getattr(m, kind) for m in model.modules() for kind in _MODULE_HOOKS if hasattr(m, kind)]
+        self._params = list(model.parameters())
+        from torch.nn.modules import module as torch_module
+
+        self._globals = [getattr(torch_module, k) for k in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                              "_global_backward_hooks", "_global_backward_pre_hooks")
+                         if hasattr(torch_module, k)]
 
     def check(self) -> None:
-        found = _hooks(self.model)
+        if not (any(self._dicts) or any(self._globals)
+                or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in self._params)):
+            return
+        found = _hooks(self.model)  # names them; also a hook on a module or parameter added after prepare
         if found:
             raise refuse_hooks(found, "registered after hydra_tune.prepare")
 

@@ -28,6 +28,8 @@ from ..training.build import AUTOCAST_DTYPES
 from .access import StateAccess
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
+from .guard import PendingGuard
+from .optimizer import direct
 from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
 from .streams import current_generator
 
@@ -64,10 +66,16 @@ class Runner:
         self.model, self.optimizer = model, optimizer
         self.seed, self.precision, self.stages, self.runtime = seed, precision, stages, runtime
         self.name = name if name is not None else f"prepared-{next(_names)}"
-        self.driver = Driver(self.name, seed)
+        self.guard = PendingGuard(lambda: self.access.flush())
+        self.driver = Driver(self.name, seed, self.guard)
         self.access = StateAccess(self.driver)
+        self.guard.watch(optimizer)
         self.hooks = HookCheck(model)
-        self._at_forward: tuple[list[Any], list[Any]] = ([], [])
+        self._at_forward: tuple[list[bool], list[int]] = ([], [])
+        # the model's modules and parameters, listed once (the planned ones): each training forward notes their
+        # modes and in-place counters for its backward
+        self._modules = list(model.modules())
+        self._named = list(model.named_parameters())
 
     @property
     def handle(self) -> Any:
@@ -99,7 +107,8 @@ class Runner:
 
     # -- forward ---------------------------------------------------------------------------------------------
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.hooks.check()
+        with direct():  # reads the parameters' hooks: not a read of their (maybe pending) values
+            self.hooks.check()
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
         leaves = tree_flatten(batch)[0]
@@ -141,8 +150,8 @@ class Runner:
             driver.forwards += 1
             driver.pending = driver.forwards
             # what a recomputing B unit reads besides the saved input: the modules' modes and the weights
-            self._at_forward = ([(m, m.training) for m in self.model.modules()],
-                                [(p, p._version) for p in self.model.parameters()])  # torch's in-place counter
+            self._at_forward = ([m.training for m in self._modules],
+                                [p._version for _, p in self._named])  # torch's in-place counter
             out = self._join(out, driver.forwards)
         return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
 
@@ -179,11 +188,11 @@ class Runner:
         check_backward(number, driver.pending)
         driver.pending = 0
         modes, versions = self._at_forward
-        check_unchanged([name for (name, p), (_, v) in zip(self.model.named_parameters(), versions)
-                         if p._version != v])
-        now = [(m, m.training) for m, _ in modes]
-        for m, mode in modes:  # model.eval() between forward and backward: the backward is still the forward's
-            m.training = mode
+        with direct():  # the counters are read, not the values: no pending update to apply (guard.py)
+            check_unchanged([name for (name, p), v in zip(self._named, versions) if p._version != v])
+        now = [(m, m.training) for m in self._modules]
+        for m, mode in zip(self._modules, modes):  # model.eval() between forward and backward: the backward is
+            m.training = mode                        # still the forward's
         out_grads = [None if grads.get(i) is None else grads[i].detach().cpu() for i in range(n)]
 
         def make() -> Any:

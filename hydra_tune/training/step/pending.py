@@ -11,6 +11,11 @@ again.
     ...
     pending.apply(i)                   # before shard i's first unit of step t+1: clip, step, grads -> None
     pending.flush()                    # before eval, a checkpoint, model(), a re-plan, the task's end
+
+A loop that zeroes its gradients itself (hydra_tune.prepare: the user's loop) calls ``keep_grads()`` once: ``apply``
+then leaves ``.grad`` as the loop left it, and the loop's ``optimizer.zero_grad()`` while updates are pending is
+``hold_grads()``: the gradients the updates need leave ``.grad`` (it reads None, as in the plain loop) and wait in
+the step's keeping until each update is applied.
 """
 from __future__ import annotations
 
@@ -23,6 +28,11 @@ from ...errors import rule_error
 from .clip import clip_coefficient, clip_shard, shard_norms, total_norm
 from .scaler import ScalerStep
 from .snapshot import StepSnapshot, step_shard
+
+# The key under which a held gradient waits in its parameter's optimizer state (hold_grads): it then moves with the
+# parameter's state wherever the task's state cache moves that (every tensor of optimizer.state[p] but a host-side
+# step counter moves with p, training/resident.py), so the update finds it on the parameter's device.
+HELD = "hydra_tune.held_grad"
 
 
 class PendingStep:
@@ -48,7 +58,8 @@ class PendingStep:
     5. ``apply(i)`` before shard i's first unit of step t+1 (an F, L or E unit; a no-op returning False when shard
        i has nothing pending): multiplies its gradients by the clip coefficient, steps its optimizer parameters with
        step t's hyper-parameters (unless step t overflowed), then sets their ``.grad`` to None, which is what the
-       plain loop's ``optimizer.zero_grad()`` (``set_to_none=True``) does to them. Model parameters the optimizer
+       plain loop's ``optimizer.zero_grad()`` (``set_to_none=True``) does to them (after ``keep_grads()``: leaves
+       them as the loop left them, a gradient ``hold_grads`` took used for the update). Model parameters the optimizer
        does not hold keep their (clipped) gradients, as in the plain loop.
     6. ``flush()`` applies every pending shard: before an evaluation, a checkpoint or snapshot (which then see the
        parameters, optimizer state, scaler and ``.grad`` exactly as the plain loop leaves them after step t's
@@ -81,6 +92,7 @@ class PendingStep:
         self._skip = False
         self._whole: str | None = None
         self._states_before = 0  # len(optimizer.state) at begin(): entries made after it are this step's
+        self._zero_after = True  # apply() sets the gradients to None (the runtime's loop); keep_grads(): the user's
 
     @staticmethod
     def _partition(optimizer: torch.optim.Optimizer, shards: Sequence[Sequence[torch.Tensor]],
@@ -171,16 +183,57 @@ class PendingStep:
         """Shards whose update of the last begun step is not applied yet."""
         return sorted(self._left)
 
+    def keep_grads(self) -> None:
+        """The loop zeroes the gradients itself: ``apply`` leaves ``.grad`` as the loop left it (see hold_grads)."""
+        self._zero_after = False
+
+    def stepped(self, shard: int) -> list[torch.Tensor]:
+        """Shard ``shard``'s parameters that its update steps (the optimizer's, each listed by one shard only)."""
+        return list(self._stepped[shard])
+
+    def hold_grads(self) -> None:
+        """``optimizer.zero_grad()`` (set_to_none) while updates are pending: each pending parameter's gradient
+        moves into its optimizer state (``HELD``: it moves with the parameter's state) and ``.grad`` becomes None,
+        as the plain loop's zero_grad leaves it; ``apply`` steps with the held gradient. A gradient assigned after
+        an earlier hold is dropped (zero_grad's None), the held one kept."""
+        state = self.optimizer.state
+        for i in self._left:
+            for p in self._stepped[i]:
+                if p.grad is None:
+                    continue
+                if HELD not in state.get(p, ()):
+                    state[p][HELD] = p.grad
+                p.grad = None
+
+    def _take_held(self, stepped: list[torch.Tensor]) -> dict[int, torch.Tensor | None]:
+        """Held gradients back into ``.grad`` for the update; returns what ``.grad`` held meanwhile, by id."""
+        state, now = self.optimizer.state, {}
+        for p in stepped:
+            mine = state.get(p)
+            if mine is None or HELD not in mine:
+                continue
+            held = mine.pop(HELD)
+            if not mine:  # a state the hold made (first step): the update makes its own, as the plain step does
+                del state[p]
+            now[id(p)] = p.grad
+            p.grad = None  # (CUDA: a gradient must be on its parameter's device when assigned)
+            p.grad = held
+        return now
+
     def _apply(self, shards: list[int]) -> None:
         owned = [p for i in shards for p in self._owned[i]]
         stepped = [p for i in shards for p in self._stepped[i]]
+        loop_grads = self._take_held(stepped)
         if self._coef is not None:
             clip_shard([p.grad for p in owned if p.grad is not None], self._coef, self.foreach)
         if not self._skip and self._snap is not None:  # begin() took the snapshot when it made shards pending
             found = self._found if self.amp.fused else None
             step_shard(self.optimizer, stepped, self._snap, grad_scale=self._grad_scale, found_inf=found)
         for p in stepped:
-            p.grad = None  # optimizer.zero_grad(set_to_none=True), for this shard's parameters
+            if self._zero_after:
+                p.grad = None  # optimizer.zero_grad(set_to_none=True), for this shard's parameters
+            elif id(p) in loop_grads:
+                p.grad = loop_grads[id(p)]  # the loop zeroed it (held): None, or what it assigned since
         self._left.difference_update(shards)
         if not self._left:
             self._snap = self._coef = self._found = self._grad_scale = None
