@@ -131,3 +131,36 @@ def test_a_unit_writing_into_a_pooled_tensor_a_cpu_device_reads_in_place_fails_v
             shares[name].check()
         failures.append(str(err.value))
     assert all("weight" in f for f in failures), failures
+
+
+def test_a_device_asked_at_once_by_its_two_threads_copies_a_pooled_tensor_once():
+    """A device's compute thread and copy thread (prefetching the next unit) may ask for the same pooled tensor
+    at the same moment: before, both found no copy and both made one (the base copied twice onto the device,
+    ``copied_bytes`` 2x the base in the benchmark); now the second waits for the first's copy."""
+    import torch
+
+    from hydra_tune.device.devices import CpuDevice
+    from hydra_tune.training.shared_frozen import SharedFrozen
+
+    weight = torch.nn.Parameter(torch.randn(2048, 2048), requires_grad=False)   # 16 MiB: a copy takes a while
+    model = torch.nn.Module()
+    model.weight = weight
+    for attempt in range(4):
+        pool, device = SharedFrozen(), CpuDevice(f"cpu:{attempt}", None)
+        pool.share("a", model)
+        start, got = threading.Barrier(2), []
+
+        def ask():
+            start.wait()
+            got.append(pool.device_copy(weight, device))
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = pool.stats()
+        assert got[0] is got[1], attempt
+        assert stats["copied_bytes"] == {device.name: weight.numel() * 4}, (attempt, stats)
+        assert stats["recopied_bytes"] == {}, stats
+        pool.release("a", model)
