@@ -363,18 +363,22 @@ class SharedFrozen:
 
     def stats(self) -> dict[str, Any]:
         """``tensors`` and ``shared_bytes`` held once; ``holders`` per task; ``saved_bytes``: what separate
-        copies would hold more; ``match_seconds``/``compared_bytes`` spent finding equal tensors."""
+        copies would hold more; ``host_copy_bytes``: the kept device copies that are host memory too (CPU
+        stand-ins; each storage once); ``match_seconds``/``compared_bytes`` spent finding equal tensors."""
         with self._lock:
             holders: dict[str, int] = {}
             saved = 0
+            host_copies: dict[int, int] = {}
             for e in self._entries.values():
                 for name in e.holders:
                     holders[name] = holders.get(name, 0) + e.nbytes
                 saved += e.nbytes * (len(e.holders) - 1)
+                host_copies.update({c.data_ptr(): e.nbytes for c, _ in e.devices.values()
+                                    if _on_host(c) and c.data_ptr() != e.tensor.data_ptr()})
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
                     "copied_bytes": dict(self.copied), "recopied_bytes": dict(self.recopied),
                     "aliased_bytes": dict(self.aliased),
-                    "reused_bytes": dict(self.reused),
+                    "reused_bytes": dict(self.reused), "host_copy_bytes": sum(host_copies.values()),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}
