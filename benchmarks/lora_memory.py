@@ -41,6 +41,16 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    """Give the C heap's free memory back to the system (glibc), so that an RSS reading counts live bytes only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Peak:
     """Samples this process's RSS every 20 ms (ru_maxrss would keep the import-time peak)."""
 
@@ -166,6 +176,7 @@ def _alive(rt, handles: list, baseline: int) -> dict:
     while any(rt.stats()["tasks"][h.name].get("steps", 0) < 1 for h in handles):
         time.sleep(0.05)
     gc.collect()
+    _trim()
     stats = rt.stats()
     footprints = [stats["tasks"][h.name]["host_footprint"] for h in handles]
     return {"rss_alive": _rss() - baseline, "admitted_bytes_alive": rt.host_memory()["admitted_bytes"],
@@ -195,7 +206,7 @@ def _run_hydra(mode: str, tasks: list, go: threading.Event | None, baseline: int
             time.sleep(0.02)
         stats = rt.stats()
     pool = stats["shared_frozen"]
-    out["pool_copied_bytes"], out["pool_recopied_bytes"] = pool["copied_bytes"], pool["recopied_bytes"]
+    out["pool_copied_bytes"], out["pool_recopied_bytes"] = pool["copied_bytes"], pool.get("recopied_bytes", {})
     out["pool_reused_bytes"] = pool["reused_bytes"]
     out["h2d_state_bytes"] = {d["name"]: d["copies"]["h2d"].get("state", 0) for d in stats["devices"]}
     out["units"] = {d["name"]: d["units"] for d in stats["devices"]}
@@ -217,6 +228,10 @@ def run_one(mode: str, n: int, batches: int, phase: str) -> dict:
     go = threading.Event() if phase == "memory" and mode != "plain" else None
     tasks = _tasks(path, data, n, go)
     costs = _match_costs(_tasks(path, data, 2))   # (its models are let go before the baseline is read)
+    import gc
+
+    gc.collect()
+    _trim()
     baseline = _rss()
     peak = Peak()
     start = time.perf_counter()
@@ -278,13 +293,13 @@ def report(runs: dict, path: str | None) -> int:
         alive, adm = r.get("rss_alive"), r.get("admitted_bytes_alive")
         print(f"| {name} | {'-' if alive is None else f'{alive / mib:.0f} MiB'} | {r['rss_peak'] / mib:.0f} MiB | "
               f"{'-' if adm is None else f'{adm / mib:.1f} MiB'} |")
-    host = sh["rss_alive"] - pool["host_copy_bytes"]
+    host = sh["rss_alive"] - pool.get("host_copy_bytes", 0)
     print(f"goal: base + N x adapter state + 10% = {goal / mib:.1f} MiB")
     admitted = sh["admitted_bytes_alive"]
     print(f"  runtime accounting: admitted {admitted / mib:.1f} MiB (pool {pool['shared_bytes'] / mib:.1f} + trials "
           f"{(admitted - pool['shared_bytes']) / mib:.1f}): {'met' if admitted <= goal else 'missed'}")
     print(f"  RSS with {n} alive {sh['rss_alive'] / mib:.1f} MiB, of which the CPU stand-ins' kept device copy "
-          f"{pool['host_copy_bytes'] / mib:.1f} MiB (device memory on a GPU): host memory "
+          f"{pool.get('host_copy_bytes', 0) / mib:.1f} MiB (device memory on a GPU): host memory "
           f"{host / mib:.1f} MiB: {'met' if host <= goal else 'missed'}")
     _copies(sh, un, base)
     print(f"equality at submit: first trial {sh['first_trial_seconds_per_gb']} s/GB (probes), each later trial "
