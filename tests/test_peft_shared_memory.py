@@ -214,6 +214,5 @@ def test_the_allowance_covers_what_a_task_allocates_beyond_its_tensors(kind):
                             loss=lambda out, b: torch.nn.functional.mse_loss(out, b[1]))
 
     held, peak, footprint = _python_bytes_per_task(make)
-    print(kind, held, peak, footprint)
     assert held <= footprint["overhead"], (held, footprint)
     assert peak <= footprint["overhead"], (peak, footprint)
