@@ -2,23 +2,30 @@
 to the devices, the cost of finding equal weights at submit, and throughput vs plain PEFT loops.
 
     MALLOC_MMAP_THRESHOLD_=1048576 nice -n 5 python benchmarks/lora_memory.py            # 8 trials, MiniLM
-    python benchmarks/lora_memory.py --trials 4 --batches 2 --json out.json
+    python benchmarks/lora_memory.py --trials 4 --batches 2 --runs 1 --json out.json
 
 Each configuration runs in its own interpreter (a fresh RSS): "shared" (the default runtime: frozen weights
 pooled, training/shared_frozen.py), "unshared" (RuntimeConfig(share_frozen=False)) and "plain" (the same trials
-as plain PEFT loops, two at a time in two threads: what 2 CPU devices would run without hydra_tune). Reported:
-the peak RSS above the interpreter's baseline (torch, transformers and the tokenised data loaded), the
-runtime's admitted bytes, the pool's bytes, the base bytes copied onto each device, what finding equal weights
-costs at submit (seconds per GB for the first and a later trial, vs a full hash; what a 7B bf16 base of 14 GB
-would cost) and the plain/hydra wall-time ratio. Checks: the
-pool holds one base, admission charges the shared trials less; the issue's RSS goal (base + N x adapter state +
-10%) is printed as met or missed.
+as plain PEFT loops, two at a time in two threads: what 2 CPU devices would run without hydra_tune).
+
+Memory (one run each): every trial's second batch waits until all N are built and have stepped once, so the
+RSS is read with all N alive; reported above the interpreter's baseline (torch, transformers and the tokenised
+data loaded): RSS with N alive, the peak over the run, the runtime's admitted bytes, the pool's bytes and the
+CPU stand-ins' kept device copies (host memory here, device memory on a GPU). The goal line is the issue's: base
++ N x adapter state + 10%, the adapter state measured per trial (its trainable parameters, their gradients and
+its optimizer's state, as the runtime measured them). Also: base bytes copied onto each device, and per minibatch
+per device after warm-up (copies of a pooled tensor onto a device that had it before), and what finding equal
+weights costs at submit (seconds per GB for the first and a later trial, vs a full hash).
+
+Throughput (``--runs`` runs, medians): wall time of the N trials ungated, shared vs plain; the machine's load
+average is printed next to it (other work on the machine slows both sides unevenly).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -32,6 +39,16 @@ SENTENCES = ["the battery lasts all day", "it broke after one week", "great valu
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    """Give the C heap's free memory back to the system (glibc), so that an RSS reading counts live bytes only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class Peak:
@@ -81,7 +98,23 @@ def _make(path: str, r: int):
     return make
 
 
-def _tasks(path: str, data: list, n: int):
+class Gated:
+    """A trial's batches; the second waits for ``go`` (the memory run reads the RSS with every trial alive)."""
+
+    def __init__(self, data: list, go: threading.Event) -> None:
+        self.data, self.go = data, go
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self):
+        for i, b in enumerate(self.data):
+            if i == 1:
+                self.go.wait(600)
+            yield b
+
+
+def _tasks(path: str, data: list, n: int, go: threading.Event | None = None):
     import torch
 
     import hydra_tune as ht
@@ -89,7 +122,8 @@ def _tasks(path: str, data: list, n: int):
     def opt(m):
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
 
-    return [ht.ModelTask(_make(path, 2 << (i % 4)), opt, data, epochs=1, seed=i, name=f"lora{i}") for i in range(n)]
+    return [ht.ModelTask(_make(path, 2 << (i % 4)), opt, data if go is None else Gated(data, go), epochs=1, seed=i,
+                         name=f"lora{i}") for i in range(n)]
 
 
 def _match_costs(tasks: list) -> dict:
@@ -134,118 +168,172 @@ def _run_plain(tasks: list) -> None:
         t.join()
 
 
-def _run_hydra(mode: str, tasks: list, batches: int) -> dict:
-    """The trials on a 2-CPU runtime, frozen weights shared or not (``mode``): its admitted, pooled and copied
-    bytes."""
+def _alive(rt, handles: list, baseline: int) -> dict:
+    """Once every trial has stepped once (all N built and alive): RSS, admitted bytes, the pool, each trial's
+    adapter state (trainable parameters + gradients + optimizer state, as the runtime measured them)."""
+    import gc
+
+    while any(rt.stats()["tasks"][h.name].get("steps", 0) < 1 for h in handles):
+        time.sleep(0.05)
+    gc.collect()
+    _trim()
+    stats = rt.stats()
+    footprints = [stats["tasks"][h.name]["host_footprint"] for h in handles]
+    return {"rss_alive": _rss() - baseline, "admitted_bytes_alive": rt.host_memory()["admitted_bytes"],
+            "pool_alive": {k: v for k, v in stats["shared_frozen"].items() if k != "per_task_shared_bytes"},
+            "adapter_state_bytes": [2 * fp["grads"] + fp["optimizer"] for fp in footprints],
+            "footprints": footprints}
+
+
+def _run_hydra(mode: str, tasks: list, go: threading.Event | None, baseline: int) -> dict:
+    """The trials on a 2-CPU runtime, frozen weights shared or not (``mode``); with ``go`` (the memory run) what
+    ``_alive`` reads once all are alive. Each result is read and its handle dropped as it ends, as the plain loops
+    drop each trained model."""
     import hydra_tune as ht
 
     out: dict = {}
     config = ht.RuntimeConfig(devices=["cpu", "cpu"], share_frozen=mode == "shared")
-    admitted = 0
     with ht.Runtime(config=config) as rt:
-        handles = [rt.submit(t) for t in tasks]
-        admitted = rt.host_memory()["admitted_bytes"]
-        out["pool_while_running"] = {k: v for k, v in rt.stats()["shared_frozen"].items()
-                                     if k != "per_task_shared_bytes"}
-        # each result read and its handle dropped as it ends, as the plain loops drop each trained model (a
-        # kept handle keeps its trained model: with its own copy of the base while other trials hold it)
+        handles = []
+        for t in tasks:
+            handles.append(rt.submit(t))
+            handles = _drop_ended(handles)
+        if go is not None:
+            out.update(_alive(rt, handles, baseline))
+            go.set()
         while handles:
-            ended = [h for h in handles if h.done()]
-            for h in ended:
-                h.result()
-            handles = [h for h in handles if h not in ended]
-            del ended
+            handles = _drop_ended(handles)
             time.sleep(0.02)
         stats = rt.stats()
-    out["admitted_bytes_all_submitted"] = admitted
-    out["pool_copied_bytes"] = stats["shared_frozen"]["copied_bytes"]
-    out["pool_aliased_bytes"] = stats["shared_frozen"].get("aliased_bytes", {})
+    pool = stats["shared_frozen"]
+    out["pool_copied_bytes"], out["pool_recopied_bytes"] = pool["copied_bytes"], pool.get("recopied_bytes", {})
+    out["pool_reused_bytes"] = pool["reused_bytes"]
     out["h2d_state_bytes"] = {d["name"]: d["copies"]["h2d"].get("state", 0) for d in stats["devices"]}
-    out["minibatches"] = len(tasks) * batches
+    out["units"] = {d["name"]: d["units"] for d in stats["devices"]}
     return out
 
 
-def run_one(mode: str, n: int, batches: int) -> dict:
+def _drop_ended(handles: list) -> list:
+    for h in handles:
+        if h.done():
+            h.result()
+    return [h for h in handles if not h.done()]
+
+
+def run_one(mode: str, n: int, batches: int, phase: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
     path, data = _setup(batches)
-    tasks = _tasks(path, data, n)
-    costs = _match_costs(tasks)   # (its models are let go before the baseline is read)
+    go = threading.Event() if phase == "memory" and mode != "plain" else None
+    tasks = _tasks(path, data, n, go)
+    costs = _match_costs(_tasks(path, data, 2))   # (its models are let go before the baseline is read)
+    import gc
+
+    gc.collect()
+    _trim()
     baseline = _rss()
     peak = Peak()
     start = time.perf_counter()
-    out: dict = {"mode": mode, "trials": n, **costs}
+    out: dict = {"mode": mode, "phase": phase, "trials": n, "minibatches": n * batches, **costs}
     if mode == "plain":
         _run_plain(tasks)
     else:
-        out.update(_run_hydra(mode, tasks, batches))
+        out.update(_run_hydra(mode, tasks, go, baseline))
     out["seconds"] = round(time.perf_counter() - start, 2)
-    out["rss_above_baseline"] = peak.stop() - baseline
+    out["rss_peak"] = peak.stop() - baseline
+    out["load"] = os.getloadavg()[0]
     return out
+
+
+def _child(mode: str, phase: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576"))
+    proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--phase", phase, "--trials", str(args.trials),
+                           "--batches", str(args.batches)], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=8)
-    ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per configuration (medians)")
     ap.add_argument("--json")
     ap.add_argument("--mode", choices=["shared", "unshared", "plain"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["memory", "time"], default="memory", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
-        print(json.dumps(run_one(args.mode, args.trials, args.batches)))
+        print(json.dumps(run_one(args.mode, args.trials, args.batches, args.phase)))
         return 0
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576"))
-    runs = {}
-    for mode in ("shared", "unshared", "plain"):
-        proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--trials", str(args.trials),
-                               "--batches", str(args.batches)], env=env, capture_output=True, text=True)
-        if proc.returncode:
-            print(proc.stderr[-3000:])
-            return 1
-        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs: dict = {mode: _child(mode, "memory", args) for mode in ("shared", "unshared", "plain")}
+    for k in range(args.runs):   # alternated, so that a change in the machine's load hits both sides
+        for mode in ("shared", "plain"):
+            runs.setdefault(f"{mode}_time", []).append(_child(mode, "time", args))
     return report(runs, args.json)
+
+
+def _median(xs: list) -> float:
+    return statistics.median(xs)
 
 
 def report(runs: dict, path: str | None) -> int:
     sh, un, pl = runs["shared"], runs["unshared"], runs["plain"]
-    n, base = sh["trials"], sh["base_bytes"]
-    adapter = 4 * sh["adapter_param_bytes"]  # parameters, gradients, AdamW's two moments
-    goal = (base + n * adapter) * 1.1
-    mib = 2 ** 20
-    print(f"{n} LoRA trials of MiniLM (base {base / mib:.1f} MiB frozen, adapter+head "
-          f"{sh['adapter_param_bytes'] / mib:.2f} MiB trainable) on 2 CPU devices")
-    print("| configuration | peak RSS above baseline | admitted (runtime accounting) | wall s |")
+    n, base, mib = sh["trials"], sh["base_bytes"], 2 ** 20
+    adapters = sum(sh["adapter_state_bytes"])
+    goal = (base + adapters) * 1.1
+    pool = sh["pool_alive"]
+    print(f"{n} LoRA trials of MiniLM (base {base / mib:.1f} MiB frozen; adapter state, measured, "
+          f"{min(sh['adapter_state_bytes']) / mib:.2f}-{max(sh['adapter_state_bytes']) / mib:.2f} MiB per trial, "
+          f"{adapters / mib:.1f} MiB for all) on 2 CPU devices")
+    print(f"| configuration | RSS, {n} trials alive | peak RSS | admitted (runtime accounting) |")
     print("|---|---|---|---|")
     for name, r in (("shared base (default)", sh), ("share_frozen=False", un), ("plain PEFT loops, 2 at a time", pl)):
-        adm = r.get("admitted_bytes_all_submitted")
-        print(f"| {name} | {r['rss_above_baseline'] / mib:.0f} MiB | "
-              f"{'-' if adm is None else f'{adm / mib:.0f} MiB'} | {r['seconds']} |")
-    print(f"goal: base + N x adapter state + 10% = {goal / mib:.0f} MiB")
-    print(f"pool while running: {sh['pool_while_running']}")
-    print(f"base bytes copied per device: {sh['pool_copied_bytes']} (CPU devices read the pooled tensors in "
-          f"place: {sh.get('pool_aliased_bytes', {})}) for {sh['minibatches']} minibatches "
-          f"(unshared: h2d state {un['h2d_state_bytes']})")
+        alive, adm = r.get("rss_alive"), r.get("admitted_bytes_alive")
+        print(f"| {name} | {'-' if alive is None else f'{alive / mib:.0f} MiB'} | {r['rss_peak'] / mib:.0f} MiB | "
+              f"{'-' if adm is None else f'{adm / mib:.1f} MiB'} |")
+    host = sh["rss_alive"] - pool.get("host_copy_bytes", 0)
+    print(f"goal: base + N x adapter state + 10% = {goal / mib:.1f} MiB")
+    admitted = sh["admitted_bytes_alive"]
+    print(f"  runtime accounting: admitted {admitted / mib:.1f} MiB (pool {pool['shared_bytes'] / mib:.1f} + trials "
+          f"{(admitted - pool['shared_bytes']) / mib:.1f}): {'met' if admitted <= goal else 'missed'}")
+    print(f"  RSS with {n} alive {sh['rss_alive'] / mib:.1f} MiB, of which the CPU stand-ins' kept device copy "
+          f"{pool.get('host_copy_bytes', 0) / mib:.1f} MiB (device memory on a GPU): host memory "
+          f"{host / mib:.1f} MiB: {'met' if host <= goal else 'missed'}")
+    _copies(sh, un, base)
     print(f"equality at submit: first trial {sh['first_trial_seconds_per_gb']} s/GB (probes), each later trial "
           f"{sh['later_trial_seconds_per_gb']} s/GB (byte compare; a full BLAKE2b hash: "
           f"{sh['blake2b_seconds_per_gb']} s/GB) -> a 7B bf16 base (14 GB): "
           f"{14 * sh['later_trial_seconds_per_gb']:.1f} s per later trial")
-    print(f"throughput: plain/hydra wall time = {pl['seconds'] / sh['seconds']:.2f}")
-    copied = sum(sh["pool_copied_bytes"].values())
-    print(f"base bytes copied per minibatch (all devices): {copied / sh['minibatches'] / mib:.2f} MiB shared vs "
-          f"{sum(un['h2d_state_bytes'].values()) / un['minibatches'] / mib:.2f} MiB of state unshared")
-    print(f"RSS goal {'met' if sh['rss_above_baseline'] <= goal else 'missed'}: RSS also holds each trial's Python "
-          "objects, the allocator's free lists and the CPU stand-ins' device copies (host memory too)")
+    ts, tp = [r["seconds"] for r in runs["shared_time"]], [r["seconds"] for r in runs["plain_time"]]
+    loads = [r["load"] for r in runs["shared_time"] + runs["plain_time"]]
+    print(f"throughput ({len(ts)} runs, medians): hydra {_median(ts):.2f} s {ts}, plain {_median(tp):.2f} s {tp}: "
+          f"plain/hydra = {_median(tp) / _median(ts):.2f} (load average {min(loads):.1f}-{max(loads):.1f})")
     bad = []
     # one base, plus each trial's own frozen bits (peft keeps the replaced head's original, initialised per trial)
-    if sh["pool_while_running"]["shared_bytes"] >= 2 * base:
-        bad.append(f"the pool holds two bases or more: {sh['pool_while_running']['shared_bytes']} >= 2 x {base}")
-    if sh["admitted_bytes_all_submitted"] >= un["admitted_bytes_all_submitted"]:
+    if pool["shared_bytes"] >= 2 * base:
+        bad.append(f"the pool holds two bases or more: {pool['shared_bytes']} >= 2 x {base}")
+    if sh["admitted_bytes_alive"] >= un["admitted_bytes_alive"]:
         bad.append("admission charged the shared trials no less than the unshared ones")
+    if any(sh["pool_recopied_bytes"].values()):
+        bad.append(f"pooled tensors copied again onto a device: {sh['pool_recopied_bytes']}")
     sys.path.insert(0, os.path.dirname(__file__))
     from _checks import finish
 
     return finish(runs, bad, path)
+
+
+def _copies(sh: dict, un: dict, base: int) -> None:
+    mib, units = 2 ** 20, sh["units"]
+    per_device = {d: sh["minibatches"] * u / max(sum(units.values()), 1) for d, u in units.items()}
+    after = {d: round(sh["pool_recopied_bytes"].get(d, 0) / max(m, 1)) for d, m in per_device.items()}
+    print(f"base bytes copied host->device per minibatch per device after warm-up: {after} (copies of a pooled "
+          f"tensor onto a device that had it before, over ~{ {d: round(m) for d, m in per_device.items()} } "
+          "minibatches)")
+    print(f"  over the run: copied {sh['pool_copied_bytes']}, taken from the other CPU device's copy "
+          f"{sh['pool_reused_bytes']} (base {base}); unshared: h2d state "
+          f"{ {d: f'{b / mib:.0f} MiB' for d, b in un['h2d_state_bytes'].items()} }")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 from reference import max_param_diff, plain_train, trained
-from test_peft_lora import BUDGET, Gated, batches, distinct_bytes, lora_bert, task, two_equal_frozen_linears
+from test_peft_lora import BUDGET, Gated, adamw, batches, distinct_bytes, lora_bert, task, two_equal_frozen_linears
 
 import hydra_tune as ht
-from hydra_tune.training.footprint import TASK_OVERHEAD
+from hydra_tune.training.footprint import allowance
 
 pytest.importorskip("peft", reason="PEFT support needs the `peft` extra (pip install hydra_tune[peft])")
 
@@ -33,11 +33,11 @@ def test_admission_charges_lora_trials_their_own_part_not_the_frozen_base_again(
         largest_frozen = max(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
         assert largest_frozen > max(trainable)  # else this test could not tell the two apart
         fp = stats["tasks"][t.name]["host_footprint"]
-        assert fp["overhead"] == TASK_OVERHEAD + max(trainable), (t.name, fp)
+        assert fp["overhead"] == allowance(m) + max(trainable), (t.name, fp)
         assert fp["grads"] == sum(trainable)
         # its parameters, buffers and unpooled frozen ones; gradients; AdamW's state (measured); one minibatch's
-        # activations; the fixed allowance and one step's temporaries
-        own.append(fp["params"] + fp["grads"] + fp["optimizer"] + fp["activations"] + TASK_OVERHEAD
+        # activations; the allowance for its Python objects and one step's temporaries
+        own.append(fp["params"] + fp["grads"] + fp["optimizer"] + fp["activations"] + allowance(m)
                    + max(trainable))
         assert max_param_diff(plain_train(t)[0], m) == 0.0, t.name
     # the base once (to the pool), each trial what it holds: nothing of the base a second time
@@ -131,3 +131,88 @@ def test_a_unit_writing_into_a_pooled_tensor_a_cpu_device_reads_in_place_fails_v
             shares[name].check()
         failures.append(str(err.value))
     assert all("weight" in f for f in failures), failures
+
+
+def test_a_device_asked_at_once_by_its_two_threads_copies_a_pooled_tensor_once():
+    """A device's compute thread and copy thread (prefetching the next unit) may ask for the same pooled tensor
+    at the same moment: before, both found no copy and both made one (the base copied twice onto the device,
+    ``copied_bytes`` 2x the base in the benchmark); now the second waits for the first's copy."""
+    import torch
+
+    from hydra_tune.device.devices import CpuDevice
+    from hydra_tune.training.shared_frozen import SharedFrozen
+
+    weight = torch.nn.Parameter(torch.randn(2048, 2048), requires_grad=False)   # 16 MiB: a copy takes a while
+    model = torch.nn.Module()
+    model.weight = weight
+    for attempt in range(4):
+        pool, device = SharedFrozen(), CpuDevice(f"cpu:{attempt}", None)
+        pool.share("a", model)
+        start, got = threading.Barrier(2), []
+
+        def ask():
+            start.wait()
+            got.append(pool.device_copy(weight, device))
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = pool.stats()
+        assert got[0] is got[1], attempt
+        assert stats["copied_bytes"] == {device.name: weight.numel() * 4}, (attempt, stats)
+        assert stats["recopied_bytes"] == {}, stats
+        pool.release("a", model)
+
+
+def _python_bytes_per_task(make, n: int = 3) -> tuple[int, int, dict]:
+    """(Python bytes each of ``n`` running tasks holds, measured with tracemalloc while they wait at their second
+    batch; the same over their whole run, builds and ends included; one task's footprint). Tensor storages are
+    not traced: the footprint counts them exactly, the allowance is for everything else."""
+    import gc
+    import time
+    import tracemalloc
+
+    go = threading.Event()
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=None) as rt:
+        trained(rt.submit(make("warm", batches(2))))  # one-time costs: caches, threads, the pool's first base
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            handles = [rt.submit(make(f"t{i}", Gated(batches(3), go))) for i in range(n)]
+            while any(rt.stats()["tasks"][h.name].get("steps", 0) < 1 for h in handles):
+                time.sleep(0.01)  # each ran its first minibatch and its optimizer step
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            footprint = rt.stats()["tasks"]["t0"]["host_footprint"]
+            go.set()
+            for h in handles:
+                trained(h)
+            peak = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+    return held // n, peak // n, footprint
+
+
+@pytest.mark.parametrize("kind", ["lora", "mlp"])
+def test_the_allowance_covers_what_a_task_allocates_beyond_its_tensors(kind):
+    """The footprint's allowance (training/footprint.py: a fixed part plus a part per module and tensor) bounds
+    the Python objects a running task holds (measured), so admission stays safe with an allowance smaller than
+    the 4 MiB it was for every task (LoRA trials: their own bytes are small, their module objects are not)."""
+    import torch
+
+    def make(name, data):
+        if kind == "lora":
+            return task(name, data=data, epochs=1)
+        layers = [torch.nn.Linear(16, 16) for _ in range(6)] + [torch.nn.Linear(16, 4)]
+        layers[0].requires_grad_(False)  # a frozen first layer: the structural allowance applies
+        batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(3)]
+        data = Gated(batches, data.go) if isinstance(data, Gated) else batches
+        return ht.ModelTask(torch.nn.Sequential(*layers), adamw, data, epochs=1, name=name,
+                            loss=lambda out, b: torch.nn.functional.mse_loss(out, b[1]))
+
+    held, peak, footprint = _python_bytes_per_task(make)
+    assert held <= footprint["overhead"], (held, footprint)
+    assert peak <= footprint["overhead"], (peak, footprint)

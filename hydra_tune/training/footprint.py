@@ -21,8 +21,13 @@ What a training task holds in host memory at its peak (hydra_tune keeps every ta
   depend on unit times the meta device cannot measure: up to twice the fewest shards the budget needs, and,
   where the devices may offload (``keep``: devices whose ``releases_graphs`` is set), every stage but the last
   offloading.
-* overhead: a fixed allowance per task (``TASK_OVERHEAD``: Python objects, allocator slack, the step's
-  temporaries) plus the largest trainable parameter once more (an optimizer step's per-parameter temporaries).
+* overhead: an allowance for what the task holds beyond its tensors (``allowance``), plus the largest trainable
+  parameter once more (an optimizer step's per-parameter temporaries). The allowance has a structural part: a
+  fixed part for the task's own records plus a part per module and per tensor of its model (the modules'
+  objects, the runtime's per-module records; tests/test_peft_shared_memory.py checks it against what running
+  tasks measurably allocate). A task whose model has frozen parameters (LoRA: its own tensors are few and
+  small, the base's are pooled) is charged that; any other task at least ``TASK_OVERHEAD``, which also
+  covers the allocator's slack around its many tensors of its own.
 
 A task whose state stays on a device (training/resident.py) keeps its host tensors to write it back into: its
 footprint is the same either way.
@@ -60,7 +65,24 @@ from .profile import measure_costs
 if TYPE_CHECKING:
     from .state import TaskState
 
+#: The least allowance of a task without frozen parameters (Python objects, allocator slack).
 TASK_OVERHEAD = 4 << 20
+#: Every task, whatever its model: its TaskState, loop, optimizer and handle objects, queues, frames.
+TASK_BASE = 256 << 10
+#: Per module of its model: the module's own objects (its dicts, attributes, hooks) and the runtime's records
+#: for it (bound calls, captured Python state, dispatch entries).
+MODULE_BYTES = 4 << 10
+#: Per parameter and buffer: the tensor objects and the records kept per tensor (versions, pool entries).
+TENSOR_BYTES = 1 << 10
+
+
+def allowance(model: nn.Module) -> int:
+    """Host bytes ``model``'s task may hold beyond its tensors (see the module docstring), e.g.
+    ``allowance(nn.Linear(4, 4).requires_grad_(False)) == TASK_BASE + MODULE_BYTES + 2 * TENSOR_BYTES``."""
+    modules = sum(1 for _ in model.modules())
+    params = list(model.parameters())
+    structural = TASK_BASE + MODULE_BYTES * modules + TENSOR_BYTES * (len(params) + sum(1 for _ in model.buffers()))
+    return structural if any(not p.requires_grad for p in params) else max(structural, TASK_OVERHEAD)
 
 
 @dataclass(frozen=True)
@@ -110,8 +132,8 @@ def estimate_footprint(task: ModelTask, budget: int | None, bandwidth: float | N
     except Exception as exc:
         raise Unmeasurable(f"{type(exc).__name__}: {exc}") from exc
     params, grads, largest = _param_bytes(model, task.grad_accumulation)
-    return Footprint(params, grads, optimizer, _activation_bound(costs, fewest, keep), TASK_OVERHEAD + largest,
-                     measured)
+    return Footprint(params, grads, optimizer, _activation_bound(costs, fewest, keep),
+                     allowance(model) + largest, measured)
 
 
 def state_footprint(task: ModelTask) -> Footprint:
@@ -120,7 +142,7 @@ def state_footprint(task: ModelTask) -> Footprint:
     model = _meta_model(task)
     optimizer, measured = optimizer_state_bytes(task, model)
     params, grads, largest = _param_bytes(model, task.grad_accumulation)
-    return Footprint(params, grads, optimizer, 0, TASK_OVERHEAD + largest, measured)
+    return Footprint(params, grads, optimizer, 0, allowance(model) + largest, measured)
 
 
 def footprint_of_state(state: "TaskState", optimizer: tuple[int, bool] | None = None) -> Footprint:
@@ -133,8 +155,8 @@ def footprint_of_state(state: "TaskState", optimizer: tuple[int, bool] | None = 
         except Exception:  # the model cannot be copied
             optimizer = _optimizer_rule(state.model), False
     params, grads, largest = _param_bytes(state.model, task.grad_accumulation)
-    return Footprint(params, grads, optimizer[0], _activations_of_plan(state.plan), TASK_OVERHEAD + largest,
-                     optimizer[1])
+    return Footprint(params, grads, optimizer[0], _activations_of_plan(state.plan),
+                     allowance(state.model) + largest, optimizer[1])
 
 
 def optimizer_state_bytes(task: ModelTask, meta_model: nn.Module) -> tuple[int, bool]:

@@ -8,19 +8,14 @@
     shared.stats()                                # {"tensors", "shared_bytes", "saved_bytes", "copied_bytes", ...}
 
 Rules:
-* What may be shared: parameters (``nn.Parameter``) with ``requires_grad=False`` when the task is built, in host
-  memory, that occupy their whole storage (a view into a larger storage stays the task's own). Never buffers
-  (BatchNorm running statistics and the like change during training), never a trainable parameter. A frozen
-  parameter that the optimizer lists (``AdamW(model.parameters())``) is shared too: it gets no gradient, so
-  torch's optimizers skip it; an optimizer that writes into it anyway is caught like any other write.
-* Equality: a tensor is merged with another only when their dtype, shape and strides are equal and their bytes
-  are equal, compared byte for byte (``same_bytes``): bases that differ in one value, in one bit (-0.0 vs 0.0,
-  NaN payloads), are never merged. Candidates are found by a probe (``probe_key``: dtype, shape, strides and a
-  digest of ~12 KiB sampled from the tensor), so the first task of a base reads almost nothing and each later
-  one compares every frozen byte once with the pool's copy (memory speed; benchmarks/lora_memory.py measures
-  it per GB next to a full BLAKE2b hash, and what a 7B bf16 base, 14 GB, costs at submit). A tensor whose
-  storage is already the pool's (the same pretrained source handed to several tasks) is recognised by identity
-  and version without reading it.
+* What may be shared and when two tensors are equal (byte for byte, found by a sampled probe): see
+  shared_frozen_match.py. A frozen parameter that the optimizer lists (``AdamW(model.parameters())``) is shared
+  too: it gets no gradient, so torch's optimizers skip it; an optimizer that writes into it anyway is caught like
+  any other write. A tensor whose storage is already the pool's (the same pretrained source handed to several
+  tasks) is recognised by identity and version without reading it.
+* Device copies: one per device and entry, made once even when a device's compute and copy threads ask for it at
+  the same moment; ``stats()["recopied_bytes"]`` counts copies of an entry onto a device that had one before
+  (a copy its budget share could not keep): 0 means the base crossed to each device once.
 * Read-only in effect: a task that writes into a shared tensor in place through its parameter (torch's version
   counter of that parameter moves) fails at its next optimizer step with an error naming the tensor; the pool
   puts the values back from a clean device copy (made before the write, its own counter unmoved), so the other
@@ -32,21 +27,20 @@ Rules:
   per unit: a forward writing into it moves the pool's counter, and with no clean copy to restore from the entry
   is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either).
   CPU devices share one address space: a CPU device takes another CPU device's kept copy (one clean copy serves
-  them all). Writes
-  through ``.data`` are not seen by version counters: hydra_tune cannot detect them (tasks must not write into
-  frozen weights).
+  them all). Writes through ``.data`` are not seen by version counters: hydra_tune cannot detect them (tasks
+  must not write into frozen weights).
 * Lifetime: each task holding an entry is counted; when a task ends (done, failed, cancelled) its model gets
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
   weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
-  back at the end; an entry nobody holds is forgotten, with its device copies. PEFT models are reference
-  cycles: once ended tasks shared ``COLLECT_BYTES``, the pool runs Python's collector, so ended models their
-  users let go (each with its private copy of the base) are freed then.
+  back at the end; an entry nobody holds is forgotten, with its device copies. An ended task's model is held
+  in reference cycles of the runtime's task objects (a PEFT model alone is not): once ended tasks shared
+  ``COLLECT_BYTES``, the pool runs Python's collector, so ended models their users let go (each with its
+  private copy of the base) are freed then.
 """
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
 import threading
 import time
@@ -57,46 +51,15 @@ import torch
 import torch.nn as nn
 
 from ..errors import rule_error
+from .shared_frozen_match import content_key, probe_key, qualifies, same_bytes
+
+__all__ = ["SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
 
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25
 #: Ended tasks' shared bytes after which the pool runs Python's collector (their models may be reference cycles).
 COLLECT_BYTES = 16 << 20
-_SAMPLES, _SAMPLE, _ENDS = 64, 64, 4096   # a probe reads 64 chunks of 64 bytes plus the first and last 4 KiB
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def content_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """(dtype, shape, strides, BLAKE2b digest of the elements' bytes): equal keys mean bit-equal tensors (what a
-    full hash would cost: benchmarks/lora_memory.py compares it with the pool's probe and compare)."""
-    digest = hashlib.blake2b(_bytes(t).numpy().data if t.numel() else b"", digest_size=32)
-    return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest.hexdigest())
-
-
-def probe_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """(dtype, shape, strides, digest of a sample of the bytes): where to look for an equal tensor (equal
-    tensors have equal probes; candidates are then compared byte for byte)."""
-    b = _bytes(t)
-    n = b.numel()
-    if n > 2 * _ENDS + _SAMPLES * _SAMPLE:
-        starts = torch.linspace(_ENDS, n - _ENDS - _SAMPLE, _SAMPLES).long().tolist()
-        b = torch.cat([b[:_ENDS], b[-_ENDS:]] + [b[i:i + _SAMPLE] for i in starts])
-    digest = hashlib.blake2b(b.numpy().tobytes(), digest_size=16).hexdigest()
-    return (str(t.dtype), tuple(t.shape), tuple(t.stride()), digest)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (equal dtype, shape and strides) hold the same bytes: -0.0 and 0.0 differ, equal
-    NaN payloads are equal."""
-    x, y = _bytes(a), _bytes(b)
-    for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):  # ~10x faster than bytewise
-        if x.numel() % size == 0:
-            return torch.equal(x.view(wide), y.view(wide))  # integer views: bits compared, not values
-    return torch.equal(x, y)
 
 
 def _host_device(device: Any) -> bool:
@@ -106,11 +69,6 @@ def _host_device(device: Any) -> bool:
 
 def _on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
-
-
-def _qualifies(p: nn.Parameter) -> bool:
-    return (not p.requires_grad and p.device.type == "cpu" and type(p) is nn.Parameter and p.numel() > 0
-            and p.untyped_storage().nbytes() == p.numel() * p.element_size() and p.storage_offset() == 0)
 
 
 @dataclass
@@ -124,6 +82,8 @@ class _Entry:
     # does not share counters), so a write shows only on the parameter it went through
     params: list[tuple[str, str, nn.Parameter, int]] = field(default_factory=list)
     poisoned: str = ""                        # "task: name" that wrote into it when no clean copy was left
+    copied_to: set[str] = field(default_factory=set)     # devices that ever got a copy made of it
+    copying: dict[str, threading.Lock] = field(default_factory=dict)  # device -> held while its copy is made
 
     def written(self) -> list[str]:
         return [f"{task}: {name}" for task, name, p, v in self.params if p._version != v]
@@ -180,6 +140,7 @@ class SharedFrozen:
         self._tasks: dict[str, TaskShares] = {}
         self._wrote: dict[str, list[str]] = {}   # task -> parameters it wrote into, until its next check
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
+        self.recopied: dict[str, int] = {}       # device -> of those, bytes of entries it had a copy of before
         self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
         self._ended_bytes = 0                    # shared bytes of the tasks ended since the last collection
         self.reused: dict[str, int] = {}         # CPU device -> pooled bytes it took from another CPU device's copy
@@ -194,7 +155,7 @@ class SharedFrozen:
         seen: set[int] = set()
         found: list[tuple[str, nn.Parameter]] = []
         for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) not in seen and _qualifies(p):
+            if id(p) not in seen and qualifies(p):
                 seen.add(id(p))
                 found.append((name, p))
         start = time.perf_counter()
@@ -316,23 +277,32 @@ class SharedFrozen:
 
     def device_copy(self, host: torch.Tensor, device: Any) -> torch.Tensor | None:
         """The device's copy of the pooled tensor ``host`` (made now if there is none: its bytes counted by the
-        device's copier like any state copy); None when ``host`` is not pooled."""
+        device's copier like any state copy); None when ``host`` is not pooled. One copy per device, also when
+        its compute and copy threads ask at once (the second waits for the first's copy)."""
         with self._lock:
             key = self._by_ptr.get(host.data_ptr())
             entry = self._entries.get(key) if key is not None else None
-            held = entry.devices.get(device.name) if entry is not None else None
-        if entry is None:
+            lock = entry.copying.setdefault(device.name, threading.Lock()) if entry is not None else None
+        if entry is None or lock is None:
             return None
         written = entry.poisoned or ", ".join(entry.written())
         if written:
             raise rule_error(_WRITE_RULE, _WRITE_FIX, device=device.name, written=written)
-        if held is not None:
-            copy, version = held
-            if copy._version != version:
-                raise rule_error("a unit changes no frozen parameter it shares with other tasks", "do not write "
-                                 "into frozen weights in forward; make them buffers or trainable",
-                                 device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
-            return copy
+        with lock:
+            with self._lock:
+                held = entry.devices.get(device.name)
+            if held is not None:
+                copy, version = held
+                if copy._version != version:
+                    raise rule_error("a unit changes no frozen parameter it shares with other tasks", "do not "
+                                     "write into frozen weights in forward; make them buffers or trainable",
+                                     device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
+                return copy
+            return self._new_copy(key, entry, host, device)
+
+    def _new_copy(self, key: Any, entry: _Entry, host: torch.Tensor, device: Any) -> torch.Tensor:
+        """A copy of ``entry`` for ``device`` (which has none kept): another CPU device's, the pooled tensor
+        itself (a CPU device with no room to keep one) or a new one, kept when the device's share allows."""
         if _host_device(device):
             copy = self._cpu_copy(key, entry, device)
             if copy is not None:
@@ -351,10 +321,11 @@ class SharedFrozen:
         copy = device.copier.to_device(host, "state")
         with self._lock:
             self.copied[device.name] = self.copied.get(device.name, 0) + entry.nbytes
-        if keep:
-            with self._lock:
-                if key in self._entries:
-                    entry.devices[device.name] = (copy, copy._version)
+            if device.name in entry.copied_to:
+                self.recopied[device.name] = self.recopied.get(device.name, 0) + entry.nbytes
+            entry.copied_to.add(device.name)
+            if keep and key in self._entries:
+                entry.devices[device.name] = (copy, copy._version)
         return copy
 
     def _cpu_copy(self, key: Any, entry: _Entry, device: Any) -> torch.Tensor | None:
@@ -392,17 +363,22 @@ class SharedFrozen:
 
     def stats(self) -> dict[str, Any]:
         """``tensors`` and ``shared_bytes`` held once; ``holders`` per task; ``saved_bytes``: what separate
-        copies would hold more; ``match_seconds``/``compared_bytes`` spent finding equal tensors."""
+        copies would hold more; ``host_copy_bytes``: the kept device copies that are host memory too (CPU
+        stand-ins; each storage once); ``match_seconds``/``compared_bytes`` spent finding equal tensors."""
         with self._lock:
             holders: dict[str, int] = {}
             saved = 0
+            host_copies: dict[int, int] = {}
             for e in self._entries.values():
                 for name in e.holders:
                     holders[name] = holders.get(name, 0) + e.nbytes
                 saved += e.nbytes * (len(e.holders) - 1)
+                host_copies.update({c.data_ptr(): e.nbytes for c, _ in e.devices.values()
+                                    if _on_host(c) and c.data_ptr() != e.tensor.data_ptr()})
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
-                    "copied_bytes": dict(self.copied), "aliased_bytes": dict(self.aliased),
-                    "reused_bytes": dict(self.reused),
+                    "copied_bytes": dict(self.copied), "recopied_bytes": dict(self.recopied),
+                    "aliased_bytes": dict(self.aliased),
+                    "reused_bytes": dict(self.reused), "host_copy_bytes": sum(host_copies.values()),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}
