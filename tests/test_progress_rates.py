@@ -111,13 +111,5 @@ def test_hydra_executor_reads_the_environment_once_in_the_driver(monkeypatch):
     assert ht.HydraExecutor(devices=["cpu"], progress=7).runtime_settings()["progress"] == 7.0
 
 
-def test_hydra_executor_gives_every_node_runtime_its_progress(local_ray, monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
-    ht.HydraExecutor(devices=["cpu"]).shutdown()   # no runtime actor left from an earlier test (it keeps its settings)
-    for progress in (7, None):
-        ex = ht.HydraExecutor(devices=["cpu"], progress=progress)
-        try:
-            where = ex.start_runtimes()
-            assert [w["progress"] for w in where.values()] == [None if progress is None else 7.0]
-        finally:
-            ex.shutdown()
+# That every node's runtime actor gets the executor's `progress` (7, and None when not given) is checked where the
+# runtime actors are started anyway: tests/test_ray_tune.py::test_runtime_settings_and_config_reach_every_nodes_runtime.

@@ -26,14 +26,23 @@ KEYS = ("epoch", "train_loss", "steps")
 
 
 def make_task(config: dict, name: str, resume_from: str | None = None) -> ht.ModelTask:
-    """A small MLP task; PBT's config sets ``resume_hparams="task"`` so an explored lr applies after exploit."""
+    """A small MLP task; PBT's config sets ``resume_hparams="task"`` so an explored lr applies after exploit.
+    ``pace``: seconds each step's loss sleeps, so that an epoch lasts long enough on the wall clock (for a stop or a
+    kill to land mid-task) without the CPU work of more batches; the numbers are the same with or without it."""
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(32, 32, generator=g), torch.randn(32, 4, generator=g)) for _ in range(config.get("nb", 24))]
+    pace = config.get("pace", 0.0)
+
+    def loss(out, b):
+        if pace:
+            time.sleep(pace)
+        return F.mse_loss(out, b[1])
+
     return ht.ModelTask(
         lambda: torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Dropout(0.1), torch.nn.ReLU(),
                                     torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)),
         lambda m: torch.optim.AdamW(m.parameters(), lr=config["lr"], weight_decay=0.01), data,
-        loss=lambda out, b: F.mse_loss(out, b[1]), epochs=config.get("epochs", EPOCHS), seed=config.get("seed", 1),
+        loss=loss, epochs=config.get("epochs", EPOCHS), seed=config.get("seed", 1),
         name=name, resume_from=resume_from, resume_hparams=config.get("resume_hparams", "checkpoint"))
 
 
@@ -101,14 +110,17 @@ def test_multi_node_trials_train_on_their_own_node():
 
 
 def _direct(config: dict) -> tuple[list[dict], dict]:
+    """The trial's task straight on an in-process Runtime (without ``pace``: its sleeps change no number)."""
     with ht.Runtime(devices=["cpu"]) as rt:
-        h = rt.submit(make_task(config, "direct"))
+        h = rt.submit(make_task(dict(config, pace=0.0), "direct"))
         return list(h.metrics()), h.model().state_dict()
 
 
 def test_asha_drop_in_cancels_stopped_trials_and_matches_direct_runs(local_ray, tmp_path):
     ex = ht.HydraExecutor(devices=["cpu"], report_proxy_modules=True)
-    space = {"lr": tune.grid_search([3e-2, 1e-2, 1e-3, 1e-4]), "nb": 96}   # ~0.2 s epochs: stops land mid-task
+    # epochs of >= 0.2 s (24 steps sleeping 8 ms each in the loss, as 96 steps without sleeps took): ASHA's stops
+    # land mid-task; the direct runs below are 4x cheaper than with 96 batches
+    space = {"lr": tune.grid_search([3e-2, 1e-2, 1e-3, 1e-4]), "nb": 24, "pace": 0.008}
     tuner = tune.Tuner(ex.wrap(asha_fn), param_space=space,
                        tune_config=tune.TuneConfig(metric="train_loss", mode="min", max_concurrent_trials=4,
                                                    scheduler=ASHAScheduler(max_t=EPOCHS, grace_period=1,
@@ -161,11 +173,19 @@ def test_bad_runtime_settings_raise_at_the_executor_with_the_runtimes_message(ba
     assert str(got.value) == str(expected.value)
 
 
-def test_runtime_settings_and_config_reach_every_nodes_runtime(local_ray):
-    for ex in (ht.HydraExecutor(devices=["cpu"], host_memory="1GiB", policy="fifo"),
-               ht.HydraExecutor(config=ht.RuntimeConfig(devices=["cpu", "cpu"], host_memory="1GiB", policy="fifo"))):
+def test_runtime_settings_and_config_reach_every_nodes_runtime(local_ray, monkeypatch):
+    from hydra_tune.runtime.progress import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    ht.HydraExecutor(devices=["cpu"]).shutdown()   # no runtime actor left from an earlier test (it keeps its settings)
+    # each runtime actor costs a process start: the two executors check every setting, `progress=` given and not
+    # (tests/test_progress_rates.py checks its validation and its reading of the environment)
+    for ex, progress in ((ht.HydraExecutor(devices=["cpu"], host_memory="1GiB", policy="fifo", progress=7), 7.0),
+                         (ht.HydraExecutor(config=ht.RuntimeConfig(devices=["cpu", "cpu"], host_memory="1GiB",
+                                                                   policy="fifo")), None)):
         try:
-            ex.start_runtimes()
+            where = ex.start_runtimes()
+            assert [w["progress"] for w in where.values()] == [progress]
             (stats,) = ex.runtime_stats().values()
             assert stats["policy"] == "fifo" and stats["host"]["budget"] == 1 << 30
             assert stats["device_names"] == [f"cpu:{i}" for i in range(len(ex.config.devices))]
@@ -216,7 +236,8 @@ def test_killed_runtime_actor_trials_resume_from_last_checkpoint(local_ray, tmp_
 
     from hydra_tune.integrations import _tune_proxy
 
-    config = {"lr": 1e-2, "epochs": 5, "nb": 48, "fail_at": -1, "marker": str(tmp_path / "unused"),
+    # epochs of >= 0.16 s (16 steps sleeping 10 ms each in the loss): the kill lands before the last one ends
+    config = {"lr": 1e-2, "epochs": 5, "nb": 16, "pace": 0.01, "fail_at": -1, "marker": str(tmp_path / "unused"),
               "out": str(tmp_path / "w.pt")}
     ex = ht.HydraExecutor(devices=["cpu"])
     killed: list[float] = []
