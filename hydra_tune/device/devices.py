@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import rule_error
-from .dispatch import ROUTED, MemoryAccount, RandomRouter, UnitMode
+from .dispatch import ROUTED, MemoryAccount, UnitMode, router_for
 from .offload import releases_graphs
 from .quiet import QuietUnits
 from .rng import TaskRNG
@@ -217,7 +217,7 @@ class CpuDevice(Device):
             with self.quiet.guarded(self._key, rng):
                 yield None
         else:
-            with RandomRouter(rng.cpu), seeding_to(rng):
+            with router_for(rng), seeding_to(rng):
                 yield None
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -315,7 +315,7 @@ class CudaDevice(Device):
         gen = torch.cuda.default_generators[self.torch_device.index]
         rng.start_accel(gen)
         try:  # the unit's torch.manual_seed & co. seed this generator only (the others hold other tasks' streams)
-            with torch.cuda.device(self.torch_device), RandomRouter(rng.cpu), seeding_to(OnDevice(rng.cpu, gen)):
+            with torch.cuda.device(self.torch_device), router_for(rng), seeding_to(OnDevice(rng.cpu, gen)):
                 yield None
         finally:
             rng.accel_state = gen.get_state()

@@ -334,6 +334,19 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
             self._spare = unit
 
 
+def router_for(rng: Any) -> RandomRouter:
+    """The RandomRouter of a TaskRNG's CPU generator, made once and reused by the task's units and routed stages
+    (a task runs one unit at a time): making one, with the UnitMode its random calls use, for every unit or routed
+    stage cost about as much as routing a dropout.
+
+        with router_for(rng), seeding_to(rng): ...
+    """
+    router = rng.router
+    if not isinstance(router, RandomRouter) or router.generator is not rng.cpu:
+        router = rng.router = RandomRouter(rng.cpu)
+    return router
+
+
 def bookkeeping(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a method of an object with a ``plain_tensors`` attribute: while that is true, the method runs
     outside this thread's torch-function modes (a unit's RandomRouter).

@@ -107,7 +107,7 @@ class QuietUnits:
     @contextlib.contextmanager
     def _route(self) -> Iterator[None]:
         rng = self._rng  # set by guarded() around every quiet unit
-        with dispatch.RandomRouter(rng.cpu), seeding_to(rng):  # type: ignore[union-attr]
+        with dispatch.router_for(rng), seeding_to(rng):
             yield
 
     @contextlib.contextmanager

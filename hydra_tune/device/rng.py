@@ -28,6 +28,7 @@ class TaskRNG:
         self.cpu = torch.Generator().manual_seed(seed)
         # None: no GPU ran the task yet (seed with ``seed``); a 0-d int64 tensor: a pending seed; else a GPU state
         self.accel_state: torch.Tensor | None = None
+        self.router: object | None = None  # the RandomRouter its units reuse (dispatch.router_for)
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.cpu.get_state(), self.accel_state

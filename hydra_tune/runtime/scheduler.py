@@ -243,6 +243,31 @@ class Scheduler:
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
 
+    def open_here(self, task: Admitted, index: int) -> Admitted | None:
+        """As ``ran(task, index, keep=True)`` followed by ``take_kept``, with the host work run in the calling
+        device thread (``TaskState.light_host_work``: a short step over list data), which saves the two thread
+        hand-offs a segment costs otherwise: ``task`` with its next segment open, or None when it ended, was
+        cancelled or the board closed."""
+        with self.cond:
+            task.last_device = index
+            task.turns += 1
+            live = not self._closed and self._tasks.get(task.name) is task
+            cancelled = live and task.handle.cancel_requested
+            if not live or cancelled:
+                live = False
+            else:
+                task.since, task.opening = self._next_seq(), True
+                task.kept_by = index
+        if cancelled:
+            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
+        if not live:
+            return None
+        self._open(task)  # as its host thread would: kept_by set, so it is handed back here, not queued
+        with self.cond:
+            opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
+            task.kept_by = None
+            return task if opened and not self._closed else None
+
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless
         it ended or the board closed."""

@@ -39,6 +39,10 @@ from .admitted import Admitted
 from .scheduler import Scheduler
 from .trace import COPY, Recorder
 
+# A device kept on a task opens its next segment itself (no hand-off) when the task's last opening took less than
+# this many seconds (and its host work is light: TaskState.light_host_work); a longer one runs in its host thread.
+INLINE_OPEN = 0.02
+
 Following = list[tuple["Admitted | None", "Future[None] | None"]]  # the device's next task, the copy of its 1st shard
 
 
@@ -152,9 +156,18 @@ class DeviceWorker:
         if failure is not None:
             return self._after_failure(task, *failure, following), False
         keep = bool(following) and following[0][0] is task
+        if keep and self._inline(task):  # its short host work runs here: no hand-off to its host thread and back
+            return self.board.open_here(task, self.index), False
         self.board.ran(task, self.index, keep)  # its host thread opens its next segment from now
         nxt = self._following(following)
         return (task, True) if keep else (nxt, False)
+
+    @staticmethod
+    def _inline(task: Admitted) -> bool:
+        """Whether the device, kept on ``task``, opens its next segment itself: its host work is light
+        (``TaskState.light_host_work``) and its last opening took under ``INLINE_OPEN`` seconds (the device
+        would wait for it anyway)."""
+        return task.open_seconds < INLINE_OPEN and task.state.light_host_work()
 
     def _run_units(self, task: Admitted, units: Sequence[Unit],
                    following: Following) -> tuple[Unit, BaseException] | None:

@@ -171,6 +171,10 @@ class BoundaryRequests:
             req.finish(None, self._late(ended, "snapshot"))
         return req
 
+    def waiting(self) -> bool:
+        """Whether a checkpoint or snapshot is asked and not yet served (read without the lock: a hint)."""
+        return bool(self._checkpoints or self._snapshots)
+
     # -- the task's loop ------------------------------------------------------------------------------------
     def reach(self, state: TaskState, where: Boundary) -> None:
         """The task stands at a step boundary: serve what was asked, and what is asked until ``leave``."""

@@ -137,6 +137,17 @@ class TaskState:
         self._loop = TrainingLoop(self)
         return self._loop.segments(emit)
 
+    def light_host_work(self) -> bool:
+        """Whether the host work between this task's segments may run on a device's thread (the runtime's inline
+        opening, runtime/worker.py): only for our own loop over lists or tuples of batches (their ``next`` runs no
+        code, so no iterator depends on its thread or can block), with no ``eval_fn`` (the whole model on the
+        host) and no checkpoint or snapshot waiting to be written."""
+        task = self.task
+        return (getattr(task, "drive_segments", None) is None and task.eval_fn is None
+                and isinstance(self.train_iterable, (list, tuple))
+                and (self.eval_iterable is None or isinstance(self.eval_iterable, (list, tuple)))
+                and not self._requests.waiting())
+
     def retry(self, plan: Plan, replanned: bool = True) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the
         epoch's losses and the host buffers go back to where the segment began; the same batch runs again.
