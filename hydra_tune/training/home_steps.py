@@ -45,19 +45,23 @@ class HomeSteps:
         # Runs after every flush and step: one pass over the parameters (no ``p.data`` aliases, no per-tensor
         # lists); each tensor once (a parameter's data is the parameter's own storage), as ``_device_tensors``.
         storages: list[torch.UntypedStorage] = []
-        state, groups = self.optimizer.state, self._groups
+        groups = self._groups
+        # by identity: a Parameter's hash is a Python call, and ``state`` is a defaultdict (a lookup adds an entry)
+        state = {id(p): st for p, st in self.optimizer.state.items()}
         for slots in self._slots.values():
             for slot in slots:
                 p = slot.param
                 storages.append(p.untyped_storage())
-                if p.grad is not None:
-                    storages.append(p.grad.untyped_storage())
-                if p in state:  # (a defaultdict: a lookup would add an entry)
-                    group = groups.get(id(p))
-                    storages += [v.untyped_storage() for k, v in state[p].items() if isinstance(v, torch.Tensor)
-                                 and (moves_with_param(group, k) or v.device.type != "cpu")]
+                grad = p.grad
+                if grad is not None:
+                    storages.append(grad.untyped_storage())
+                st = state.get(id(p))
+                if st:
+                    step_moves = moves_with_param(groups.get(id(p)), "step")
+                    storages += [v.untyped_storage() for k, v in st.items() if isinstance(v, torch.Tensor)
+                                 and (step_moves or k != "step" or v.device.type != "cpu")]
         cache.device.hold_storages(storages)
-        self.device_bytes = sum(st.nbytes() for st in storages)
+        self.device_bytes = sum(map(torch.UntypedStorage.nbytes, storages))
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -43,6 +43,7 @@ _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every mod
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _CONTAINERS = (list, dict, set, collections.deque, bytearray)
 _MISSING = object()
+_SCALARS = (int, float, bool, str, type(None))  # values with no contents to compare and no attributes of state
 _BIG = 10_000  # a container longer than this is compared by its length only (copying it every unit costs)
 _NOT_STATE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
               types.BuiltinFunctionType, functools.partial, Dataset)
@@ -118,7 +119,7 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
         out.append(_Holder(name, module, prefix, mapping, skip))
         if nested:
             for k, v in list(mapping.items()):
-                if k not in skip and _plain_object(v) and id(v) not in opaque:
+                if type(v) not in _SCALARS and k not in skip and _plain_object(v) and id(v) not in opaque:
                     add(f"{name}.{k}", module, f"{prefix}{k}.", vars(v), nested=False)
 
     for label, m in named:
@@ -229,8 +230,8 @@ class ModuleState:
               opaque: frozenset[int] = frozenset()) -> ModuleState:
         entries = []
         for holder in _holders(named, opaque):
-            entries.append((holder, {k: (v, _contents(v, big)) for k, v in list(holder.mapping.items())
-                                     if k not in holder.skip}))
+            entries.append((holder, {k: (v, None if type(v) in _SCALARS else _contents(v, big))
+                                     for k, v in list(holder.mapping.items()) if k not in holder.skip}))
         return cls(entries, keep)
 
     def _changes(self) -> Iterable[_Diff]:
@@ -242,7 +243,7 @@ class ModuleState:
                 now = mapping.get(k, _MISSING)
                 if now is not value:
                     yield _Diff(holder, k, "rebound", (value, contents))
-                elif not _same_contents(contents, value):
+                elif contents is not None and not _same_contents(contents, value):  # None: nothing to compare
                     how = "inplace" if isinstance(contents, int) else "contents"  # old contents: gone / kept
                     yield _Diff(holder, k, how, (value, contents))
             for k, _ in list(mapping.items()):

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map  # torch's own pytree walk: there is no public one
+from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
 from ..device.dispatch import bookkeeping, paused_accounting, plain_call
@@ -45,6 +45,7 @@ from .loss import LossFn, model_loss
 from .pystate import ModuleState
 from .residency import Kept, ShardCache, offloading
 from .store import HostStore
+from .trees import map_tensors, tensor_leaves
 
 
 def _is_float(t: object) -> bool:
@@ -252,8 +253,7 @@ class ShardExec:
                 out = self.run(carry, copies, device)
                 self._write_back_buffers(copies, device, store, mode, recompute=train)
                 with paused_accounting(mode):
-                    store.carries[self.index + 1] = tree_map(
-                        lambda t: device.copier.to_host(t) if isinstance(t, torch.Tensor) else t, out)
+                    store.carries[self.index + 1] = map_tensors(device.copier.to_host, out)
                 del copies, carry, out
 
     def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG, offload: bool) -> None:
@@ -270,8 +270,7 @@ class ShardExec:
                 out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, store, mode)
             with paused_accounting(mode):
-                store.carries[self.index + 1] = tree_map(
-                    lambda t: device.copier.to_host(t.detach()) if isinstance(t, torch.Tensor) else t, out)
+                store.carries[self.index + 1] = map_tensors(lambda t: device.copier.to_host(t.detach()), out)
             if not resident:  # a resident shard's parameter bytes are its state: they stay
                 for p in self.params:
                     if id(p) not in self.pooled:  # a pooled copy is other tasks' too: it stays
@@ -354,7 +353,7 @@ class ShardExec:
     def _backward_from(self, device: Device, store: HostStore, out: Any, copies: dict[int, torch.Tensor],
                        leaves: list[Any], mode: Any) -> None:
         grads = store.out_grads.pop(self.index)
-        pairs = [(o, g) for o, g in zip(tree_flatten(out)[0], grads)
+        pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs:
             g_dev = [device.copier.to_device(g) for _, g in pairs]
@@ -377,8 +376,7 @@ class ShardExec:
     # -- copies and inputs (also used by profile.py) -----------------------------------------------------
     @staticmethod
     def to_device(device: Device, tree: Any, what: str = "activations") -> Any:
-        return tree_map(lambda t: plain_call(device.copier.to_device, t, what) if isinstance(t, torch.Tensor) else t,
-                        tree)
+        return map_tensors(lambda t: plain_call(device.copier.to_device, t, what), tree)
 
     @property
     def carry_kind(self) -> str:
@@ -388,7 +386,7 @@ class ShardExec:
     def grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, list[Any]]:
         """Device copy of the input carry whose floating tensors are leaves that collect input gradients."""
         carry = self.to_device(device, host_carry, self.carry_kind)
-        leaves = tree_flatten(carry)[0]
+        leaves = tensor_leaves(carry)
         if self.index > 0:
             for t in leaves:
                 if _is_float(t):
