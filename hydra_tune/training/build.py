@@ -56,6 +56,16 @@ def check_model(task: ModelTask, model: Any) -> None:
                          "initialize them in the factory with one forward on a sample input (`m = Net(); "
                          "m(sample_x); return m`), or use the non-lazy module (nn.Linear(in, out))",
                          task=task.name, uninitialized=lazy[:4] + (["..."] if len(lazy) > 4 else []))
+    # torch keeps a tensor's hooks in these attributes: there is no public reader
+    hooked = [n for n, p in model.named_parameters() if getattr(p, "_backward_hooks", None)
+              or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:  # the units differentiate device tensors of their own, not the parameter: the hook would never run
+        raise rule_error("a ModelTask's parameters carry no gradient hooks (`p.register_hook`, "
+                         "`register_post_accumulate_grad_hook`): the runtime's units differentiate their own device "
+                         "tensors, so the hook would silently never run", "express it as the task's settings "
+                         "(`grad_clip_norm=`, the optimizer's `weight_decay=`) or do it in the optimizer (a "
+                         "torch.optim.Optimizer subclass whose step() changes p.grad first)", task=task.name,
+                         hooked=hooked[:4] + (["..."] if len(hooked) > 4 else []))
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
         raise rule_error("the model has at least one parameter to train (requires_grad=True)", "pass a model "

@@ -41,6 +41,7 @@ from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
 from .bind import Bound
+from .direct import DirectPath
 from .loss import LossFn, model_loss
 from .pystate import ModuleState
 from .residency import Kept, ShardCache, offloading
@@ -80,6 +81,7 @@ class ShardExec:
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
+        self.direct = DirectPath(self)  # the light path of a resident only shard (direct.py)
 
     # -- copies ---------------------------------------------------------------------------------------------
     def resident(self, device: Device) -> bool:
@@ -145,11 +147,10 @@ class ShardExec:
         copy in ``copies``, for the next stage and the write-back."""
         with self.precision(device):
             for stage, bound in zip(self.stages, self._bound):
-                given = {name: copies[key] for name, key in bound.binding}
                 with device.stage_scope(stage.name):  # a quiet unit routes the stages that draw (quiet.py)
                     carry, after = bound.call(carry, copies)
-                for name, key in bound.binding:
-                    if after[name] is not given[name]:
+                for name, key in bound.binding:  # (two names of one slot: the first replaces, the second is it)
+                    if after[name] is not copies[key]:
                         copies[key] = self._assigned(stage.name, name, self.tensors[key], after[name])
         return carry
 
@@ -191,7 +192,7 @@ class ShardExec:
                 self.buffers[k].copy_(back[k])
 
     @contextlib.contextmanager
-    def _python_state(self, device: Device, store: HostStore, replay: bool = False) -> Iterator[None]:
+    def python_state(self, device: Device, store: HostStore, replay: bool = False) -> Iterator[None]:
         """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo, and
         tensors it bound to attributes move to host memory; with ``replay`` (an F unit whose B recomputes) the
         state it started from is kept for that recompute."""
@@ -243,7 +244,7 @@ class ShardExec:
         ``train=False``: an eval forward (E)."""
         if train:
             store.rng[self.index] = rng.snapshot()
-        with self._python_state(device, store, replay=train and not (keep or offload)):
+        with self.python_state(device, store, replay=train and not (keep or offload)):
             if keep or offload:
                 self._forward_keep(device, store, rng, offload)
                 return
@@ -300,7 +301,7 @@ class ShardExec:
                  measure: Callable[[Any, Any], None] | None = None) -> float:
         """The last shard in eval: forward and loss, no autograd; returns the loss value. ``measure(outputs,
         batch)`` (the task's metrics, training/metrics.py) then runs here, on the device's outputs and batch."""
-        with self._python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
+        with self.python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index], self.carry_kind)
             out = self.run(carry, copies, device)
@@ -316,7 +317,7 @@ class ShardExec:
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
-        with self._python_state(device, store), device.unit_scope(rng) as mode:
+        with self.python_state(device, store), device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
             out = self.run(carry, copies, device)
@@ -335,7 +336,7 @@ class ShardExec:
         state, buffers and Python state (as its F unit ran it), then backward."""
         kept = store.kept.pop(self.index, None)
         snap = store.rng.pop(self.index)
-        with self._python_state(device, store):  # backward hooks may keep state too
+        with self.python_state(device, store):  # backward hooks may keep state too
             if kept is not None:
                 with device.unit_scope(rng) as mode:
                     self.refill(device, kept)

@@ -46,6 +46,7 @@ class HostStore:
         self._state_undo: list[Any] = []             # ModuleStates before the units that changed Python state
         self._lost: list[str] = []                   # tensor attributes changed in place (a retry cannot undo)
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._landed = False                         # the light path's gradients are in .grad (grads_landed)
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """One shard's gradient contribution for ``param`` in this minibatch (shared params get several)."""
@@ -62,8 +63,14 @@ class HostStore:
                          for key, (param, grad) in self._pending.items()}
 
     def has_grads(self) -> bool:
-        """Whether gradients of the minibatch are in flight (not yet added into ``.grad``)."""
-        return bool(self._pending)
+        """Whether gradients of the minibatch are in flight (not yet added into ``.grad``), or went into ``.grad``
+        at once (``grads_landed``): either way the task's flush and step are due."""
+        return bool(self._pending) or self._landed
+
+    def grads_landed(self) -> None:
+        """A unit's gradients went straight into ``.grad`` (the light path, direct.py): until ``flush_grads`` the
+        minibatch counts as having gradients in flight (evictions wait for its step, state_cache.py)."""
+        self._landed = True
 
     def flush_grads(self) -> None:
         """Accumulate this minibatch's summed contributions into ``.grad``, as AccumulateGrad does."""
@@ -73,6 +80,7 @@ class HostStore:
             else:
                 param.grad.add_(grad)
         self._pending.clear()
+        self._landed = False
 
     def note_state(self, before: Any) -> None:
         """``before`` (a pystate.ModuleState) was taken ahead of a unit that changed Python state: a retry puts it
@@ -102,6 +110,7 @@ class HostStore:
 
     def clear(self) -> None:
         self.batch = None
+        self._landed = False
         self.undo.clear()
         self.states.clear()
         self._state_undo.clear()

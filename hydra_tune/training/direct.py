@@ -1,0 +1,112 @@
+"""The light path of a task cut into one shard whose state is resident on the device: its L and E units run the
+stages over the model's own parameters, and gradients accumulate into ``.grad`` as in the plain loop.
+
+    path = DirectPath(ex)                              # ShardExec makes one for itself
+    if path.applies(device):                           # checked by the unit, every time
+        value = path.forward_loss_backward(device, store, rng, loss_fn, scale)
+
+Why: while a shard's state is resident, its parameters' device tensors are the model's own; the general path
+still binds new leaves over them into every stage (``Bound``), collects each leaf's gradient into the store and
+adds it into ``.grad`` after the segment. For a small model that bookkeeping costs about a tenth of a unit, and two
+devices pay it under one GIL. Here the stages run as the plain loop runs them: same parameters, same ops, so the
+same values.
+
+Rules (what keeps it exact, else the general path runs): the shard is the task's only one (no carry in or out),
+resident on this device, with no buffers and no frozen parameters (nothing is copied in), plain tensors only, no
+tensor hook on a parameter (the general path's leaves would not run it), and no trainable parameter holding a
+gradient yet (the first minibatch of a step), so that a unit that fails half way (out of memory, a rerun after an
+unrouted draw) is undone by setting them back to None, as the general path adds nothing then. A segment the device
+measures op by op runs the general path. A forward that replaces a parameter slot (``self.weight = ...``) is
+refused: a replaced slot would leave the model's own parameter untrained.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..device.devices import Device
+from ..device.dispatch import plain_call
+from ..device.rng import TaskRNG
+from ..errors import rule_error
+from .loss import LossFn, model_loss
+from .store import HostStore
+
+if TYPE_CHECKING:
+    from .shard import ShardExec
+
+
+class DirectPath:
+    """The light path of one ShardExec (see the module docstring)."""
+
+    def __init__(self, ex: ShardExec) -> None:
+        self.ex = ex
+        # (owner's parameter dict, attribute, parameter) for every slot: a forward must leave each as it found it
+        self._slots = [(owner._parameters, attr, p) for stage in ex.stages
+                       for owner in stage.module.modules() for attr, p in owner._parameters.items()
+                       if p is not None]
+        self._trainable = [p for p in ex.params if p.requires_grad]
+        self.units = 0  # units that took this path (stats()["tasks"][name]["light_units"])
+        self._eligible = (ex.index == 0 and ex.plain_tensors and not ex.buffers and not ex.frozen and ex.autocast is None
+                          and not any(getattr(p, "_backward_hooks", None) for p in ex.params))
+
+    def applies(self, device: Device, train: bool = True) -> bool:
+        """Whether this unit on ``device`` takes the light path, the shard being the task's only one (the loop
+        knows; ``train``: an L unit, whose parameters must hold no gradient yet)."""
+        return (self._eligible and not device.measuring and self.ex.resident(device)
+                and not (train and any(p.grad is not None for p in self._trainable)))
+
+    def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
+                              scale: int) -> float:
+        """L: forward, loss and backward over the model's own parameters; returns the unscaled loss."""
+        ex = self.ex
+        self.units += 1
+        try:
+            with ex.python_state(device, store), device.unit_scope(rng):
+                out = self._run(device, ex.to_device(device, store.carries[0], "batches"))
+                loss = ex.loss(device, loss_fn, out, store.batch)
+                del out
+                scaled = loss / scale if scale != 1 else loss
+                if store.loss_scale is not None:  # fp16: GradScaler.scale(), the same multiply
+                    scaled = scaled * store.loss_scale.to(device=scaled.device, non_blocking=True)
+                scaled.backward()
+                value = plain_call(device.copier.read, loss)
+        except BaseException:
+            for p in self._trainable:  # an attempt that failed adds nothing (the general path's rule)
+                p.grad = None
+            raise
+        store.grads_landed()  # its flush and step are due: evictions wait for them (state_cache.py)
+        return value
+
+    def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
+                 measure: Any = None) -> float:
+        """E of the only shard: forward and loss without autograd; ``measure(outputs, batch)`` as ShardExec's."""
+        ex = self.ex
+        self.units += 1
+        with ex.python_state(device, store), device.unit_scope(rng), torch.no_grad():
+            out = self._run(device, ex.to_device(device, store.carries[0], "batches"))
+            batch = ex.to_device(device, store.batch, "batches")
+            with ex.precision(device):
+                loss = model_loss(loss_fn, out, batch)
+            value = plain_call(device.copier.read, loss)
+            if measure is not None:
+                measure(out, batch)
+            return value
+
+    def _run(self, device: Device, carry: Any) -> Any:
+        """The stages in order on ``carry``, each in its stage scope (quiet units route the stages that draw)."""
+        try:
+            for stage in self.ex.stages:
+                with device.stage_scope(stage.name):
+                    carry = stage.module(carry)
+        finally:
+            replaced = [attr for slots, attr, p in self._slots if slots.get(attr) is not p]
+            for slots, attr, p in self._slots:
+                slots[attr] = p
+        if replaced:
+            raise rule_error("a forward leaves its module's parameters in their slots (hydra_tune trains the "
+                             "model's own parameters)", "compute with a local tensor (w = self.weight * s) instead "
+                             "of assigning a new one to a parameter's attribute", replaced=replaced,
+                             shard=list(self.ex.names))
+        return carry
+
