@@ -9,7 +9,8 @@ Why: while a shard's state is resident, its parameters' device tensors are the m
 still binds new leaves over them into every stage (``Bound``), collects each leaf's gradient into the store and
 adds it into ``.grad`` after the segment. For a small model that bookkeeping costs about a tenth of a unit, and two
 devices pay it under one GIL. Here the stages run as the plain loop runs them: same parameters, same ops, so the
-same values.
+same values. The batch is copied to the device once per unit, for the forward and the loss alike (the general
+path copies it for each).
 
 Rules (what keeps it exact, else the general path runs): the shard is the task's only one (no carry in or out),
 resident on this device, with no buffers and no frozen parameters (nothing is copied in), plain tensors only, no
@@ -31,6 +32,7 @@ from ..device.rng import TaskRNG
 from ..errors import rule_error
 from .loss import LossFn, model_loss
 from .store import HostStore
+from .trees import map_tensors
 
 if TYPE_CHECKING:
     from .shard import ShardExec
@@ -63,9 +65,11 @@ class DirectPath:
         self.units += 1
         try:
             with ex.python_state(device, store), device.unit_scope(rng):
-                out = self._run(device, ex.to_device(device, store.carries[0], "batches"))
-                loss = ex.loss(device, loss_fn, out, store.batch)
-                del out
+                carry, batch = self._inputs(device, store)
+                out = self._run(device, carry)
+                with ex.precision(device):
+                    loss = model_loss(loss_fn, out, batch)
+                del out, carry, batch
                 scaled = loss / scale if scale != 1 else loss
                 if store.loss_scale is not None:  # fp16: GradScaler.scale(), the same multiply
                     scaled = scaled * store.loss_scale.to(device=scaled.device, non_blocking=True)
@@ -84,14 +88,27 @@ class DirectPath:
         ex = self.ex
         self.units += 1
         with ex.python_state(device, store), device.unit_scope(rng), torch.no_grad():
-            out = self._run(device, ex.to_device(device, store.carries[0], "batches"))
-            batch = ex.to_device(device, store.batch, "batches")
+            carry, batch = self._inputs(device, store)
+            out = self._run(device, carry)
             with ex.precision(device):
                 loss = model_loss(loss_fn, out, batch)
             value = plain_call(device.copier.read, loss)
             if measure is not None:
                 measure(out, batch)
             return value
+
+    @staticmethod
+    def _inputs(device: Device, store: HostStore) -> tuple[Any, Any]:
+        """Device copies of the input carry and of the batch the loss reads, each host tensor copied once (the
+        carry holds the batch's own tensors: the plain loop's forward and loss read the same ``x``)."""
+        memo: dict[int, torch.Tensor] = {}
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            out = memo.get(id(t))
+            if out is None:
+                out = memo[id(t)] = plain_call(device.copier.to_device, t, "batches")
+            return out
+        return map_tensors(copy, store.carries[0]), map_tensors(copy, store.batch)
 
     def _run(self, device: Device, carry: Any) -> Any:
         """The stages in order on ``carry``, each in its stage scope (quiet units route the stages that draw)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import itertools
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -118,8 +119,8 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
         seen.add(key)
         out.append(_Holder(name, module, prefix, mapping, skip))
         if nested:
-            for k, v in list(mapping.items()):
-                if type(v) not in _SCALARS and k not in skip and _plain_object(v) and id(v) not in opaque:
+            for k, v in _items(mapping, skip):
+                if type(v) not in _SCALARS and _plain_object(v) and id(v) not in opaque:
                     add(f"{name}.{k}", module, f"{prefix}{k}.", vars(v), nested=False)
 
     for label, m in named:
@@ -137,6 +138,16 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
                 elif hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):
                     add(f"{mname} hook {type(fn).__name__}", label, at, vars(fn))
     return out
+
+
+def _items(mapping: Any, skip: frozenset[str]) -> list[tuple[str, Any]]:
+    """``mapping``'s items whose keys are not in ``skip``, in its order (a dict: filtered without a Python call per
+    key, a module's ``__dict__`` being mostly torch's own keys)."""
+    if isinstance(mapping, dict):
+        if not skip:
+            return list(mapping.items())
+        return [(k, mapping[k]) for k in itertools.filterfalse(skip.__contains__, list(mapping))]
+    return [(k, v) for k, v in list(mapping.items()) if k not in skip]
 
 
 def _contents(value: Any, big: float) -> Any:
@@ -231,7 +242,7 @@ class ModuleState:
         entries = []
         for holder in _holders(named, opaque):
             entries.append((holder, {k: (v, None if type(v) in _SCALARS else _contents(v, big))
-                                     for k, v in list(holder.mapping.items()) if k not in holder.skip}))
+                                     for k, v in _items(holder.mapping, holder.skip)}))
         return cls(entries, keep)
 
     def _changes(self) -> Iterable[_Diff]:
@@ -246,6 +257,11 @@ class ModuleState:
                 elif contents is not None and not _same_contents(contents, value):  # None: nothing to compare
                     how = "inplace" if isinstance(contents, int) else "contents"  # old contents: gone / kept
                     yield _Diff(holder, k, how, (value, contents))
+            if isinstance(mapping, dict):  # the common case, by set operations: a module has ~20 torch keys
+                added = mapping.keys() - keys.keys() - holder.skip
+                for k in [k for k in mapping if k in added] if added else ():
+                    yield _Diff(holder, k, "added", None)
+                continue
             for k, _ in list(mapping.items()):
                 if k not in keys and k not in holder.skip:
                     yield _Diff(holder, k, "added", None)
