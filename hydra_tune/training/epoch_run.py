@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from .segments import Segment
+from .trees import tensor_leaves
 
 
 @dataclass
@@ -40,7 +40,7 @@ class EpochRun:
 
 
 def batch_size(batch: Any) -> int:
-    for leaf in tree_flatten(batch)[0]:
+    for leaf in tensor_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     return 1

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..device.devices import Device
+from .trees import tensor_leaves
 
 
 @dataclass(frozen=True)
@@ -53,5 +53,5 @@ def segment_key(train: bool, batch: Any) -> tuple[bool, tuple[Any, ...]]:
     """``Segment.key`` of a segment over ``batch``: training or eval, and every leaf's shape and dtype (its type
     name for a leaf that is not a tensor)."""
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                   for t in tree_flatten(batch)[0])
+                   for t in tensor_leaves(batch))
     return train, shapes
