@@ -58,7 +58,8 @@ class Admitted:
                 "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "samples_trained": st.samples_trained,
-                "epoch": st.epoch, "units": self.units, "light_units": sum(ex.direct.units for ex in st.execs), "host_bytes": st.held_bytes, "replans": st.replans,
+                "epoch": st.epoch, "units": self.units, "light_units": sum(ex.direct.units for ex in st.execs),
+                "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,
                 "residency": st.home.stats()}

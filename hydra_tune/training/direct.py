@@ -7,18 +7,18 @@ stages over the model's own parameters, and gradients accumulate into ``.grad`` 
 
 Why: while a shard's state is resident, its parameters' device tensors are the model's own; the general path
 still binds new leaves over them into every stage (``Bound``), collects each leaf's gradient into the store and
-adds it into ``.grad`` after the segment. For a small model that bookkeeping costs about a tenth of a unit, and two
-devices pay it under one GIL. Here the stages run as the plain loop runs them: same parameters, same ops, so the
-same values. The batch is copied to the device once per unit, for the forward and the loss alike (the general
-path copies it for each).
+adds it into ``.grad`` after the segment. For a small model that bookkeeping is a sizeable part of a unit, and the
+devices pay it under one GIL. Here the stages run as the plain loop runs them: the same parameters and ops, so the
+same values. The batch is copied to the device once per unit, for the forward and the loss alike, as the plain
+loop's forward and loss read one ``x`` (the general path copies it for each).
 
-Rules (what keeps it exact, else the general path runs): the shard is the task's only one (no carry in or out),
-resident on this device, with no buffers and no frozen parameters (nothing is copied in), plain tensors only, no
-tensor hook on a parameter (the general path's leaves would not run it), and no trainable parameter holding a
-gradient yet (the first minibatch of a step), so that a unit that fails half way (out of memory, a rerun after an
-unrouted draw) is undone by setting them back to None, as the general path adds nothing then. A segment the device
-measures op by op runs the general path. A forward that replaces a parameter slot (``self.weight = ...``) is
-refused: a replaced slot would leave the model's own parameter untrained.
+Rules (what keeps it exact; otherwise the general path runs): the shard is the task's only one (no carry in or
+out), resident on this device, fp32 (mixed precision runs its forwards under autocast on the general path), with
+no buffers and no frozen parameters (nothing to copy in) and plain tensors only; no trainable parameter holds a
+gradient yet (the first minibatch of a step), so a unit that fails half way (out of memory, the rerun of an
+unrouted draw) is undone by setting them back to None, as the general path adds nothing then; the segment is not
+one the device measures op by op. A forward that replaces a parameter slot (``self.weight = ...``) is refused (the
+model's own parameter would not train); parameters with gradient hooks are refused at submit (training/build.py).
 """
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ class DirectPath:
                        if p is not None]
         self._trainable = [p for p in ex.params if p.requires_grad]
         self.units = 0  # units that took this path (stats()["tasks"][name]["light_units"])
-        self._eligible = (ex.index == 0 and ex.plain_tensors and not ex.buffers and not ex.frozen and ex.autocast is None
-                          and not any(getattr(p, "_backward_hooks", None) for p in ex.params))
+        # (mixed precision takes the general path: its forwards run under autocast there)
+        self._eligible = (ex.index == 0 and ex.plain_tensors and not ex.buffers and not ex.frozen
+                          and ex.autocast is None and not any(getattr(p, "_backward_hooks", None) for p in ex.params))
 
     def applies(self, device: Device, train: bool = True) -> bool:
         """Whether this unit on ``device`` takes the light path, the shard being the task's only one (the loop
