@@ -143,3 +143,39 @@ def test_a_parameter_gradient_hook_is_refused_at_submit() -> None:
         with pytest.raises(Exception, match="carry no gradient hooks") as err:
             rt.submit(_task(hooked)).result()
     assert "0.weight" in str(err.value)
+
+
+def test_torch_modules_take_no_state_snapshot_unless_hooked_or_changed() -> None:
+    from hydra_tune.training.pystate import inert_modules, still_inert
+
+    model = _mlp()
+    inert = inert_modules(list(model.modules()))
+    assert still_inert(inert)
+    handle = model[0].register_forward_hook(lambda m, i, o: None)
+    assert not still_inert(inert)  # a hook's closure may keep state: snapshots again
+    handle.remove()
+    model[3].scale = 2.0
+    assert not still_inert(inert)  # an attribute added since: not known to be inert
+    assert inert_modules(list(LateNoise().modules())) is None  # a class of the user's: always a snapshot
+
+
+def test_a_hook_counter_on_torch_modules_is_undone_when_its_unit_runs_again() -> None:
+    # nn.Linear alone would take no snapshot; its forward hook keeps a counter in its closure and, from its 4th
+    # call on, draws (a rerun, device/quiet.py): the rerun must start from the count before the failed attempt.
+    def make() -> nn.Module:
+        model = nn.Sequential(nn.Linear(8, 3))
+        calls = [0]
+
+        def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return out + torch.empty_like(out).normal_(0.0, 0.1) if calls[0] > 3 else out
+        model[0].register_forward_hook(hook)
+        model.calls = calls
+        return model
+
+    task = _task(make, eval_data=None)
+    [(model, _)], stats = _run(task)
+    plain, _ = plain_train(task)
+    assert stats["devices"][0]["unrouted"]["reruns"] == 1
+    assert model.calls == plain.calls == [24]  # 8 batches x 3 epochs: each forward counted once
+    assert max_param_diff(model, plain) == 0.0

@@ -140,6 +140,47 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
     return out
 
 
+# torch.nn classes whose forward changes no Python attribute of theirs (state they do change lives in buffers): a
+# unit over modules of these classes alone, with no hooks and no attribute added since, needs no snapshot
+_INERT = frozenset(
+    f"torch.nn.modules.{path}" for path in (
+        "linear.Linear", "linear.Identity", "linear.Bilinear", "activation.ReLU", "activation.ReLU6",
+        "activation.LeakyReLU", "activation.GELU", "activation.SiLU", "activation.Tanh", "activation.Sigmoid",
+        "activation.Softmax", "activation.LogSoftmax", "activation.ELU", "activation.Mish", "dropout.Dropout",
+        "dropout.Dropout1d", "dropout.Dropout2d", "dropout.Dropout3d", "dropout.AlphaDropout",
+        "normalization.LayerNorm", "normalization.GroupNorm", "normalization.RMSNorm", "sparse.Embedding",
+        "conv.Conv1d", "conv.Conv2d", "conv.Conv3d", "pooling.MaxPool1d", "pooling.MaxPool2d", "pooling.AvgPool1d",
+        "pooling.AvgPool2d", "pooling.AdaptiveAvgPool2d", "flatten.Flatten", "flatten.Unflatten",
+        "container.Sequential", "container.ModuleList", "container.ModuleDict", "batchnorm.BatchNorm1d",
+        "batchnorm.BatchNorm2d", "batchnorm.BatchNorm3d"))
+
+
+def inert_modules(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, int]] | None:
+    """``(module, its __dict__ size)`` for each of ``modules`` when all are of the inert torch.nn classes (their
+    forwards change no Python attribute), else None: what ``still_inert`` checks before a unit."""
+    out = [(m, len(m.__dict__)) for m in modules]
+    return out if all(f"{type(m).__module__}.{type(m).__qualname__}" in _INERT for m, _ in out) else None
+
+
+def still_inert(inert: list[tuple[nn.Module, int]] | None) -> bool:
+    """Whether a unit over these modules can change no Python state: no hooks on them (nor global ones) and no
+    attribute added since ``inert_modules`` (a snapshot around it would always find it unchanged)."""
+    if inert is None or _global_hooks():
+        return False
+    for m, size in inert:
+        if (len(m.__dict__) != size or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks):
+            return False
+    return True
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module  # torch keeps the global module hooks there
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+
+
 def _items(mapping: Any, skip: frozenset[str]) -> list[tuple[str, Any]]:
     """``mapping``'s items whose keys are not in ``skip``, in its order (a dict: filtered without a Python call per
     key, a module's ``__dict__`` being mostly torch's own keys)."""

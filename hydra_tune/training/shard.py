@@ -43,7 +43,7 @@ from ..stages import Stage
 from .bind import Bound
 from .direct import DirectPath
 from .loss import LossFn, model_loss
-from .pystate import ModuleState
+from .pystate import ModuleState, inert_modules, still_inert
 from .residency import Kept, ShardCache, offloading
 from .store import HostStore
 from .trees import map_tensors, tensor_leaves
@@ -80,6 +80,7 @@ class ShardExec:
         self.pooled: set[int] = set()
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
+        self._inert = inert_modules(self.modules)
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
         self.direct = DirectPath(self)  # the light path of a resident only shard (direct.py)
 
@@ -195,7 +196,11 @@ class ShardExec:
     def python_state(self, device: Device, store: HostStore, replay: bool = False) -> Iterator[None]:
         """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo, and
         tensors it bound to attributes move to host memory; with ``replay`` (an F unit whose B recomputes) the
-        state it started from is kept for that recompute."""
+        state it started from is kept for that recompute. Modules of torch's own inert classes take no snapshot
+        (pystate.still_inert: it would find nothing changed)."""
+        if still_inert(self._inert):
+            yield
+            return
         before = ModuleState.take(self.modules)
         try:
             yield
