@@ -32,8 +32,7 @@ import functools
 import os
 import threading
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -90,14 +89,22 @@ def pop(target: SeedTarget) -> None:
             return
 
 
-@contextmanager
-def seeding_to(target: SeedTarget) -> Iterator[SeedTarget]:
-    """Inside the block, this thread's torch seeding calls seed ``target`` (see the module docstring)."""
-    push(target)
-    try:
-        yield target
-    finally:
-        pop(target)
+class seeding_to:  # noqa: N801  (used as a function: ``with seeding_to(rng):``)
+    """Inside the block, this thread's torch seeding calls seed ``target`` (see the module docstring). A class, not
+    a generator: units enter several of these each, and a generator's context manager costs a few Python calls
+    more."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: SeedTarget) -> None:
+        self.target = target
+
+    def __enter__(self) -> SeedTarget:
+        push(self.target)
+        return self.target
+
+    def __exit__(self, *exc: object) -> None:
+        pop(self.target)
 
 
 def current() -> SeedTarget | None:

@@ -34,6 +34,22 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
                                                                 t.shape, t.stride())
 
 
+
+class _Charged:
+    """``HostCopier.charged_to``'s block: a class, as every unit and segment enters one."""
+
+    __slots__ = ("_local", "_counts", "_outer")
+
+    def __init__(self, local: threading.local, counts: CopyCounts | None) -> None:
+        self._local, self._counts = local, counts
+
+    def __enter__(self) -> None:
+        self._outer = getattr(self._local, "task", None)
+        self._local.task = self._counts
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.task = self._outer
+
 class HostCopier:
     """CPU stand-in: a "device" copy is a fresh tensor in the device's accounted memory."""
 
@@ -47,15 +63,10 @@ class HostCopier:
         """Bytes this thread has copied through this copier so far (for the trace)."""
         return getattr(self._local, "bytes", 0)
 
-    @contextlib.contextmanager
-    def charged_to(self, counts: CopyCounts | None) -> Iterator[None]:
-        """Inside: this thread's copies and waits also count in ``counts`` (a task's)."""
-        outer = getattr(self._local, "task", None)
-        self._local.task = counts
-        try:
-            yield
-        finally:
-            self._local.task = outer
+    def charged_to(self, counts: CopyCounts | None) -> _Charged:
+        """Inside (``with copier.charged_to(counts):``): this thread's copies and waits also count in ``counts``
+        (a task's)."""
+        return _Charged(self._local, counts)
 
     def _count(self, t: torch.Tensor, direction: str = "h2d", what: str = "activations") -> None:
         nbytes = t.numel() * t.element_size()

@@ -24,8 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,15 +40,20 @@ if TYPE_CHECKING:
 _work = threading.local()   # .task: the name of the task whose work (a unit, a data fetch) this thread runs
 
 
-@contextmanager
-def task_work(task: str) -> Iterator[None]:
+class task_work:  # noqa: N801  (used as a function: ``with task_work(name):``)
     """This thread runs ``task``'s own work inside the block (the loop wraps its units and data fetches)."""
-    outer = getattr(_work, "task", None)
-    _work.task = task
-    try:
-        yield
-    finally:
-        _work.task = outer
+
+    __slots__ = ("task", "_outer")
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_work, "task", None)
+        _work.task = self.task
+
+    def __exit__(self, *exc: object) -> None:
+        _work.task = self._outer
 
 
 def in_task_work(task: str) -> bool:
