@@ -205,20 +205,26 @@ class CpuDevice(Device):
         self._unrouted.discard(task)
         self.quiet.forget(task)
 
-    @contextlib.contextmanager
-    def unit_scope(self, rng: TaskRNG) -> Iterator[UnitMode | None]:
+    def unit_scope(self, rng: TaskRNG) -> contextlib.AbstractContextManager[UnitMode | None]:
         if self.measuring:
-            with UnitMode(rng.cpu, self.account) as mode, seeding_to(rng):
-                with self.quiet.measuring(self._key, mode) if self._key is not None else contextlib.nullcontext():
-                    yield mode
-            if mode.seeded - ROUTED:
-                self._unrouted.add(self._task)
-        elif self.quiet.allows(self._key):
-            with self.quiet.guarded(self._key, rng):
-                yield None
-        else:
-            with router_for(rng), seeding_to(rng):
-                yield None
+            return self._counted(rng)
+        if self.quiet.allows(self._key):  # (returned as it is: one block less per unit)
+            return self.quiet.guarded(self._key, rng)
+        return self._routed(rng)
+
+    @contextlib.contextmanager
+    def _counted(self, rng: TaskRNG) -> Iterator[UnitMode]:
+        with UnitMode(rng.cpu, self.account) as mode, seeding_to(rng):
+            with self.quiet.measuring(self._key, mode) if self._key is not None else contextlib.nullcontext():
+                yield mode
+        if mode.seeded - ROUTED:
+            self._unrouted.add(self._task)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _routed(rng: TaskRNG) -> Iterator[None]:
+        with router_for(rng), seeding_to(rng):
+            yield None
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return UnitMode(self._scratch, self.account)  # clones count as this device's memory

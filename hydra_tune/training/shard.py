@@ -27,8 +27,7 @@ autograd being on.
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,8 +42,9 @@ from ..stages import Stage
 from .bind import Bound
 from .direct import DirectPath
 from .loss import LossFn, model_loss
-from .pystate import ModuleState, inert_modules, still_inert
+from .pystate import inert_modules
 from .residency import Kept, ShardCache, offloading
+from .shard_state import ShardPythonState
 from .store import HostStore
 from .trees import map_tensors, tensor_leaves
 
@@ -53,7 +53,7 @@ def _is_float(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-class ShardExec:
+class ShardExec(ShardPythonState):
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
     def __init__(self, index: int, stages: Sequence[Stage], autocast: torch.dtype | None = None,
@@ -191,54 +191,6 @@ class ShardExec:
                                      self.buffers[k].clone())
             for k in changed:
                 self.buffers[k].copy_(back[k])
-
-    @contextlib.contextmanager
-    def python_state(self, device: Device, store: HostStore, replay: bool = False) -> Iterator[None]:
-        """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo, and
-        tensors it bound to attributes move to host memory; with ``replay`` (an F unit whose B recomputes) the
-        state it started from is kept for that recompute. Modules of torch's own inert classes take no snapshot
-        (pystate.still_inert: it would find nothing changed)."""
-        if still_inert(self._inert):
-            yield
-            return
-        before = ModuleState.take(self.modules)
-        try:
-            yield
-        finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
-            changed = before.changed()
-            if changed:
-                before.settle(functools.partial(device.copier.to_host, what="buffers"))
-                store.note_state(before)
-        if replay and changed:
-            lost = before.inplace()
-            if lost:
-                raise rule_error(
-                    "a forward that its shard's backward recomputes changes no tensor attribute in place (the "
-                    "recompute needs the value it had, which is gone)", "register such a tensor as a "
-                    "buffer (self.register_buffer(name, t): buffers are kept and written back exactly), or assign "
-                    "a new tensor (self.t = self.t + x) instead of changing it in place", attributes=lost,
-                    shard=list(self.names))
-            store.states[self.index] = (before, before.changed_names())
-
-    @contextlib.contextmanager
-    def _replaying(self, kept: tuple[ModuleState, list[str]] | None) -> Iterator[None]:
-        """A recompute runs from the Python state its F unit started from (``kept``: that state and what F changed)
-        and must change the same attributes; the state after F is put back."""
-        now = ModuleState.take(self.modules)
-        before, by_forward = kept if kept is not None else (now, [])
-        if kept is not None:
-            before.restore()
-        try:
-            yield
-            by_recompute = before.changed_names()
-        finally:
-            now.restore()
-        if by_recompute != by_forward:  # e.g. state updated only under torch.is_grad_enabled(): F runs without
-            raise rule_error(
-                "a forward that its shard's backward recomputes changes the same Python state when recomputed (the "
-                "F unit runs it without autograd, the recompute with it)", "update such state the same way with "
-                "and without autograd (no branch on torch.is_grad_enabled() or x.requires_grad around it)",
-                forward_changed=by_forward, recompute_changed=by_recompute, shard=list(self.names))
 
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
