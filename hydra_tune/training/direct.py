@@ -22,6 +22,7 @@ model's own parameter would not train); parameters with gradient hooks are refus
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,8 +57,13 @@ class DirectPath:
     def applies(self, device: Device, train: bool = True) -> bool:
         """Whether this unit on ``device`` takes the light path, the shard being the task's only one (the loop
         knows; ``train``: an L unit, whose parameters must hold no gradient yet)."""
-        return (self._eligible and not device.measuring and self.ex.resident(device)
-                and not (train and any(p.grad is not None for p in self._trainable)))
+        if not self._eligible or device.measuring or not self.ex.resident(device):
+            return False
+        if train:
+            for p in self._trainable:
+                if p.grad is not None:
+                    return False
+        return True
 
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
@@ -115,7 +121,11 @@ class DirectPath:
         """The stages in order on ``carry``, each in its stage scope (quiet units route the stages that draw)."""
         try:
             for stage in self.ex.stages:
-                with device.stage_scope(stage.name):
+                scope = device.stage_scope(stage.name)
+                if type(scope) is contextlib.nullcontext:  # most stages: nothing to enter
+                    carry = stage.module(carry)
+                    continue
+                with scope:
                     carry = stage.module(carry)
         finally:
             replaced = [attr for slots, attr, p in self._slots if slots.get(attr) is not p]

@@ -48,6 +48,7 @@ class HomeSteps:
         groups = self._groups
         # by identity: a Parameter's hash is a Python call, and ``state`` is a defaultdict (a lookup adds an entry)
         state = {id(p): st for p, st in self.optimizer.state.items()}
+        moves: dict[int, bool] = {}  # per parameter group: whether its ``step`` counters move too
         for slots in self._slots.values():
             for slot in slots:
                 p = slot.param
@@ -57,9 +58,13 @@ class HomeSteps:
                     storages.append(grad.untyped_storage())
                 st = state.get(id(p))
                 if st:
-                    step_moves = moves_with_param(groups.get(id(p)), "step")
-                    storages += [v.untyped_storage() for k, v in st.items() if isinstance(v, torch.Tensor)
-                                 and (step_moves or k != "step" or v.device.type != "cpu")]
+                    group = groups.get(id(p))
+                    step_moves = moves.get(id(group))
+                    if step_moves is None:
+                        step_moves = moves[id(group)] = moves_with_param(group, "step")
+                    for k, v in st.items():  # (a loop, not a comprehension: no frame per parameter)
+                        if isinstance(v, torch.Tensor) and (step_moves or k != "step" or v.device.type != "cpu"):
+                            storages.append(v.untyped_storage())
         cache.device.hold_storages(storages)
         self.device_bytes = sum(map(torch.UntypedStorage.nbytes, storages))
 

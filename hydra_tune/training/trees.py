@@ -23,7 +23,12 @@ _SCALARS = (int, float, bool, str, type(None))
 
 def _flat(tree: Any) -> bool:
     """A plain tuple or list whose items are all leaves of the short path."""
-    return type(tree) in (tuple, list) and all(type(t) in _PLAIN_TENSORS or type(t) in _SCALARS for t in tree)
+    if type(tree) not in (tuple, list):
+        return False
+    for t in tree:  # (loops, not generators: they run once or twice per unit, each call counts)
+        if type(t) not in _PLAIN_TENSORS and type(t) not in _SCALARS:
+            return False
+    return True
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
@@ -31,7 +36,10 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     if type(tree) in _PLAIN_TENSORS:
         return fn(tree)
     if _flat(tree):
-        return type(tree)(fn(t) if type(t) in _PLAIN_TENSORS else t for t in tree)
+        out = []
+        for t in tree:
+            out.append(fn(t) if type(t) in _PLAIN_TENSORS else t)
+        return out if type(tree) is list else tuple(out)
     return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
