@@ -232,13 +232,8 @@ class Scheduler:
         (or, with ``keep``, handed to this device, which waits for it in ``take``). A cancelled task ends here;
         an ended one, or any once the board closed, is left as it is."""
         with self.cond:
-            task.last_device = index
-            task.turns += 1
-            live = not self._closed and self._tasks.get(task.name) is task
-            cancelled = live and task.handle.cancel_requested
-            if live and not cancelled:
-                task.since, task.opening = self._next_seq(), True
-                task.kept_by = index if keep else None
+            opening, cancelled = self._off_device(task, index, index if keep else None)
+            if opening:
                 task.host.request()
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
@@ -249,18 +244,10 @@ class Scheduler:
         hand-offs a segment costs otherwise: ``task`` with its next segment open, or None when it ended, was
         cancelled or the board closed."""
         with self.cond:
-            task.last_device = index
-            task.turns += 1
-            live = not self._closed and self._tasks.get(task.name) is task
-            cancelled = live and task.handle.cancel_requested
-            if not live or cancelled:
-                live = False
-            else:
-                task.since, task.opening = self._next_seq(), True
-                task.kept_by = index
+            opening, cancelled = self._off_device(task, index, index)
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
-        if not live:
+        if not opening:
             return None
         self._open(task)  # as its host thread would: kept_by set, so it is handed back here, not queued
         with self.cond:
@@ -367,6 +354,18 @@ class Scheduler:
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+    def _off_device(self, task: Admitted, index: int, kept_by: int | None) -> tuple[bool, bool]:
+        """``task``'s segment ran on device ``index``: (whether it opens its next segment now, with ``kept_by`` the
+        device that takes it then; whether it was cancelled, to be ended by the caller)."""
+        task.last_device = index
+        task.turns += 1
+        live = not self._closed and self._tasks.get(task.name) is task
+        cancelled = live and task.handle.cancel_requested
+        if live and not cancelled:
+            task.since, task.opening = self._next_seq(), True
+            task.kept_by = kept_by
+        return live and not cancelled, cancelled
 
     def _push(self, task: Admitted) -> None:
         task.left = None  # its next segment is open: its estimate is asked anew

@@ -96,13 +96,7 @@ class DirectPath:
         self.units += 1
         with ex.python_state(device, store), device.unit_scope(rng), torch.no_grad():
             carry, batch = self._inputs(device, store)
-            out = self._run(device, carry)
-            with ex.precision(device):
-                loss = model_loss(loss_fn, out, batch)
-            value = plain_call(device.copier.read, loss)
-            if measure is not None:
-                measure(out, batch)
-            return value
+            return ex.eval_value(device, loss_fn, self._run(device, carry), batch, measure)
 
     @staticmethod
     def _inputs(device: Device, store: HostStore) -> tuple[Any, Any]:

@@ -264,12 +264,17 @@ class ShardExec(ShardPythonState):
             out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, store, mode)
             batch = self.to_device(device, store.batch, "batches")
-            with self.precision(device):
-                loss = model_loss(loss_fn, out, batch)
-            value = plain_call(device.copier.read, loss)
-            if measure is not None:
-                measure(out, batch)
-            return value
+            return self.eval_value(device, loss_fn, out, batch, measure)
+
+    def eval_value(self, device: Device, loss_fn: LossFn | None, out: Any, batch: Any,
+                   measure: Callable[[Any, Any], None] | None) -> float:
+        """An eval unit's end, inside it: the loss's value, then ``measure(outputs, batch)`` on the device."""
+        with self.precision(device):
+            loss = model_loss(loss_fn, out, batch)
+        value = plain_call(device.copier.read, loss)
+        if measure is not None:
+            measure(out, batch)
+        return value
 
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
