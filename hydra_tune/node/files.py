@@ -146,10 +146,25 @@ def _rotate_if_full() -> None:
         if os.fstat(sys.stdout.fileno()).st_size < _rotation["limit"]:
             return
         sys.stderr.flush()
-        os.replace(path, path + ".1")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        for target in (sys.stdout.fileno(), sys.stderr.fileno()):   # tracebacks and warnings follow the log
-            os.dup2(fd, target)
-        os.close(fd)
+        _swap_logs(path)
     except (OSError, ValueError):
         pass   # a log that cannot rotate (moved, no stdout) keeps growing: the server never stops for its log
+
+
+def _swap_logs(path: str) -> None:
+    """The full log becomes ``path + ".1"`` and a new empty one takes ``path``, each by an atomic rename, so a reader
+    always finds a log at ``path`` (a rename of the log away first left a moment with none); where hard links are
+    refused, the log is renamed away and the new one made after it."""
+    fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            os.link(path, path + ".old")
+        except OSError:   # no hard link here (or a stale one in the way): the log is renamed away first
+            os.replace(path, path + ".1")
+        else:
+            os.replace(path + ".old", path + ".1")   # ".1" is the full log; ``path`` still names it too
+        os.replace(path + ".new", path)               # ``path`` names the new log
+        for target in (sys.stdout.fileno(), sys.stderr.fileno()):   # tracebacks and warnings follow the log
+            os.dup2(fd, target)
+    finally:
+        os.close(fd)
