@@ -341,10 +341,9 @@ def router_for(rng: Any) -> RandomRouter:
 
         with router_for(rng), seeding_to(rng): ...
     """
-    router = rng.router
-    if not isinstance(router, RandomRouter) or router.generator is not rng.cpu:
-        router = rng.router = RandomRouter(rng.cpu)
-    return router
+    if rng.router is None:
+        rng.router = RandomRouter(rng.cpu)
+    return rng.router
 
 
 def bookkeeping(method: Callable[..., Any]) -> Callable[..., Any]:

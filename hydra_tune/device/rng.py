@@ -15,6 +15,8 @@ plain loop's call seeds the GPU's. Snapshots and checkpoints carry it as they ca
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 _WRAP = 1 << 64
@@ -28,7 +30,7 @@ class TaskRNG:
         self.cpu = torch.Generator().manual_seed(seed)
         # None: no GPU ran the task yet (seed with ``seed``); a 0-d int64 tensor: a pending seed; else a GPU state
         self.accel_state: torch.Tensor | None = None
-        self.router: object | None = None  # the RandomRouter its units reuse (dispatch.router_for)
+        self.router: Any = None  # the RandomRouter its units reuse (dispatch.router_for)
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.cpu.get_state(), self.accel_state

@@ -34,7 +34,6 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
                                                                 t.shape, t.stride())
 
 
-
 class _Charged:
     """``HostCopier.charged_to``'s block: a class, as every unit and segment enters one."""
 
@@ -49,6 +48,7 @@ class _Charged:
 
     def __exit__(self, *exc: object) -> None:
         self._local.task = self._outer
+
 
 class HostCopier:
     """CPU stand-in: a "device" copy is a fresh tensor in the device's accounted memory."""

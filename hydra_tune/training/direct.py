@@ -1,8 +1,8 @@
 """The light path of a task cut into one shard whose state is resident on the device: its L and E units run the
 stages over the model's own parameters, and gradients accumulate into ``.grad`` as in the plain loop.
 
-    path = DirectPath(ex)                              # ShardExec makes one for itself
-    if path.applies(device):                           # checked by the unit, every time
+    path = DirectPath(ex)                              # ShardExec makes one for itself, and its L and E units
+    if path.applies(device):                           # ask it first, every time
         value = path.forward_loss_backward(device, store, rng, loss_fn, scale)
 
 Why: while a shard's state is resident, its parameters' device tensors are the model's own; the general path
@@ -50,13 +50,14 @@ class DirectPath:
                        if p is not None]
         self._trainable = [p for p in ex.params if p.requires_grad]
         self.units = 0  # units that took this path (stats()["tasks"][name]["light_units"])
-        # (mixed precision takes the general path: its forwards run under autocast there)
+        # L and E units run on the last shard: the first being the last, it is the only one. (Mixed precision takes
+        # the general path: its forwards run under autocast there.)
         self._eligible = (ex.index == 0 and ex.plain_tensors and not ex.buffers and not ex.frozen
-                          and ex.autocast is None and not any(getattr(p, "_backward_hooks", None) for p in ex.params))
+                          and ex.autocast is None)
 
     def applies(self, device: Device, train: bool = True) -> bool:
-        """Whether this unit on ``device`` takes the light path, the shard being the task's only one (the loop
-        knows; ``train``: an L unit, whose parameters must hold no gradient yet)."""
+        """Whether this L (``train``) or E unit on ``device`` takes the light path; an L unit's trainable parameters
+        must hold no gradient yet."""
         if not self._eligible or device.measuring or not self.ex.resident(device):
             return False
         if train:

@@ -313,13 +313,9 @@ class TrainingLoop:
         store, rng, plan, task, execs = state.store, state.rng, state.plan, state.task, state.execs
         last = execs[-1]
 
-        only = len(execs) == 1
-
         def run_last(d: Device) -> None:
-            # The loss is on the host already (metrics): checking it costs no device sync. A resident only shard
-            # takes the light path (direct.py) when it applies.
-            run = last.direct.forward_loss_backward if only and last.direct.applies(d) else last.forward_loss_backward
-            value = run(d, store, rng, task.loss, task.grad_accumulation)
+            # The loss is on the host already (metrics): checking it costs no device sync.
+            value = last.forward_loss_backward(d, store, rng, task.loss, task.grad_accumulation)
             if math.isfinite(value) or self._nonfinite(value):
                 losses.append(value)
 
@@ -385,9 +381,7 @@ class TrainingLoop:
             def on_outputs(out: Any, batch: Any) -> None:  # on the device, inside the unit (metrics.py)
                 measured.append(measure(fns, out, batch, task=state.task.name, step=state.steps,
                                         epoch=state.epoch, eval_batch=state.eval_in_epoch))
-            run = last.direct.evaluate if len(state.execs) == 1 and last.direct.applies(d, train=False) \
-                else last.evaluate
-            losses.append(run(d, store, rng, loss_fn, on_outputs if fns else None))
+            losses.append(last.evaluate(d, store, rng, loss_fn, on_outputs if fns else None))
 
         units.append(("E", last, run_last, lambda d: last.prefetch(d, store, "E")))
         return self._segment(units, False)

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as torch_module  # torch keeps the global module hooks there
 from torch.utils.data import Dataset
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
@@ -141,25 +142,21 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
 
 
 # torch.nn classes whose forward changes no Python attribute of theirs (state they do change lives in buffers): a
-# unit over modules of these classes alone, with no hooks and no attribute added since, needs no snapshot
-_INERT = frozenset(
-    f"torch.nn.modules.{path}" for path in (
-        "linear.Linear", "linear.Identity", "linear.Bilinear", "activation.ReLU", "activation.ReLU6",
-        "activation.LeakyReLU", "activation.GELU", "activation.SiLU", "activation.Tanh", "activation.Sigmoid",
-        "activation.Softmax", "activation.LogSoftmax", "activation.ELU", "activation.Mish", "dropout.Dropout",
-        "dropout.Dropout1d", "dropout.Dropout2d", "dropout.Dropout3d", "dropout.AlphaDropout",
-        "normalization.LayerNorm", "normalization.GroupNorm", "normalization.RMSNorm", "sparse.Embedding",
-        "conv.Conv1d", "conv.Conv2d", "conv.Conv3d", "pooling.MaxPool1d", "pooling.MaxPool2d", "pooling.AvgPool1d",
-        "pooling.AvgPool2d", "pooling.AdaptiveAvgPool2d", "flatten.Flatten", "flatten.Unflatten",
-        "container.Sequential", "container.ModuleList", "container.ModuleDict", "batchnorm.BatchNorm1d",
-        "batchnorm.BatchNorm2d", "batchnorm.BatchNorm3d"))
+# unit over modules of these classes alone, with no hooks and no attribute added since, needs no snapshot (by name:
+# a class this torch release lacks is left out)
+_INERT = frozenset(getattr(nn, name) for name in (
+    "Linear", "Identity", "Bilinear", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax",
+    "LogSoftmax", "ELU", "Mish", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "LayerNorm",
+    "GroupNorm", "RMSNorm", "Embedding", "Conv1d", "Conv2d", "Conv3d", "MaxPool1d", "MaxPool2d", "AvgPool1d",
+    "AvgPool2d", "AdaptiveAvgPool2d", "Flatten", "Unflatten", "Sequential", "ModuleList", "ModuleDict", "BatchNorm1d",
+    "BatchNorm2d", "BatchNorm3d") if hasattr(nn, name))
 
 
 def inert_modules(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, int]] | None:
     """``(module, its __dict__ size)`` for each of ``modules`` when all are of the inert torch.nn classes (their
     forwards change no Python attribute), else None: what ``still_inert`` checks before a unit."""
     out = [(m, len(m.__dict__)) for m in modules]
-    return out if all(f"{type(m).__module__}.{type(m).__qualname__}" in _INERT for m, _ in out) else None
+    return out if all(type(m) in _INERT for m, _ in out) else None
 
 
 def still_inert(inert: list[tuple[nn.Module, int]] | None) -> bool:
@@ -175,8 +172,6 @@ def still_inert(inert: list[tuple[nn.Module, int]] | None) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module  # torch keeps the global module hooks there
-
     return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
                 or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
 

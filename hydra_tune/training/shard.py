@@ -257,7 +257,10 @@ class ShardExec(ShardPythonState):
     def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                  measure: Callable[[Any, Any], None] | None = None) -> float:
         """The last shard in eval: forward and loss, no autograd; returns the loss value. ``measure(outputs,
-        batch)`` (the task's metrics, training/metrics.py) then runs here, on the device's outputs and batch."""
+        batch)`` (the task's metrics, training/metrics.py) then runs here, on the device's outputs and batch. The
+        only shard of a task takes the light path when it applies (direct.py)."""
+        if self.direct.applies(device, train=False):
+            return self.direct.evaluate(device, store, rng, loss_fn, measure)
         with self.python_state(device, store), device.unit_scope(rng) as mode, torch.no_grad():
             copies = self.load(device, grad=False)
             carry = self.to_device(device, store.carries[self.index], self.carry_kind)
@@ -279,6 +282,8 @@ class ShardExec(ShardPythonState):
     def forward_loss_backward(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                               scale: int) -> float:
         """L: the last shard's forward + loss + backward, run once; returns the unscaled loss."""
+        if self.direct.applies(device):  # the only shard of a task, when the light path applies (direct.py)
+            return self.direct.forward_loss_backward(device, store, rng, loss_fn, scale)
         with self.python_state(device, store), device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             carry, leaves = self.grad_inputs(device, store.carries[self.index])
