@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import seeding
+from . import dropout, seeding
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 _generator_arg: dict[Any, bool] = {}
@@ -306,10 +306,10 @@ _RANDOM_NAMES = frozenset((
 class RandomRouter(_SeedsGenerator, TorchFunctionMode):
     """A light stand-in for UnitMode on units whose memory need not be counted: only calls to functions that
     may draw random numbers on the CPU are intercepted (a handful per layer, not every aten op), and those run
-    under UnitMode; the same functions on accelerator tensors (dropout on CUDA) run as they are, since they draw
-    from the device's generator, which holds the task's stream for the unit. It is used for a task only after a
-    UnitMode-measured segment of it saw nothing but ``ROUTED`` random aten ops (``UnitMode.seeded``), i.e. every
-    random draw of its units comes from a function it knows (CUDA devices use it for every unit)."""
+    under UnitMode (F.dropout's common case: its four tensor calls here, device/dropout.py); on accelerator
+    tensors (dropout on CUDA) they run as they are: they draw from the device's generator, which holds the task's
+    stream for the unit. Used for a task only after a UnitMode-measured segment of it saw nothing but ``ROUTED``
+    random aten ops (``UnitMode.seeded``): every draw of its units comes from a function it knows (CUDA: always)."""
 
     def __init__(self, cpu_generator: torch.Generator) -> None:
         super().__init__()
@@ -319,6 +319,8 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func is dropout.DROPOUT and (out := dropout.routed_dropout(args, kwargs, self.generator)) is not None:
+            return out  # nn.Dropout's call, its four ops made here with the task's generator
         if getattr(func, "__name__", None) not in _RANDOM_NAMES or _op_device(args, kwargs).type != "cpu":
             # not random, or on an accelerator: a GPU's draws come from its own generator, which the device sets
             # to the task's stream for the unit (CudaDevice.unit_scope), so its ops need no interception
