@@ -36,6 +36,7 @@ class Admitted:
         self.kept_by: int | None = None  # the device waiting for the segment being opened (the policy kept it)
         self.left: float | None = None  # its estimated seconds left while it waits in the ready queue (Picker.estimate)
         self.set_aside: int | None = None  # the device that ran another instead of waiting for it (take_kept)
+        self.turn: tuple[int, float] | None = None  # (device, until when) the policy's last pick of it holds
         self.since = 0              # the board's counter when it left a device (or was admitted): its queue place
         self.open_seconds = 0.0     # how long its last opening took
         self.record: tuple[Any, Any] | None = None  # (fields, its policy Ready record): reused while equal

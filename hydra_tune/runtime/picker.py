@@ -5,14 +5,17 @@
     pos = picker.pick(picker.records(0, cands, current=None), 0, idle=[1])
     picker.defers(0, ready, idle={1})              # device 0 leaves every ready task to device 1
     picker.local(0, floor, ready)                  # the entry picked among the tasks that last ran on device 0
+    picker.picked(task, 0); picker.holds(task, 0, idle={0})   # its turn on device 0 (LRTF: TURN seconds)
 
 Rules: every method runs with the board's lock (``Scheduler.cond``) held and only reads the tasks it is given,
 except that an estimate and a Ready record are cached on the task (``Admitted.left``, ``Admitted.record``) while
-their fields are unchanged. The policy itself (policy/schedule.py) sees only the records, never tasks or threads.
+their fields are unchanged, and a pick's turn (``Admitted.turn``). The policy itself (policy/schedule.py) sees only
+the records, never tasks or threads.
 """
 from __future__ import annotations
 
 import functools
+import time
 
 from ..policy.schedule import POLICIES, Estimator, Ready, defers, lrtf
 from .admitted import Admitted
@@ -21,6 +24,12 @@ from .admitted import Admitted
 # machine, and without it small tasks moved their state between devices about every fourth segment.
 AFFINITY = 0.3
 
+# A task LRTF picked for a device keeps it, without the policy being asked again, for this many seconds of short
+# segments while no other device waits for work: asking (every ready task's record, then a sort) after each segment
+# of a small model cost about a tenth of the segment. A segment longer than this asks every time. FIFO and
+# round-robin take turns per segment, as they say.
+TURN = 0.02
+
 
 class Picker:
     """The named policy and the remaining-time estimates of one board (see the module docstring)."""
@@ -28,6 +37,19 @@ class Picker:
     def __init__(self, policy: str) -> None:
         self.pick = functools.partial(lrtf, affinity=AFFINITY) if policy == "lrtf" else POLICIES[policy]
         self.estimator = Estimator()
+        self.turn = TURN if policy == "lrtf" else 0.0  # how long a pick holds (0: every segment asks)
+
+    def picked(self, task: Admitted, index: int) -> None:
+        """The policy gave ``task`` to device ``index``: its turn there starts."""
+        if self.turn:
+            task.turn = (index, time.perf_counter() + self.turn)
+
+    def holds(self, task: Admitted, index: int, idle: set[int]) -> bool:
+        """Whether ``task``, finishing a segment on device ``index``, is within its turn there with work left and no
+        other device waiting for work (``idle``): the device goes on with it without a pick."""
+        turn, state = task.turn, task.state
+        return (turn is not None and turn[0] == index and time.perf_counter() < turn[1] and idle <= {index}
+                and state is not None and any(state.remaining().values()))
 
     def estimate(self, task: Admitted, current: bool = False) -> float:
         """``task``'s estimated seconds left, kept while it waits in the ready queue (its state and unit times

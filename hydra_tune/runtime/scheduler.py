@@ -12,7 +12,8 @@ two of these, so one thread at a time touches its state and it runs on one devic
 advances the task's chain (training/loop.py): the plain loop's host work before it (the optimizer step, the next
 batch) runs in the task's own host thread, never a device's, so a data iterator that blocks stalls only its task;
 the queue holds only tasks whose segment is open, so a device never waits on data. The policy (policy/schedule.py)
-picks among the ready tasks with remaining-time estimates that include every unit measured so far; when it keeps a
+picks among the ready tasks with remaining-time estimates that include every unit measured so far (an LRTF pick
+holds for a short turn of small segments: picker.py ``TURN``); when it keeps a
 device on the task whose segment is ending, the device waits for that task's next segment while its host work
 takes about as long as it usually does (``KEEP_WAIT``), then runs other ready tasks (one that last ran there with
 about as much work left runs at once instead of the wait; no device with other work takes the kept task then). A
@@ -222,6 +223,9 @@ class Scheduler:
         from the ready queue, or ``current`` itself when the policy keeps the device on it; None when nothing is
         ready or the board is closed."""
         with self.cond:
+            if not self._closed and self._tasks.get(current.name) is current and self._picker.holds(current, index,
+                                                                                                  self._idle):
+                return current  # within the turn the policy's last pick gave it
             task = None if self._closed else self._choose(index, current)
         if task is not None and task is not current:
             task.handle.started()
@@ -387,7 +391,9 @@ class Scheduler:
         if not cands:
             return None
         pos = self._picker.pick(self._picker.records(index, cands, current), index, idle)
-        return cands[pos][1] if pos == len(ready) else self._ready.pop(ready[pos][0])[1]
+        task = cands[pos][1] if pos == len(ready) else self._ready.pop(ready[pos][0])[1]
+        self._picker.picked(task, index)
+        return task
 
     def _release_set_aside(self, index: int) -> None:
         """Device ``index`` chooses again: what ``take_kept`` set aside for it is anyone's now."""
