@@ -63,9 +63,14 @@ _BATCH_FIX = ("make the Dataset or collate_fn return tensors, e.g. {'input_ids':
               "BatchEncoding or other Mapping into a dict with dict(batch)")
 
 
+_FINE_BATCHES = (tuple, list, dict)
+
+
 def check_batch(batch: object, task: str, data: str, batch_in_epoch: int) -> None:
     """Reject what can never be a batch (text, numbers, None, an empty tuple, a non-dict Mapping) with the
     accepted forms; any other object goes to ``model(batch)`` as it is (a custom model's own batch type)."""
+    if type(batch) in _FINE_BATCHES and batch:  # the common forms, checked at every minibatch: no ABC test
+        return
     from collections.abc import Mapping
     from numbers import Number
 
