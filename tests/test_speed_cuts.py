@@ -298,8 +298,10 @@ def test_the_random_router_intercepts_random_functions_on_the_cpu_only(monkeypat
     g = torch.Generator().manual_seed(0)
     with dispatch.RandomRouter(g):
         F.dropout(torch.ones(8, device="meta"), 0.5)  # a tensor off the CPU (CUDA's stand-in here)
+        torch.bernoulli(torch.full((8,), 0.5, device="meta"))
         assert pushed == []
-        F.dropout(torch.ones(8), 0.5)
+        torch.bernoulli(torch.full((8,), 0.5))
+        F.dropout(torch.ones(8), 0.5)  # (its common case: four calls with ``g``, no mode: device/dropout.py)
     assert len(pushed) == 1
     # the CPU draw came from ``g``: the same mask as a plain dropout after manual_seed(0)
     torch.manual_seed(0)
