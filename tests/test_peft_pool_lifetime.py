@@ -1,0 +1,58 @@
+"""How long the pool of shared frozen weights holds what (training/shared_frozen.py): an ended trial's model gets
+its private copies only when its user asks for it (``handle.model()``)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from reference import max_param_diff, plain_train
+from test_peft_lora import Gated, batches, frozen_bytes, task
+
+import hydra_tune as ht
+
+pytest.importorskip("peft", reason="PEFT support needs the `peft` extra (pip install hydra_tune[peft])")
+
+
+def _storages(model) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad}
+
+
+def test_an_ended_trials_model_copies_the_shared_base_only_when_asked_for():
+    """Before: every ended trial's model got a private copy of the base at its end, asked for or not (the
+    benchmark's peak: one base per ended trial whose handle lived). Now: none until ``handle.model()``; then its
+    frozen weights are its own (a write into them reaches no other trial) and it matches the plain loop."""
+    go = threading.Event()
+    first, second = task("first", epochs=1), task("second", r=8, data=Gated(batches(2), go), epochs=1)
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h_first, h_second = rt.submit(first), rt.submit(second)
+        h_first.result()
+        assert rt.stats()["shared_frozen"]["private_copy_bytes"] == 0   # ended, nobody asked: nothing copied
+        model = h_first.model()
+        copied = rt.stats()["shared_frozen"]["private_copy_bytes"]
+        assert 0 < copied <= frozen_bytes(model)
+        assert h_first.model() is model and rt.stats()["shared_frozen"]["private_copy_bytes"] == copied  # once
+        pooled = {e.tensor.untyped_storage().data_ptr() for e in rt.shared._entries.values()}
+        assert not _storages(model) & pooled   # its own now
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data.add_(1.0)   # what merge_and_unload() does to the base: reaches no other trial
+        go.set()
+        h_second.result()
+        second_model = h_second.model()
+    assert max_param_diff(plain_train(second)[0], second_model) == 0.0
+
+
+def test_a_model_passed_in_gets_its_private_copies_at_the_end():
+    """The user holds a model they passed in: it cannot wait for ``handle.model()``."""
+    go = threading.Event()
+    mine = task("mine", epochs=1)
+    mine = ht.ModelTask(mine.model(), mine.optimizer, mine.train_data, epochs=1, seed=0, name="mine")
+    other = task("other", data=Gated(batches(2), go), epochs=1)
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        h_mine, h_other = rt.submit(mine), rt.submit(other)
+        h_mine.result()
+        assert rt.stats()["shared_frozen"]["private_copy_bytes"] > 0
+        pooled = {e.tensor.untyped_storage().data_ptr() for e in rt.shared._entries.values()}
+        assert not _storages(mine.model) & pooled
+        go.set()
+        h_other.result()
