@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from reference import max_param_diff, plain_train
-from test_peft_lora import Gated, batches, frozen_bytes, task
+from reference import max_param_diff, plain_train, trained
+from test_peft_lora import Gated, batches, distinct_bytes, frozen_bytes, lora_bert, task
 
 import hydra_tune as ht
 
@@ -56,3 +56,44 @@ def test_a_model_passed_in_gets_its_private_copies_at_the_end():
         assert not _storages(mine.model) & pooled
         go.set()
         h_other.result()
+
+
+def test_trials_run_one_after_another_share_the_base_kept_after_the_first():
+    """A sequential search (Optuna n_jobs=1): before, the pool forgot the base with the first trial, and the next
+    one pooled its own copy anew. Now the base stays (``retain_frozen``, charged to admission) and the second
+    trial's frozen weights are the very storages the first one trained over."""
+    base = distinct_bytes(lora_bert()())
+    go = threading.Event()
+    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
+        first = rt.submit(task("first", epochs=1))
+        first.result()
+        pool = rt.stats()["shared_frozen"]
+        assert pool["retained_bytes"] >= base and pool["shared_bytes"] == pool["retained_bytes"], pool
+        assert rt.host_memory()["admitted"]["(shared frozen weights)"] == pool["retained_bytes"]  # charged
+        kept = {e.tensor.untyped_storage().data_ptr() for e in rt.shared._entries.values()}
+        second = task("second", r=8, data=Gated(batches(2), go), epochs=1)
+        h_second = rt.submit(second)
+        mine = rt.shared._tasks["second"].storages()
+        assert mine <= kept and rt.stats()["shared_frozen"]["retained_hit_bytes"] >= base
+        go.set()
+        model = trained(h_second)
+    assert max_param_diff(plain_train(second)[0], model) == 0.0
+
+
+def test_a_retained_base_is_dropped_when_a_task_needs_its_room():
+    """Retained bytes are charged to host-memory admission: a task that does not fit beside them gets the room
+    (the least recently used go first) and is admitted at once instead of waiting."""
+    probe = task("probe", epochs=1)
+    with ht.Runtime(devices=["cpu"], device_memory=None, host_memory="1GB") as rt:
+        need = rt.footprint(probe).total
+    budget = need + (16 << 10)  # one task fits; the first trial's retained base (~124 KiB) and a second do not
+    with ht.Runtime(devices=["cpu"], device_memory=None, host_memory=budget) as rt:
+        rt.submit(task("first", epochs=1)).result()
+        assert rt.stats()["shared_frozen"]["retained_bytes"] > 16 << 10
+        other = task("other", nudge=True, epochs=1)   # a base one value apart
+        h_other = rt.submit(other)
+        assert "other" in rt.host_memory()["admitted"], rt.host_memory()   # admitted, not waiting
+        pool = rt.stats()["shared_frozen"]
+        assert pool["evicted_bytes"] > 0, pool
+        model = trained(h_other)
+    assert max_param_diff(plain_train(other)[0], model) == 0.0

@@ -4,6 +4,7 @@ once its frozen weights are pooled, and CPU devices read the pooled base in plac
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from reference import max_param_diff, plain_train, trained
@@ -80,6 +81,9 @@ def test_an_ended_trials_model_its_user_let_go_is_freed_at_once():
             model = trained(h_first)
             gone = weakref.ref(model.base_model.model.bert.embeddings.word_embeddings.weight)
             del model, h_first
+            deadline = time.monotonic() + 5.0   # the device thread that ended it may still be on its way out
+            while gone() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert gone() is None
             go.set()
             trained(h_second)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,9 +151,13 @@ class Privatize:
 class SharedFrozen:
     """The runtime's pool of frozen tensors (see the module docstring). Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, retain: int = 0) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Any, _Entry] = {}
+        self.retain = retain                     # bytes of entries kept after their last holder (RETAIN rules)
+        self._retained: OrderedDict[Any, None] = OrderedDict()   # those entries, least recently used first
+        self.retained_hits = 0                   # bytes later tasks found among them
+        self.evicted = 0                         # bytes of them dropped (over ``retain``, or room for a task)
         self._by_ptr: dict[int, Any] = {}      # host storage pointer of an entry -> its key
         self._index: dict[Any, list[Any]] = {}  # probe key -> keys of the entries with that probe
         self._ids = itertools.count()
@@ -189,6 +194,9 @@ class SharedFrozen:
                     entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
                     self._by_ptr[p.data_ptr()] = key
                     self._index.setdefault(probe, []).append(key)
+                if key in self._retained:  # kept after its last holder: found by this later task
+                    del self._retained[key]
+                    self.retained_hits += entry.nbytes
                 entry.holders[task] = entry.holders.get(task, 0) + 1
                 if p.data_ptr() != entry.tensor.data_ptr():
                     with torch.no_grad():
@@ -235,7 +243,7 @@ class SharedFrozen:
                 entry.holders.pop(task, None)
                 entry.params = [x for x in entry.params if x[0] != task]
                 if not entry.holders:
-                    self._forget(key, entry)
+                    self._retain_or_forget(key, entry)
             private: list[nn.Parameter] = []
             first: set[Any] = set()
             for _, p, key, _ in shares.params:
@@ -251,6 +259,36 @@ class SharedFrozen:
             return privatize
         privatize()
         return None
+
+    def _retain_or_forget(self, key: Any, entry: _Entry) -> None:
+        """``entry`` lost its last holder: kept in host memory for a later task while ``retain`` allows (its
+        device copies go: device memory belongs to the running tasks), else forgotten; under the lock."""
+        entry.devices.clear()
+        if entry.nbytes > self.retain or entry.poisoned:
+            self._forget(key, entry)
+            return
+        self._retained[key] = None
+        self._drop_retained(sum(self._entries[k].nbytes for k in self._retained) - self.retain)
+
+    def _drop_retained(self, nbytes: int) -> int:
+        """Forget retained entries, least recently used first, until ``nbytes`` went; the bytes dropped."""
+        dropped = 0
+        while dropped < nbytes and self._retained:
+            key, _ = self._retained.popitem(last=False)
+            entry = self._entries[key]
+            self._forget(key, entry)
+            dropped += entry.nbytes
+        self.evicted += dropped
+        return dropped
+
+    def evict(self, nbytes: int) -> int:
+        """Make room: forget retained entries (least recently used first) worth ``nbytes``; the bytes dropped."""
+        with self._lock:
+            return self._drop_retained(nbytes)
+
+    def retained_bytes(self) -> int:
+        with self._lock:
+            return sum(self._entries[k].nbytes for k in self._retained)
 
     def _forget(self, key: Any, entry: _Entry) -> None:
         """Drop ``entry`` (nobody holds it), with its device copies; under the lock."""
@@ -387,7 +425,7 @@ class SharedFrozen:
             for e in self._entries.values():
                 for name in e.holders:
                     holders[name] = holders.get(name, 0) + e.nbytes
-                saved += e.nbytes * (len(e.holders) - 1)
+                saved += e.nbytes * max(len(e.holders) - 1, 0)
                 host_copies.update({c.data_ptr(): e.nbytes for c, _ in e.devices.values()
                                     if _on_host(c) and c.data_ptr() != e.tensor.data_ptr()})
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
@@ -397,4 +435,7 @@ class SharedFrozen:
                     "aliased_bytes": dict(self.aliased),
                     "reused_bytes": dict(self.reused), "host_copy_bytes": sum(host_copies.values()),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes,
-                    "private_copy_bytes": self.private_copy_bytes}
+                    "private_copy_bytes": self.private_copy_bytes,
+                    "retained_bytes": sum(self._entries[k].nbytes for k in self._retained),
+                    "retained_tensors": len(self._retained), "retained_hit_bytes": self.retained_hits,
+                    "evicted_bytes": self.evicted}
