@@ -29,6 +29,8 @@ _SIZE_RULES = {
                       "write e.g. 512MiB or 8GB"),
     "host_memory": (f"`host_memory` is None (measured), a positive int or a size string with a unit in "
                     f"{_UNIT_NAMES}", "write e.g. host_memory='16GiB', or None to measure the available memory"),
+    "retain_frozen": (f"`retain_frozen` is 0 or None (off), a positive int or a size string with a unit in "
+                      f"{_UNIT_NAMES}", "write e.g. retain_frozen='4GiB', or 0 to forget a base with its last trial"),
 }
 RESIDENCY = ("auto", "off")  # where tasks' state lives: on the device while it fits, or always in host memory
 _NOT_POSITIVE = {"device_memory": ("`device_memory > 0`", "pass a positive byte count or a string like '512MiB'")}
@@ -105,6 +107,9 @@ class RuntimeConfig:
     ``config=RuntimeConfig(..., history=..., trace_events=...)`` (0 keeps none).
     ``share_frozen``: frozen parameters (``requires_grad=False``) with equal contents in several tasks are held
     once in host memory and once per device (training/shared_frozen.py); False: each task keeps its own.
+    ``retain_frozen``: bytes of such weights kept in host memory after their last task ended, the least recently
+    used dropped first, so that trials run one after another share one base too; charged to host-memory
+    admission and dropped when a task needs the room (0 or None: forgotten with their last task).
     """
 
     devices: Any = "auto"
@@ -115,11 +120,14 @@ class RuntimeConfig:
     history: int = 1000          # ended tasks' stats records (a few KiB each)
     trace_events: int = 200_000  # trace events (~0.3 KiB each: ~60 MiB at most)
     share_frozen: bool = True    # equal frozen weights of several tasks held once (training/shared_frozen.py)
+    retain_frozen: int | str | None = "1GiB"  # of those, kept after their last task for the next one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _device_names(self.devices))
         object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, "device_memory"))
         object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
+        retain = 0 if self.retain_frozen in (0, None) else parse_bytes(self.retain_frozen, "retain_frozen")
+        object.__setattr__(self, "retain_frozen", retain)
         if self.policy not in POLICIES:
             raise rule_error(f"`policy` in {sorted(POLICIES)}", "pick one of those names", policy=self.policy)
         if self.residency not in RESIDENCY:

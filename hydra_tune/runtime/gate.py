@@ -43,6 +43,7 @@ class GateHooks:
     handle: Callable[[str], TaskHandle]
     held: Callable[[], dict[str, int]]
     start: Callable[[TaskHandle, ModelTask, Footprint, "TaskState | None"], Any]
+    room: Callable[[int], bool] | None = None  # drop this many bytes kept for later tasks; True if any went
 
 
 class HostGate:
@@ -88,6 +89,8 @@ class HostGate:
             with self._cv:
                 self._check_open()
                 reserved = self.host.reserve(task.name, base.total, *self._now())
+                if not reserved and self._room(base.total):
+                    reserved = self.host.reserve(task.name, base.total, *self._now())
             if reserved:
                 built = self._build_reserved(task, base)
                 if built is not None:
@@ -95,6 +98,7 @@ class HostGate:
             footprint, state = self.footprint(task)
         with self._cv:
             self._check_open()
+            self._room(footprint.total)  # frozen weights kept for later tasks go first if it needs the room
             capacity, held = self._now()
             verdict = self.host.offer(task.name, footprint.total, capacity, held)
             if verdict == "queue":
@@ -194,6 +198,14 @@ class HostGate:
         held = self._hooks.held()
         return measured_capacity(sum(held.values())), held
 
+    def _room(self, footprint: int) -> bool:
+        """Under the lock: when ``footprint`` does not fit what is free, drop what the runtime keeps for later
+        tasks (frozen weights retained after their last task) to make the room; True when some went."""
+        if self._hooks.room is None:
+            return False
+        need = footprint - self.host.free(*self._now())
+        return need > 0 and self._hooks.room(need)
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -202,6 +214,7 @@ class HostGate:
                         return  # close() ends the waiting tasks
                     turn, capacity = None, 0
                     if self.host.waiting:
+                        self._room(next(iter(self.host.waiting.values())))
                         capacity, held = self._now()
                         turn = self.host.next(capacity, held)
                     if turn is not None:

@@ -61,6 +61,7 @@ class TaskHandle:
         self._status = "queued"
         self._error: BaseException | None = None
         self._model: Any = None
+        self._privatize: Callable[[], None] | None = None
         self._final: tuple[int, int] | None = None   # (epoch, steps) of the done task's model
         self.cancel_requested = False
 
@@ -196,6 +197,7 @@ class TaskHandle:
                 return
             if status == "done" and self._state is not None:
                 self._model = self._state.model
+                self._privatize = self._state.privatize  # its shared frozen weights copied on first model()
                 self._final = (self._state.epoch, self._state.steps)
             self._status, self._error, self._state = status, error, None
             self._cond.notify_all()
@@ -206,7 +208,10 @@ class TaskHandle:
             raise self._error
 
     def _trained(self) -> Any:
-        """The done task's model (a remote handle fetches it)."""
+        """The done task's model (a remote handle fetches it), with private copies of the frozen weights it
+        shared with other tasks (training/shared_frozen.py), made on the first call."""
+        if self._privatize is not None:  # once: later calls (and one waiting on the first) find nothing to copy
+            self._privatize()
         return self._model
 
     def _final_snapshot(self) -> Snapshot:

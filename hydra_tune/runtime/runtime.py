@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch.nn as nn
+
 from ..config import RuntimeConfig
 from ..device.devices import Device, resolve_devices
 from ..device.threads import set_cpu_threads
@@ -74,9 +76,10 @@ class Runtime:
         self.scheduler = Scheduler(self.policy, self._release, history=self.config.history)
         self._recorder = Recorder([d.name for d in self.devices], time.perf_counter(), limit=self.config.trace_events)
         self._start_devices()
-        self.shared = SharedFrozen()  # frozen weights equal across tasks, held once (shared_frozen.py)
+        # frozen weights equal across tasks, held once (shared_frozen.py); some kept after their last task
+        self.shared = SharedFrozen(retain=self.config.retain_frozen)
         self._gate = HostGate(self.config.host_memory, self._plan,
-                              GateHooks(self._new_handle, self.scheduler.held_bytes, self._start))
+                              GateHooks(self._new_handle, self.scheduler.held_bytes, self._start, self._room))
         # GPUs measure the memory model on the device itself (profile.py); any CPU stand-in: the CPU profile
         profiled = [d for d in self.devices if d.profile_device() is not None]
         self._gate.profile_on = profiled[0] if len(profiled) == len(self.devices) else None
@@ -265,6 +268,13 @@ class Runtime:
         self._gate.recharge({name: own.total, SHARED_POOL: self.shared.nbytes()})
         return own
 
+    def _room(self, nbytes: int) -> bool:
+        """The gate needs ``nbytes`` for a task: drop frozen weights kept after their last task (LRU first)."""
+        if not self.shared.evict(nbytes):
+            return False
+        self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
+        return True
+
     def _cancel(self, handle: TaskHandle) -> None:
         if self._gate.withdraw(handle, TaskCancelled(f"task {handle.name!r} was cancelled")):
             return  # it was waiting for host memory
@@ -282,8 +292,10 @@ class Runtime:
         # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
         # it when it lets the task go (TrainingLoop.segments)
         task.state.home.release(wait=CLOSE_WAIT)
-        # its model keeps private copies of what others still share; the last holder frees the pool's entries
-        self.shared.release(task.name, task.state.model)
+        # its model gets private copies of what others still share (a factory's model: when handle.model() asks
+        # for it, the user cannot reach it before); the last holder frees the pool's entries
+        lazy = not isinstance(task.state.task.model, nn.Module)
+        task.state.privatize = self.shared.release(task.name, task.state.model, lazy=lazy)
         self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
         for d in self.devices:
             d.forget(task.name)

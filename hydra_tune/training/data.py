@@ -101,6 +101,7 @@ def data_generators(data: Any) -> list[torch.Generator]:
         for holder in (data.sampler, data.batch_sampler, getattr(data.batch_sampler, "sampler", None),
                        data.dataset):
             walk(holder, 2)
+    del walk  # a recursive closure is a cycle (holding ``found``) until Python's collector runs
     return list(found.values())
 
 

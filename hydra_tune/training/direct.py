@@ -23,6 +23,7 @@ model's own parameter would not train); parameters with gradient hooks are refus
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +44,9 @@ class DirectPath:
     """The light path of one ShardExec (see the module docstring)."""
 
     def __init__(self, ex: ShardExec) -> None:
-        self.ex = ex
+        # held weakly: the ShardExec holds this path, and a cycle between them would keep an ended task's model
+        # (its stages) alive until Python's collector runs
+        self._ex = weakref.ref(ex)
         # (owner's parameter dict, attribute, parameter) for every slot: a forward must leave each as it found it
         self._slots = [(owner._parameters, attr, p) for stage in ex.stages
                        for owner in stage.module.modules() for attr, p in owner._parameters.items()
@@ -54,6 +57,12 @@ class DirectPath:
         # the general path: its forwards run under autocast there.)
         self._eligible = (ex.index == 0 and ex.plain_tensors and not ex.buffers and not ex.frozen
                           and ex.autocast is None)
+
+    @property
+    def ex(self) -> ShardExec:
+        ex = self._ex()
+        assert ex is not None, "a DirectPath outlived its ShardExec"
+        return ex
 
     def applies(self, device: Device, train: bool = True) -> bool:
         """Whether this L (``train``) or E unit on ``device`` takes the light path; an L unit's trainable parameters

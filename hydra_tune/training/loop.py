@@ -88,6 +88,11 @@ class TrainingLoop:
             self.state.home.finish()
             for data in (self.state.train_iterable, self.state.eval_iterable):
                 close_workers(data)
+            # the loop, its attempt's rebuild closure and the task's state point at each other: a cycle that only
+            # Python's collector frees. Broken here, an ended task's model its user lets go (with its copy of a
+            # shared base) is freed by reference counting at once
+            self._attempt = None
+            self.state.loop_ended(self)
 
     def _epochs(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         state, task = self.state, self.state.task

@@ -138,6 +138,7 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
                         add(f"{mname} hook {fn.__name__}", label, at, _Cell(cell, var))
                 elif hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):
                     add(f"{mname} hook {type(fn).__name__}", label, at, vars(fn))
+    del add  # a recursive closure is a cycle holding ``out`` (the modules' dicts) until Python's collector runs
     return out
 
 

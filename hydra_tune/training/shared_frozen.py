@@ -5,6 +5,7 @@
     shares.check()                                # after each optimizer step: raises if the task wrote into one
     shared.device_copy(host_tensor, device)       # ShardExec.copy_in: one device copy for every task
     shared.release("trial-1", model)              # the task ended (done, failed, cancelled); the last frees it
+    later = shared.release("trial-2", model, lazy=True); later()   # its private copies made when asked for
     shared.stats()                                # {"tensors", "shared_bytes", "saved_bytes", "copied_bytes", ...}
 
 Rules:
@@ -33,17 +34,18 @@ Rules:
   private copies of the entries others still hold (the user's model is then independent of the runtime: e.g.
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
   weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
-  back at the end; an entry nobody holds is forgotten, with its device copies. An ended task's model is held
-  in reference cycles of the runtime's task objects (a PEFT model alone is not): once ended tasks shared
-  ``COLLECT_BYTES``, the pool runs Python's collector, so ended models their users let go (each with its
-  private copy of the base) are freed then.
+  back at the end; an entry nobody holds is forgotten, with its device copies. The copies are made at the end
+  for a model the user passed in (they hold it), and for one a factory built when the user first asks for it
+  (``release(..., lazy=True)`` returns the ``Privatize`` that ``handle.model()`` calls): a trial whose model
+  nobody asks for (a search that keeps only metrics, a failed or cancelled trial) copies nothing, and its model
+  is freed by reference counting once its handle goes.
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +55,11 @@ import torch.nn as nn
 from ..errors import rule_error
 from .shared_frozen_match import content_key, probe_key, qualifies, same_bytes
 
-__all__ = ["SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
+__all__ = ["Privatize", "SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
 
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25
-#: Ended tasks' shared bytes after which the pool runs Python's collector (their models may be reference cycles).
-COLLECT_BYTES = 16 << 20
 
 
 def _host_device(device: Any) -> bool:
@@ -128,12 +128,36 @@ class TaskShares:
         return sum(p.numel() * p.element_size() for _, p, _, _ in self.params)
 
 
+class Privatize:
+    """An ended task's parameters that still point at pooled tensors; calling it gives each a copy of its own,
+    once (``privatize()``; later calls do nothing). Counted in the pool's ``stats()["private_copy_bytes"]``."""
+
+    def __init__(self, pool: SharedFrozen, params: list[nn.Parameter]) -> None:
+        self._pool, self._params, self._lock = pool, params, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            params, self._params = self._params, []
+            copied = 0
+            with torch.no_grad():
+                for p in params:
+                    if p.data_ptr() != 0 and p.device.type == "cpu":
+                        p.data = p.data.clone()
+                        copied += p.numel() * p.element_size()
+        with self._pool._lock:
+            self._pool.private_copy_bytes += copied
+
+
 class SharedFrozen:
     """The runtime's pool of frozen tensors (see the module docstring). Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, retain: int = 0) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Any, _Entry] = {}
+        self.retain = retain                     # bytes of entries kept after their last holder (RETAIN rules)
+        self._retained: OrderedDict[Any, None] = OrderedDict()   # those entries, least recently used first
+        self.retained_hits = 0                   # bytes later tasks found among them
+        self.evicted = 0                         # bytes of them dropped (over ``retain``, or room for a task)
         self._by_ptr: dict[int, Any] = {}      # host storage pointer of an entry -> its key
         self._index: dict[Any, list[Any]] = {}  # probe key -> keys of the entries with that probe
         self._ids = itertools.count()
@@ -142,7 +166,7 @@ class SharedFrozen:
         self.copied: dict[str, int] = {}         # device -> pooled bytes copied onto it
         self.recopied: dict[str, int] = {}       # device -> of those, bytes of entries it had a copy of before
         self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
-        self._ended_bytes = 0                    # shared bytes of the tasks ended since the last collection
+        self.private_copy_bytes = 0              # bytes copied for ended tasks' models (Privatize)
         self.reused: dict[str, int] = {}         # CPU device -> pooled bytes it took from another CPU device's copy
         self.match_seconds = 0.0
         self.compared_bytes = 0
@@ -170,6 +194,9 @@ class SharedFrozen:
                     entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
                     self._by_ptr[p.data_ptr()] = key
                     self._index.setdefault(probe, []).append(key)
+                if key in self._retained:  # kept after its last holder: found by this later task
+                    del self._retained[key]
+                    self.retained_hits += entry.nbytes
                 entry.holders[task] = entry.holders.get(task, 0) + 1
                 if p.data_ptr() != entry.tensor.data_ptr():
                     with torch.no_grad():
@@ -200,15 +227,15 @@ class SharedFrozen:
                 return k, probe
         return None, probe
 
-    def release(self, task: str, model: nn.Module | None = None) -> None:
-        """``task`` ended: it holds its entries no more. Entries others still hold are copied for ``model`` (the
-        user's model keeps its values, independent of the pool); the rest are forgotten."""
+    def release(self, task: str, model: nn.Module | None = None, lazy: bool = False) -> Privatize | None:
+        """``task`` ended: it holds its entries no more; the rest are forgotten. ``model`` gets private copies of
+        the entries others still hold (its values, independent of the pool): now, or with ``lazy`` when the
+        returned ``Privatize`` is called (``handle.model()``: a model nobody asks for is never copied)."""
         with self._lock:
             shares = self._tasks.pop(task, None)
             self._wrote.pop(task, None)
             if shares is None:
-                return
-            private: list[nn.Parameter] = []
+                return None
             for key in {key for _, _, key, _ in shares.params}:
                 entry = self._entries.get(key)
                 if entry is None:
@@ -216,14 +243,8 @@ class SharedFrozen:
                 entry.holders.pop(task, None)
                 entry.params = [x for x in entry.params if x[0] != task]
                 if not entry.holders:
-                    self._entries.pop(key)
-                    self._by_ptr.pop(entry.tensor.data_ptr(), None)
-                    same = self._index.get(key[0], [])
-                    if key in same:
-                        same.remove(key)
-                    if not same:
-                        self._index.pop(key[0], None)
-                    entry.devices.clear()
+                    self._retain_or_forget(key, entry)
+            private: list[nn.Parameter] = []
             first: set[Any] = set()
             for _, p, key, _ in shares.params:
                 # the model gets back separate tensors: its own for entries others hold, and one per parameter
@@ -231,22 +252,54 @@ class SharedFrozen:
                 if key in self._entries or key in first:
                     private.append(p)
                 first.add(key)
-        if model is not None:
-            with torch.no_grad():
-                for p in {id(p): p for p in private}.values():
-                    if p.data_ptr() != 0 and p.device.type == "cpu":
-                        p.data = p.data.clone()
-        # PEFT models are reference cycles (freed only by Python's collector, whose full passes are rare in a
-        # process this size): an ended trial's model its user let go (with its own copy of the base) is freed now,
-        # at a later trial's end, not held for many trials. A full pass holds the GIL ~0.2 s: it runs once ended
-        # tasks shared COLLECT_BYTES since the last one (tiny models' trials go without)
+        if model is None:
+            return None
+        privatize = Privatize(self, list({id(p): p for p in private}.values()))
+        if lazy:
+            return privatize
+        privatize()
+        return None
+
+    def _retain_or_forget(self, key: Any, entry: _Entry) -> None:
+        """``entry`` lost its last holder: kept in host memory for a later task while ``retain`` allows (its
+        device copies go: device memory belongs to the running tasks), else forgotten; under the lock."""
+        entry.devices.clear()
+        if entry.nbytes > self.retain or entry.poisoned:
+            self._forget(key, entry)
+            return
+        self._retained[key] = None
+        self._drop_retained(sum(self._entries[k].nbytes for k in self._retained) - self.retain)
+
+    def _drop_retained(self, nbytes: int) -> int:
+        """Forget retained entries, least recently used first, until ``nbytes`` went; the bytes dropped."""
+        dropped = 0
+        while dropped < nbytes and self._retained:
+            key, _ = self._retained.popitem(last=False)
+            entry = self._entries[key]
+            self._forget(key, entry)
+            dropped += entry.nbytes
+        self.evicted += dropped
+        return dropped
+
+    def evict(self, nbytes: int) -> int:
+        """Make room: forget retained entries (least recently used first) worth ``nbytes``; the bytes dropped."""
         with self._lock:
-            self._ended_bytes += shares.nbytes
-            collect = self._ended_bytes >= COLLECT_BYTES
-            if collect:
-                self._ended_bytes = 0
-        if collect:
-            gc.collect()
+            return self._drop_retained(nbytes)
+
+    def retained_bytes(self) -> int:
+        with self._lock:
+            return sum(self._entries[k].nbytes for k in self._retained)
+
+    def _forget(self, key: Any, entry: _Entry) -> None:
+        """Drop ``entry`` (nobody holds it), with its device copies; under the lock."""
+        self._entries.pop(key)
+        self._by_ptr.pop(entry.tensor.data_ptr(), None)
+        same = self._index.get(key[0], [])
+        if key in same:
+            same.remove(key)
+        if not same:
+            self._index.pop(key[0], None)
+        entry.devices.clear()
 
     def check(self, task: str, keys: set[Any]) -> tuple[list[str], list[str]]:
         """(names of ``task``'s parameters it wrote into, who wrote into others it holds with no clean copy
@@ -372,7 +425,7 @@ class SharedFrozen:
             for e in self._entries.values():
                 for name in e.holders:
                     holders[name] = holders.get(name, 0) + e.nbytes
-                saved += e.nbytes * (len(e.holders) - 1)
+                saved += e.nbytes * max(len(e.holders) - 1, 0)
                 host_copies.update({c.data_ptr(): e.nbytes for c, _ in e.devices.values()
                                     if _on_host(c) and c.data_ptr() != e.tensor.data_ptr()})
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
@@ -381,4 +434,8 @@ class SharedFrozen:
                     "copied_bytes": dict(self.copied), "recopied_bytes": dict(self.recopied),
                     "aliased_bytes": dict(self.aliased),
                     "reused_bytes": dict(self.reused), "host_copy_bytes": sum(host_copies.values()),
-                    "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes}
+                    "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes,
+                    "private_copy_bytes": self.private_copy_bytes,
+                    "retained_bytes": sum(self._entries[k].nbytes for k in self._retained),
+                    "retained_tensors": len(self._retained), "retained_hit_bytes": self.retained_hits,
+                    "evicted_bytes": self.evicted}

@@ -58,6 +58,7 @@ class TaskState:
         self.home = StateHome(task.name, optimizer, self.store, task.grad_accumulation, task.precision == "fp16")
         self.shares: TaskShares | None = None   # its frozen parameters held in the runtime's pool
         self._pool: SharedFrozen | None = None
+        self.privatize: Callable[[], None] | None = None  # the ended model's private copies (shared_frozen.py)
         self.execs = self._execs(plan)
         # fp16: dynamic loss scaling by torch's own GradScaler over the gradients, wherever they are (a "cpu"
         # scaler unscales device gradients too: its scale is copied to each gradient's device)
@@ -136,6 +137,11 @@ class TaskState:
             return drive(self, emit)
         self._loop = TrainingLoop(self)
         return self._loop.segments(emit)
+
+    def loop_ended(self, loop: TrainingLoop) -> None:
+        """``loop`` (this task's) trains no more: the task lets go of it (loop.py: no cycle left to collect)."""
+        if self._loop is loop:
+            self._loop = None
 
     def light_host_work(self) -> bool:
         """Whether the host work between this task's segments may run on a device's thread (the runtime's inline
