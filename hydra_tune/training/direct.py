@@ -61,7 +61,8 @@ class DirectPath:
     @property
     def ex(self) -> ShardExec:
         ex = self._ex()
-        assert ex is not None, "a DirectPath outlived its ShardExec"
+        if ex is None:  # (its ShardExec holds it: a bug of ours if this is ever reached)
+            raise RuntimeError("hydra_tune: a light path outlived its shard; please report this as a bug")
         return ex
 
     def applies(self, device: Device, train: bool = True) -> bool:

@@ -53,23 +53,10 @@ import torch
 import torch.nn as nn
 
 from ..errors import rule_error
+from .shared_frozen_copies import DEVICE_SHARE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies, on_host
 from .shared_frozen_match import content_key, probe_key, qualifies, same_bytes
 
-__all__ = ["Privatize", "SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
-
-#: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
-#: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
-DEVICE_SHARE = 0.25
-
-
-def _host_device(device: Any) -> bool:
-    torch_device = getattr(device, "torch_device", None)
-    return torch_device is not None and torch.device(torch_device).type == "cpu"
-
-
-def _on_host(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
-
+__all__ = ["DEVICE_SHARE", "Privatize", "SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
 
 @dataclass
 class _Entry:
@@ -89,11 +76,6 @@ class _Entry:
         return [f"{task}: {name}" for task, name, p, v in self.params if p._version != v]
 
 
-_WRITE_RULE = ("a task changes no frozen parameter it shares with other tasks (requires_grad=False weights equal "
-               "across tasks are held once)")
-_WRITE_FIX = ("do not write into frozen weights during training; make them trainable (requires_grad_(True)) or "
-              "buffers (register_buffer) if they must change")
-
 
 @dataclass
 class TaskShares:
@@ -111,9 +93,9 @@ class TaskShares:
             return
         written, poisoned = self.pool.check(self.task, {key for _, _, key, _ in self.params})
         if written:
-            raise rule_error(_WRITE_RULE, _WRITE_FIX, task=self.task, written=written[:5], count=len(written))
+            raise rule_error(WRITE_RULE, WRITE_FIX, task=self.task, written=written[:5], count=len(written))
         if poisoned:
-            raise rule_error(_WRITE_RULE, _WRITE_FIX + "; this task holds weights another task wrote into, "
+            raise rule_error(WRITE_RULE, WRITE_FIX + "; this task holds weights another task wrote into, "
                              "with no clean copy left to restore", task=self.task, written_by=poisoned[:5])
 
     def storages(self) -> set[int]:
@@ -148,7 +130,7 @@ class Privatize:
             self._pool.private_copy_bytes += copied
 
 
-class SharedFrozen:
+class SharedFrozen(SharedDeviceCopies):
     """The runtime's pool of frozen tensors (see the module docstring). Thread-safe."""
 
     def __init__(self, retain: int = 0) -> None:
@@ -328,87 +310,6 @@ class SharedFrozen:
             own = self._wrote.pop(task, [])
         return own, [p for p in poisoned if not own]
 
-    def device_copy(self, host: torch.Tensor, device: Any) -> torch.Tensor | None:
-        """The device's copy of the pooled tensor ``host`` (made now if there is none: its bytes counted by the
-        device's copier like any state copy); None when ``host`` is not pooled. One copy per device, also when
-        its compute and copy threads ask at once (the second waits for the first's copy)."""
-        with self._lock:
-            key = self._by_ptr.get(host.data_ptr())
-            entry = self._entries.get(key) if key is not None else None
-            lock = entry.copying.setdefault(device.name, threading.Lock()) if entry is not None else None
-        if entry is None or lock is None:
-            return None
-        written = entry.poisoned or ", ".join(entry.written())
-        if written:
-            raise rule_error(_WRITE_RULE, _WRITE_FIX, device=device.name, written=written)
-        with lock:
-            with self._lock:
-                held = entry.devices.get(device.name)
-            if held is not None:
-                copy, version = held
-                if copy._version != version:
-                    raise rule_error("a unit changes no frozen parameter it shares with other tasks", "do not "
-                                     "write into frozen weights in forward; make them buffers or trainable",
-                                     device=device.name, shape=tuple(copy.shape), dtype=str(copy.dtype))
-                return copy
-            return self._new_copy(key, entry, host, device)
-
-    def _new_copy(self, key: Any, entry: _Entry, host: torch.Tensor, device: Any) -> torch.Tensor:
-        """A copy of ``entry`` for ``device`` (which has none kept): another CPU device's, the pooled tensor
-        itself (a CPU device with no room to keep one) or a new one, kept when the device's share allows."""
-        if _host_device(device):
-            copy = self._cpu_copy(key, entry, device)
-            if copy is not None:
-                return copy
-        keep = self._keep_on(device, entry.nbytes)
-        if _host_device(device) and not keep:
-            # a CPU stand-in's "device copy" would be host memory again, made anew for every unit: the pooled
-            # tensor itself serves, read-only (a write in place moves its counter: refused at the next hand-out).
-            # A copy that can be kept is still made: it is the clean source a write into the host is undone from
-            copy = entry.tensor.detach()
-            with self._lock:
-                self.aliased[device.name] = self.aliased.get(device.name, 0) + entry.nbytes
-                if key in self._entries:
-                    entry.devices[device.name] = (copy, copy._version)
-            return copy
-        copy = device.copier.to_device(host, "state")
-        with self._lock:
-            self.copied[device.name] = self.copied.get(device.name, 0) + entry.nbytes
-            if device.name in entry.copied_to:
-                self.recopied[device.name] = self.recopied.get(device.name, 0) + entry.nbytes
-            entry.copied_to.add(device.name)
-            if keep and key in self._entries:
-                entry.devices[device.name] = (copy, copy._version)
-        return copy
-
-    def _cpu_copy(self, key: Any, entry: _Entry, device: Any) -> torch.Tensor | None:
-        """Another CPU device's clean copy of ``entry``, now also ``device``'s: CPU devices share one address
-        space, so one copy serves them all (read-only: a write moves its counter, refused at the next hand-out)."""
-        with self._lock:
-            for copy, version in entry.devices.values():
-                if copy._version == version and copy.untyped_storage().nbytes() and _on_host(copy) \
-                        and copy.data_ptr() != entry.tensor.data_ptr():
-                    self.reused[device.name] = self.reused.get(device.name, 0) + entry.nbytes
-                    if key in self._entries:
-                        entry.devices[device.name] = (copy, version)
-                    return copy
-        return None
-
-    def _keep_on(self, device: Any, nbytes: int) -> bool:
-        budget = getattr(device, "budget", None)
-        if budget is None:
-            return True
-        with self._lock:
-            kept = sum(e.nbytes for e in self._entries.values() if device.name in e.devices
-                   and e.devices[device.name][0].data_ptr() != e.tensor.data_ptr())
-        return kept + nbytes <= DEVICE_SHARE * budget
-
-    def forget_device_copies(self) -> None:
-        """Drop every device copy (the runtime closes, or a device ran out of memory)."""
-        with self._lock:
-            for entry in self._entries.values():
-                entry.devices.clear()
-
     def nbytes(self) -> int:
         """Host bytes of the pooled tensors (each once)."""
         with self._lock:
@@ -427,7 +328,7 @@ class SharedFrozen:
                     holders[name] = holders.get(name, 0) + e.nbytes
                 saved += e.nbytes * max(len(e.holders) - 1, 0)
                 host_copies.update({c.data_ptr(): e.nbytes for c, _ in e.devices.values()
-                                    if _on_host(c) and c.data_ptr() != e.tensor.data_ptr()})
+                                    if on_host(c) and c.data_ptr() != e.tensor.data_ptr()})
             return {"tensors": len(self._entries), "shared_bytes": sum(e.nbytes for e in self._entries.values()),
                     "per_task_shared_bytes": holders, "saved_bytes": saved,
                     "device_copies": sum(len(e.devices) for e in self._entries.values()),
