@@ -17,7 +17,6 @@ takes it: a plain strided floating-point CPU tensor, ``training``, not in place,
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 import torch.nn.functional as F
