@@ -253,7 +253,7 @@ class Scheduler:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
         if not opening:
             return None
-        self._open(task)  # as its host thread would: kept_by set, so it is handed back here, not queued
+        self._open(task, here=True)  # as its host thread would: kept_by set, so it is handed back here, not queued
         with self.cond:
             opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
             task.kept_by = None
@@ -317,7 +317,7 @@ class Scheduler:
             return [task for _, task in self._ready] + [t for t in self._tasks.values() if t.opening]
 
     # -- the host threads' work -------------------------------------------------------------------------------
-    def _open(self, task: Admitted) -> None:
+    def _open(self, task: Admitted, here: bool = False) -> None:
         """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
         it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
         A task that ended meanwhile is let go here."""
@@ -339,7 +339,8 @@ class Scheduler:
             if live and status is None:
                 task.segment = segment
                 if task.kept_by is not None:
-                    self.cond.notify_all()  # the device waiting for it takes it
+                    if not here:  # (``here``: the device kept on it opens it itself; no one else waits for it)
+                        self.cond.notify_all()  # the device waiting for it takes it
                 elif not self._closed:  # closing: close() ends it
                     self._push(task)
             free = task.released
