@@ -132,6 +132,8 @@ def test_the_board_reuses_a_waiting_tasks_policy_record_and_every_task_stays_exa
 
     monkeypatch.setattr(picker, "Ready", counting_ready)
     monkeypatch.setattr(picker.Picker, "records", counting_records)
+    monkeypatch.setattr(picker, "TURN", 0.0)  # a pick at every segment (LRTF's turns would skip most of them)
+
     def wide() -> nn.Module:  # units long enough that the other tasks wait ready meanwhile
         return nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 512), nn.ReLU(),
                              nn.Linear(512, 3))
