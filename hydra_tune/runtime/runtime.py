@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch.nn as nn
-
 from ..config import RuntimeConfig
 from ..device.devices import Device, resolve_devices
 from ..device.threads import set_cpu_threads
@@ -292,9 +290,9 @@ class Runtime:
         # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
         # it when it lets the task go (TrainingLoop.segments)
         task.state.home.release(wait=CLOSE_WAIT)
-        # its model gets private copies of what others still share (a factory's model: when handle.model() asks
-        # for it, the user cannot reach it before); the last holder frees the pool's entries
-        lazy = not isinstance(task.state.task.model, nn.Module)
+        # its model gets private copies of what others still share (a model only its factory made and held: when
+        # handle.model() asks for it, the user cannot reach it before); the last holder frees the pool's entries
+        lazy = not task.state.model_reachable
         task.state.privatize = self.shared.release(task.name, task.state.model, lazy=lazy)
         self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
         for d in self.devices:

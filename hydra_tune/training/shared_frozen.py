@@ -35,7 +35,8 @@ Rules:
   ``merge_and_unload()`` on it changes no other trial), and the last holder keeps the tensor itself; equal
   weights within one model (LayerNorm ones, zero biases) share an entry while training and get separate tensors
   back at the end; an entry nobody holds is forgotten, with its device copies. The copies are made at the end
-  for a model the user passed in (they hold it), and for one a factory built when the user first asks for it
+  for a model the user can reach (passed in, or a factory's model held elsewhere: TaskState.model_reachable), and
+  for one only a factory built and held when the user first asks for it
   (``release(..., lazy=True)`` returns the ``Privatize`` that ``handle.model()`` calls): a trial whose model
   nobody asks for (a search that keeps only metrics, a failed or cancelled trial) copies nothing, and its model
   is freed by reference counting once its handle goes.

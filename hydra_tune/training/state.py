@@ -12,6 +12,7 @@ asked from any thread and served by the loop at a step boundary (boundary.py).
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,6 +60,7 @@ class TaskState:
         self.shares: TaskShares | None = None   # its frozen parameters held in the runtime's pool
         self._pool: SharedFrozen | None = None
         self.privatize: Callable[[], None] | None = None  # the ended model's private copies (shared_frozen.py)
+        self.model_reachable = True  # its user holds the model (build): private copies at its end, not later
         self.execs = self._execs(plan)
         # fp16: dynamic loss scaling by torch's own GradScaler over the gradients, wherever they are (a "cpu"
         # scaler unscales device gradients too: its scale is copied to each gradient's device)
@@ -90,6 +92,10 @@ class TaskState:
         # seeds that stream (device/seeding.py), as it seeds the global generator the plain loop draws from
         with UnitMode(rng.cpu), seeding_to(rng):
             model = task.model if isinstance(task.model, nn.Module) else build_part(task.model, "model")
+            # a model its user can reach (passed in, or a factory returning one held elsewhere: `lambda: model`,
+            # a cache) takes private copies of shared frozen weights as soon as it ends (runtime.py); only this
+            # name and getrefcount's argument refer to a model the factory made for us alone
+            reachable = isinstance(task.model, nn.Module) or sys.getrefcount(model) > 2
             check_model(task, model)
             model.train()
             optimizer = build_part(task.optimizer, "optimizer (`optimizer(model)`)", model)
@@ -120,6 +126,7 @@ class TaskState:
         state = cls(task, model, optimizer, scheduler, task_data(task.train_data), task_data(task.eval_data), cut,
                     plan, rng, costs)
         state.held_bytes = state.host_bytes()
+        state.model_reachable = reachable
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
             check_position(task, state.resume)   # nothing silently left untrained, no step past max_steps
