@@ -174,3 +174,17 @@ def test_lending_the_global_generator_stops_quiet_units() -> None:
     with dispatch.UnitMode(torch.Generator().manual_seed(0)):
         torch.randn_like(torch.ones(2))
     assert not quiet.allows(key)
+
+
+def test_a_lend_that_starts_during_a_quiet_unit_counts_as_a_move():
+    """The guard reads the global generator without the lending lock: a read that may have fallen in a task's lent
+    window (``_LENT`` marked meanwhile) cannot vouch for an unmoved generator, so the unit runs again routed."""
+    quiet = QuietUnits()
+    key = ("t", "segment")
+    quiet._stages[key] = frozenset()  # as after a measured segment that drew nothing
+    assert dispatch.global_rng_state() is not None and quiet.allows(key)
+    with pytest.raises(UnroutedDraw):
+        with quiet.guarded(key, TaskRNG(0)):
+            dispatch._LENT.append(True)  # another task lends the global generator its state now
+    assert dispatch.global_rng_state() is None and not quiet.allows(key)
+    assert quiet.counts == {"quiet": 0, "reruns": 1}

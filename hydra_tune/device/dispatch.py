@@ -254,10 +254,15 @@ def lent_global() -> bool:
     return bool(_LENT)
 
 
-def global_rng_state() -> torch.Tensor:
-    """torch's global CPU generator state, read outside any task's lent window (quiet.py's guard)."""
-    with _GLOBAL_RNG_LOCK:
-        return torch.default_generator.get_state()
+def global_rng_state() -> bytes | None:
+    """torch's global CPU generator state (quiet.py's guard), or None once any task lent that generator its own
+    state. Read without the lending lock (a lock the other device would wait for twice per unit): a task lends
+    only after marking ``_LENT`` (``UnitMode._seeded``), so a read followed by an unmarked ``_LENT`` fell in no
+    lent window; as bytes, so that two reads compare with no tensor call (each one a release of the GIL)."""
+    if _LENT:
+        return None
+    state = torch.default_generator.get_state().numpy().tobytes()
+    return None if _LENT else state
 
 
 def draw_global_seed() -> int:

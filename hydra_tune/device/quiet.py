@@ -16,9 +16,9 @@ the loss) keep the key on the router.
 
 Rules (nothing silently wrong): a quiet unit may still draw elsewhere (a draw on some minibatches only, say); an
 unrouted CPU draw takes torch's global generator. So the global generator's state is read before and after the
-unit (under the lock that lending it takes, dispatch._GLOBAL_RNG_LOCK); if it moved, the unit raises
-``UnroutedDraw``, the key goes back to the router, and the worker runs the segment again from its start (the retry
-of an out-of-memory, without a re-plan): exact. A draw by another thread of the process in that time (user code
+unit (dispatch.global_rng_state; a read that may have fallen in a task's lent window counts as a move); if it
+moved, the unit raises ``UnroutedDraw``, the key goes back to the router, and the worker runs the segment again
+from its start (the retry of an out-of-memory, without a re-plan): exact. A draw by another thread of the process in that time (user code
 outside any task) reads the same: a needless rerun, never a wrong result. Once any task lent the global generator
 (a random op without a ``generator`` argument, dispatch.UnitMode._seeded), quiet units stop for the process: a
 stray draw inside that window would move the lent stream, not the global one. Stages are named, not numbered, so a
@@ -30,8 +30,6 @@ import contextlib
 import threading
 from collections.abc import Hashable, Iterator
 from typing import Any
-
-import torch
 
 from . import dispatch
 from .rng import TaskRNG
@@ -121,7 +119,8 @@ class QuietUnits:
                 yield None
         finally:
             self._routed, self._rng = frozenset(), None
-        if not torch.equal(before, dispatch.global_rng_state()):
+        after = dispatch.global_rng_state()
+        if before is None or after is None or before != after:  # moved, or lent meanwhile: not known unmoved
             with self._lock:
                 self._stages.pop(key, None)
                 self.counts["reruns"] += 1
