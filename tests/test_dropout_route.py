@@ -92,3 +92,16 @@ def test_the_check_reads_torch_dropout_ops_and_values(monkeypatch: pytest.Monkey
     real = dropout._dropout
     monkeypatch.setattr(dropout, "_dropout", lambda x, p, g: real(x, p, g) * (1 - p))  # other values
     assert dropout._check() is False
+
+
+@pytest.mark.parametrize("context", ["meta", "router", "unit"])
+def test_the_first_check_reads_torch_whatever_the_caller_runs_under(monkeypatch: pytest.MonkeyPatch,
+                                                                    context: str) -> None:
+    """The verdict is taken once per process, at the first dropout the router sees: that may be inside a unit's
+    dispatch mode, a meta-device context or the router itself. It must read torch's own dropout there too (a meta
+    probe compares nothing; the router around the check would route the check's own dropout into a second check)."""
+    monkeypatch.setattr(dropout, "_verdict", [])
+    scopes = {"meta": lambda: torch.device("meta"), "router": lambda: dispatch.router_for(TaskRNG(1)),
+              "unit": lambda: dispatch.UnitMode(torch.Generator().manual_seed(1), dispatch.MemoryAccount())}
+    with scopes[context]():
+        assert dropout.matches_torch() is True

@@ -20,7 +20,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 DROPOUT = F.dropout
 _EXPECTED = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar", "aten.mul.Tensor")
@@ -66,9 +66,10 @@ class _Recorded(TorchDispatchMode):
 
 
 def matches_torch() -> bool:
-    """Whether this torch's CPU dropout is the short form's ops and values (checked once per process)."""
+    """Whether this torch's CPU dropout is the short form's ops and values (checked once per process, outside every
+    mode of the calling thread: its first call may come from inside a unit, a meta-device context or the router)."""
     if not _verdict:
-        with _lock:
+        with _lock, torch._C.DisableTorchFunction(), _disable_current_modes():
             if not _verdict:
                 _verdict.append(_check())
     return _verdict[0]
