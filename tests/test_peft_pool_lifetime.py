@@ -42,28 +42,10 @@ def test_an_ended_trials_model_copies_the_shared_base_only_when_asked_for():
     assert max_param_diff(plain_train(second)[0], second_model) == 0.0
 
 
-def test_a_model_passed_in_gets_its_private_copies_at_the_end():
-    """The user holds a model they passed in: it cannot wait for ``handle.model()``."""
+def _ends_with_private_copies(mine: ht.ModelTask, held) -> None:
+    """``mine`` ends while another trial of its base still trains: ``held`` (the model its user holds) has its
+    own frozen weights at once, and a write into them reaches the other trial not at all."""
     go = threading.Event()
-    mine = task("mine", epochs=1)
-    mine = ht.ModelTask(mine.model(), mine.optimizer, mine.train_data, epochs=1, seed=0, name="mine")
-    other = task("other", data=Gated(batches(2), go), epochs=1)
-    with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
-        h_mine, h_other = rt.submit(mine), rt.submit(other)
-        h_mine.result()
-        assert rt.stats()["shared_frozen"]["private_copy_bytes"] > 0
-        pooled = {e.tensor.untyped_storage().data_ptr() for e in rt.shared._entries.values()}
-        assert not _storages(mine.model) & pooled
-        go.set()
-        h_other.result()
-
-
-def test_a_factory_returning_a_model_its_user_holds_gets_its_private_copies_at_the_end():
-    """`lambda: model` over a model the user keeps: they can reach it (say, `merge_and_unload()` after the trial)
-    before any `handle.model()`, so it must not keep the pool's tensors other trials still train over."""
-    go = threading.Event()
-    held = task("held", epochs=1).model()
-    mine = ht.ModelTask(lambda: held, task("held").optimizer, batches(2), epochs=1, seed=0, name="held")
     other = task("other", data=Gated(batches(2), go), epochs=1)
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
         h_mine, h_other = rt.submit(mine), rt.submit(other)
@@ -73,10 +55,25 @@ def test_a_factory_returning_a_model_its_user_holds_gets_its_private_copies_at_t
         assert not _storages(held) & pooled
         for p in held.parameters():
             if not p.requires_grad:
-                p.data.add_(1.0)   # the user's own write into their model reaches no other trial
+                p.data.add_(1.0)   # the user's own write into their model (merge_and_unload() does one)
         go.set()
         other_model = trained(h_other)
     assert max_param_diff(plain_train(other)[0], other_model) == 0.0
+
+
+def test_a_model_passed_in_gets_its_private_copies_at_the_end():
+    """The user holds a model they passed in: it cannot wait for ``handle.model()``."""
+    mine = task("mine", epochs=1)
+    mine = ht.ModelTask(mine.model(), mine.optimizer, mine.train_data, epochs=1, seed=0, name="mine")
+    _ends_with_private_copies(mine, mine.model)
+
+
+def test_a_factory_returning_a_model_its_user_holds_gets_its_private_copies_at_the_end():
+    """`lambda: model` over a model the user keeps: they can reach it (say, `merge_and_unload()` after the trial)
+    before any `handle.model()`, so it must not keep the pool's tensors other trials still train over."""
+    held = task("held", epochs=1).model()
+    _ends_with_private_copies(ht.ModelTask(lambda: held, task("held").optimizer, batches(2), epochs=1, seed=0,
+                                           name="held"), held)
 
 
 def test_trials_run_one_after_another_share_the_base_kept_after_the_first():

@@ -255,10 +255,8 @@ def lent_global() -> bool:
 
 
 def global_rng_state() -> bytes | None:
-    """torch's global CPU generator state (quiet.py's guard), or None once any task lent that generator its own
-    state. Read without the lending lock (a lock the other device would wait for twice per unit): a task lends
-    only after marking ``_LENT`` (``UnitMode._seeded``), so a read followed by an unmarked ``_LENT`` fell in no
-    lent window; as bytes, so that two reads compare with no tensor call (each one a release of the GIL)."""
+    """torch's global CPU generator state as bytes (quiet.py's guard: compared with no tensor call), or None once
+    any task lent it its state. No lock: a task lends only after marking ``_LENT`` (``UnitMode._seeded``)."""
     if _LENT:
         return None
     state = torch.default_generator.get_state().numpy().tobytes()
