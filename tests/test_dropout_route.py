@@ -85,6 +85,7 @@ def test_router_takes_the_short_form_only_where_torch_matches(monkeypatch: pytes
 
 
 def test_the_check_reads_torch_dropout_ops_and_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert dropout.matches_torch()  # the process's verdict first: a first check elsewhere meanwhile reads no patch
     assert dropout._check() is True  # this torch's CPU dropout is the four ops
     with monkeypatch.context() as m:  # a torch whose dropout makes other ops
         m.setattr(dropout, "_EXPECTED", ("aten.native_dropout.default",))
