@@ -95,14 +95,16 @@ def test_the_check_reads_torch_dropout_ops_and_values(monkeypatch: pytest.Monkey
     assert dropout._check() is False
 
 
-@pytest.mark.parametrize("context", ["meta", "router", "unit"])
+@pytest.mark.parametrize("context", ["meta", "router", "unit", "no_grad", "inference"])
 def test_the_first_check_reads_torch_whatever_the_caller_runs_under(monkeypatch: pytest.MonkeyPatch,
                                                                     context: str) -> None:
     """The verdict is taken once per process, at the first dropout the router sees: that may be inside a unit's
-    dispatch mode, a meta-device context or the router itself. It must read torch's own dropout there too (a meta
-    probe compares nothing; the router around the check would route the check's own dropout into a second check)."""
+    dispatch mode, a meta-device context, the router itself or a no_grad block (a prepared model's evaluation in
+    train mode). It must read torch's own dropout there too (a meta probe compares nothing; the router around the
+    check would route the check's own dropout into a second check; without autograd its gradients raise)."""
     monkeypatch.setattr(dropout, "_verdict", [])
     scopes = {"meta": lambda: torch.device("meta"), "router": lambda: dispatch.router_for(TaskRNG(1)),
-              "unit": lambda: dispatch.UnitMode(torch.Generator().manual_seed(1), dispatch.MemoryAccount())}
+              "unit": lambda: dispatch.UnitMode(torch.Generator().manual_seed(1), dispatch.MemoryAccount()),
+              "no_grad": torch.no_grad, "inference": torch.inference_mode}
     with scopes[context]():
         assert dropout.matches_torch() is True

@@ -67,9 +67,11 @@ class _Recorded(TorchDispatchMode):
 
 def matches_torch() -> bool:
     """Whether this torch's CPU dropout is the short form's ops and values (checked once per process, outside every
-    mode of the calling thread: its first call may come from inside a unit, a meta-device context or the router)."""
+    mode of the calling thread and with autograd on: its first call may come from inside a unit, a meta-device
+    context, the router or a ``no_grad`` block)."""
     if not _verdict:
-        with _lock, torch._C.DisableTorchFunction(), _disable_current_modes():
+        with _lock, torch._C.DisableTorchFunction(), _disable_current_modes(), torch.inference_mode(False), \
+                torch.enable_grad():
             if not _verdict:
                 _verdict.append(_check())
     return _verdict[0]
