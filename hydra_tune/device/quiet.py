@@ -18,11 +18,12 @@ Rules (nothing silently wrong): a quiet unit may still draw elsewhere (a draw on
 unrouted CPU draw takes torch's global generator. So the global generator's state is read before and after the
 unit (dispatch.global_rng_state; a read that may have fallen in a task's lent window counts as a move); if it
 moved, the unit raises ``UnroutedDraw``, the key goes back to the router, and the worker runs the segment again
-from its start (the retry of an out-of-memory, without a re-plan): exact. A draw by another thread of the process in that time (user code
-outside any task) reads the same: a needless rerun, never a wrong result. Once any task lent the global generator
-(a random op without a ``generator`` argument, dispatch.UnitMode._seeded), quiet units stop for the process: a
-stray draw inside that window would move the lent stream, not the global one. Stages are named, not numbered, so a
-re-plan that cuts the model anew keeps what was measured. One device thread uses an instance at a time.
+from its start (the retry of an out-of-memory, without a re-plan): exact. A draw by another thread of the process
+in that time (user code outside any task) reads the same: a needless rerun, never a wrong result. Once any task
+lent the global generator (a random op without a ``generator`` argument, dispatch.UnitMode._seeded), quiet units
+stop for the process: a stray draw inside that window would move the lent stream, not the global one. Stages are
+named, not numbered, so a re-plan that cuts the model anew keeps what was measured. One device thread uses an
+instance at a time.
 """
 from __future__ import annotations
 

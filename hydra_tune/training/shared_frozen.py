@@ -127,8 +127,7 @@ class Privatize:
                     if p.data_ptr() != 0 and p.device.type == "cpu":
                         p.data = p.data.clone()
                         copied += p.numel() * p.element_size()
-        with self._pool._lock:
-            self._pool.private_copy_bytes += copied
+        self._pool.count_private(copied)
 
 
 class SharedFrozen(SharedDeviceCopies):
@@ -251,7 +250,7 @@ class SharedFrozen(SharedDeviceCopies):
             self._forget(key, entry)
             return
         self._retained[key] = None
-        self._drop_retained(sum(self._entries[k].nbytes for k in self._retained) - self.retain)
+        self._drop_retained(self._retained_nbytes() - self.retain)
 
     def _drop_retained(self, nbytes: int) -> int:
         """Forget retained entries, least recently used first, until ``nbytes`` went; the bytes dropped."""
@@ -269,9 +268,14 @@ class SharedFrozen(SharedDeviceCopies):
         with self._lock:
             return self._drop_retained(nbytes)
 
-    def retained_bytes(self) -> int:
+    def _retained_nbytes(self) -> int:
+        """Bytes of the entries kept after their last holder; under the lock."""
+        return sum(self._entries[k].nbytes for k in self._retained)
+
+    def count_private(self, nbytes: int) -> None:
+        """An ended task's model copied ``nbytes`` of pooled weights into its own tensors (Privatize)."""
         with self._lock:
-            return sum(self._entries[k].nbytes for k in self._retained)
+            self.private_copy_bytes += nbytes
 
     def _forget(self, key: Any, entry: _Entry) -> None:
         """Drop ``entry`` (nobody holds it), with its device copies; under the lock."""
@@ -338,6 +342,6 @@ class SharedFrozen(SharedDeviceCopies):
                     "reused_bytes": dict(self.reused), "host_copy_bytes": sum(host_copies.values()),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes,
                     "private_copy_bytes": self.private_copy_bytes,
-                    "retained_bytes": sum(self._entries[k].nbytes for k in self._retained),
+                    "retained_bytes": self._retained_nbytes(),
                     "retained_tensors": len(self._retained), "retained_hit_bytes": self.retained_hits,
                     "evicted_bytes": self.evicted}
