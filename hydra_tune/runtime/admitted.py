@@ -26,6 +26,7 @@ class Admitted:
     def __init__(self, handle: TaskHandle, state: TaskState, order: int, footprint: Footprint | None,
                  open_next: Callable[["Admitted"], None]) -> None:
         self.handle, self.state, self.order, self.footprint = handle, state, order, footprint
+        self.name = handle.name  # (a handle's name never changes; read at every pick and segment)
         self.chain = state.segments(handle.emit)
         self.segment: Segment | None = None  # taken from the chain, not yet run
         self.last_device: int | None = None
@@ -47,10 +48,6 @@ class Admitted:
         """Close the chain and clear the host buffers: only once the task ended and no thread advances it."""
         self.chain.close()
         self.state.store.clear()
-
-    @property
-    def name(self) -> str:
-        return self.handle.name
 
     def stats(self) -> dict[str, Any]:
         """What ``Runtime.stats()`` reports for this task (read under the board's lock)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
 from ..training.footprint import Footprint
+from ..training.segments import Segment
 from ..training.state import TaskState
 from .admitted import Admitted
 from .handle import TaskHandle
@@ -54,7 +55,10 @@ class Scheduler:
         self._dropped = 0            # records dropped past it
         self._picker = Picker(policy)  # the policy and the remaining-time estimates
         self._on_end = on_end
-        self.cond = threading.Condition()
+        # One re-entrant lock guards the board; ``cond`` waits and wakes on it. Code that neither waits nor wakes
+        # enters ``_lock`` itself (a C call; entering the Condition is a Python call, several per segment).
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)
         self._ready: list[tuple[int, Admitted]] = []  # (its place: when it left a device, task)
         self._tasks: dict[str, Admitted] = {}
         self._finished: dict[str, dict[str, Any]] = {}
@@ -222,7 +226,7 @@ class Scheduler:
         """For device ``index``, finishing ``current``'s segment: the task it runs next (its segment open), popped
         from the ready queue, or ``current`` itself when the policy keeps the device on it; None when nothing is
         ready or the board is closed."""
-        with self.cond:
+        with self._lock:
             if not self._closed and self._tasks.get(current.name) is current and self._picker.holds(current, index,
                                                                                                   self._idle):
                 return current  # within the turn the policy's last pick gave it
@@ -235,7 +239,7 @@ class Scheduler:
         """``task``'s segment ran on device ``index``: its host thread opens the next one, then it is ready again
         (or, with ``keep``, handed to this device, which waits for it in ``take``). A cancelled task ends here;
         an ended one, or any once the board closed, is left as it is."""
-        with self.cond:
+        with self._lock:
             opening, cancelled = self._off_device(task, index, index if keep else None)
             if opening:
                 task.host.request()
@@ -246,30 +250,36 @@ class Scheduler:
         """As ``ran(task, index, keep=True)`` followed by ``take_kept``, with the host work run in the calling
         device thread (``TaskState.light_host_work``: a short step over list data), which saves the two thread
         hand-offs a segment costs otherwise: ``task`` with its next segment open, or None when it ended, was
-        cancelled or the board closed."""
-        with self.cond:
+        cancelled or the board closed. Two holds of the lock, not four: a segment each."""
+        with self._lock:
             opening, cancelled = self._off_device(task, index, index)
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
         if not opening:
             return None
-        self._open(task, here=True)  # as its host thread would: kept_by set, so it is handed back here, not queued
-        with self.cond:
-            opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
+        # as its host thread would (_open); kept_by is set, so it is handed back here, not queued
+        t0 = time.perf_counter()
+        segment, status, error = self._advance(task)
+        with self._lock:
+            live, free = self._opened(task, t0, segment, status, here=True)
+            opened = live and status is None and task.kept_by == index
             task.kept_by = None
-            return task if opened and not self._closed else None
+            nxt = task if opened and not self._closed else None
+        del segment
+        self._after_opening(task, live, free, status, error)
+        return nxt
 
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless
         it ended or the board closed."""
-        with self.cond:
+        with self._lock:
             if not self._closed and self._tasks.get(task.name) is task:
                 task.since = self._next_seq()
                 self._push(task)
 
     def observe(self, task: Admitted, kind: str, seconds: float) -> None:
         """A unit of ``task`` ran for ``seconds``: feeds the remaining-time estimates."""
-        with self.cond:
+        with self._lock:
             self._picker.estimator.observe(task.name, kind, seconds)
             task.units += 1
 
@@ -321,30 +331,44 @@ class Scheduler:
         """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
         it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
         A task that ended meanwhile is let go here."""
-        with self.cond:
-            live = self._tasks.get(task.name) is task
         t0 = time.perf_counter()
-        segment, status, error = None, None, None
-        if live:
-            try:
-                segment = next(task.chain)
-            except StopIteration:
-                status = "done"
-            except BaseException as exc:  # one task's failure is that task's alone
-                status, error = "failed", exc
-        with self.cond:
-            task.opening = False
-            task.open_seconds = time.perf_counter() - t0
-            live = self._tasks.get(task.name) is task
-            if live and status is None:
-                task.segment = segment
-                if task.kept_by is not None:
-                    if not here:  # (``here``: the device kept on it opens it itself; no one else waits for it)
-                        self.cond.notify_all()  # the device waiting for it takes it
-                elif not self._closed:  # closing: close() ends it
-                    self._push(task)
-            free = task.released
+        segment, status, error = self._advance(task)
+        with self._lock:
+            live, free = self._opened(task, t0, segment, status, here)
         del segment
+        self._after_opening(task, live, free, status, error)
+
+    def _advance(self, task: Admitted) -> tuple[Segment | None, str | None, BaseException | None]:
+        """Outside the lock: the task's next segment from its chain, or how the chain ended (a task that ended
+        meanwhile is not advanced; reading the dict needs no lock, its entry only goes)."""
+        if self._tasks.get(task.name) is not task:
+            return None, None, None
+        try:
+            return next(task.chain), None, None
+        except StopIteration:
+            return None, "done", None
+        except BaseException as exc:  # one task's failure is that task's alone
+            return None, "failed", exc
+
+    def _opened(self, task: Admitted, t0: float, segment: Segment | None, status: str | None,
+                here: bool) -> tuple[bool, bool]:
+        """Under the lock, after ``_advance``: the segment handed to the device kept on it (``here``: that device
+        opened it itself; no one else waits for it) or queued; (whether the task is still on the board, whether
+        it is to be let go now)."""
+        task.opening = False
+        task.open_seconds = time.perf_counter() - t0
+        live = self._tasks.get(task.name) is task
+        if live and status is None:
+            task.segment = segment
+            if task.kept_by is not None:
+                if not here:
+                    self.cond.notify_all()  # the device waiting for it takes it
+            elif not self._closed:  # closing: close() ends it
+                self._push(task)
+        return live, task.released
+
+    def _after_opening(self, task: Admitted, live: bool, free: bool, status: str | None,
+                       error: BaseException | None) -> None:
         if free:
             self._let_go(task)
         elif live and status is not None:
@@ -352,7 +376,7 @@ class Scheduler:
 
     def _let_go(self, task: Admitted) -> None:
         task.let_go()
-        with self.cond:
+        with self._lock:
             task.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
 
     # -- inside (the caller holds the lock) ------------------------------------------------------------------

@@ -69,11 +69,28 @@ class HomeSteps:
         self.device_bytes = sum(map(torch.UntypedStorage.nbytes, storages))
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """The task's host thread changes its state inside (flush of gradients): no move meanwhile."""
+    def locked(self, step_follows: bool = False) -> Iterator[None]:
+        """The task's host thread changes its state inside (flush of gradients): no move meanwhile. With
+        ``step_follows`` (``steps_here``: a resident step right after), only the gradients are counted now; the
+        step's own count (``stepping``) passes over every tensor of the task once for both."""
         with self.lock:
             yield
-            self.hold_now()
+            if step_follows:
+                self.hold_grads()
+            else:
+                self.hold_now()
+
+    def steps_here(self) -> bool:
+        """Whether the step due now runs whole on the device, where ``stepping`` counts its memory. The gradients
+        have landed, so nothing is evicted before it (state_cache.py waits for ``settle``)."""
+        return self.step_device() is not None
+
+    def hold_grads(self) -> None:
+        """Count the gradients on the device as its memory (``hold_now`` without the rest: what a backward made)."""
+        cache = self.cache
+        if cache is not None:
+            cache.device.hold_storages([grad.untyped_storage() for slots in self._slots.values() for slot in slots
+                                        if (grad := slot.param.grad) is not None])
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[Device | None]:

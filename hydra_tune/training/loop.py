@@ -182,7 +182,9 @@ class TrainingLoop:
                 state.home.settle()
                 run.pending, run.skipped = 0, run.skipped + 1
                 continue
-            with state.home.locked():  # the gradients may be on a device: no eviction while they are added
+            step_now = run.pending + 1 >= task.grad_accumulation
+            # the gradients may be on a device: no eviction while they are added
+            with state.home.locked(step_follows=step_now and state.home.steps_here()):
                 state.store.flush_grads()
                 state.store.clear()
             run.samples += (size := batch_size(batch))
