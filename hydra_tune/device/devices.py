@@ -31,6 +31,8 @@ from .streams import CudaCopier, HostCopier, make_copier
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
 
 
+_NULL = contextlib.nullcontext()  # (reusable)
+
 class Device:
     """One execution device: a worker thread runs one unit at a time on it.
 
@@ -138,11 +140,16 @@ class Device:
 
     def step_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where a task's host thread runs its optimizer step over tensors on this device."""
-        return contextlib.nullcontext()
+        return _NULL
 
     def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """Around one stage's call inside a unit (CPU stand-ins: routing by stage, device/quiet.py)."""
-        return contextlib.nullcontext()
+        return _NULL
+
+    def scoped_stages(self) -> frozenset[str] | None:
+        """The stages whose calls need ``stage_scope`` in the unit about to run (every other stage runs with
+        nothing around it), or None: ask ``stage_scope`` for every stage."""
+        return frozenset()
 
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         """Count ``tensors`` (made outside any unit, e.g. by an optimizer step on this device) as this device's
@@ -231,6 +238,9 @@ class CpuDevice(Device):
 
     def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
         return self.quiet.stage_scope(name)  # type: ignore[union-attr]
+
+    def scoped_stages(self) -> frozenset[str] | None:
+        return self.quiet.scoped_stages()
 
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:

@@ -65,8 +65,8 @@ class MemoryAccount:
                 raise torch.OutOfMemoryError(f"CPU device out of memory (test limit): allocating {nbytes} bytes "
                                              f"with {self.current} in use would pass the limit of {self.limit}")
             # A weak reference whose callback runs when the storage is freed (cheaper than weakref.finalize,
-            # which this path pays once per new storage of every counted op)
-            self._live[key] = (nbytes, weakref.ref(storage, lambda ref, key=key: self._release(key, ref)))
+            # which this path pays once per new storage of every counted op; a partial: no Python frame of its own)
+            self._live[key] = (nbytes, weakref.ref(storage, functools.partial(self._release, key)))
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
@@ -81,7 +81,7 @@ class MemoryAccount:
                 nbytes = storage.nbytes()
                 if nbytes == 0:
                     continue
-                live[key] = (nbytes, weakref.ref(storage, lambda ref, key=key: self._release(key, ref)))
+                live[key] = (nbytes, weakref.ref(storage, functools.partial(self._release, key)))
                 self.current += nbytes
             self.peak = max(self.peak, self.current)
 

@@ -103,28 +103,56 @@ class QuietUnits:
             return self._route()
         return _NULL
 
-    @contextlib.contextmanager
-    def _route(self) -> Iterator[None]:
-        rng = self._rng  # set by guarded() around every quiet unit
-        with dispatch.router_for(rng), seeding_to(rng):
-            yield
+    def scoped_stages(self) -> frozenset[str] | None:
+        """``Device.scoped_stages``: while measured every stage is counted (None); in a quiet unit the stages
+        routed; else none."""
+        return None if self._mode is not None else self._routed
 
-    @contextlib.contextmanager
-    def guarded(self, key: Hashable, rng: TaskRNG) -> Iterator[None]:
+    def _route(self) -> contextlib.AbstractContextManager[Any]:
+        # (inside ``guarded``, which routes this thread's seeding calls to the same stream already)
+        return dispatch.router_for(self._rng)
+
+    def guarded(self, key: Hashable, rng: TaskRNG) -> contextlib.AbstractContextManager[None]:
         """Run the unit routing only its drawing stages; raise UnroutedDraw if the global generator moved
         meanwhile (the key goes back to the router)."""
+        return _Guarded(self, key, rng)
+
+    def enter(self, key: Hashable, rng: TaskRNG) -> None:
+        """``_Guarded``: a quiet unit of ``key`` starts on this device."""
         self._routed, self._rng = self._stages.get(key, frozenset()), rng
-        before = dispatch.global_rng_state()
-        try:
-            with seeding_to(rng):
-                yield None
-        finally:
-            self._routed, self._rng = frozenset(), None
+
+    def leave(self) -> None:
+        self._routed, self._rng = frozenset(), None
+
+    def moved(self, key: Hashable) -> UnroutedDraw:
+        """``_Guarded``: the global generator moved in a quiet unit of ``key``: the key goes back to the router."""
+        with self._lock:
+            self._stages.pop(key, None)
+            self.counts["reruns"] += 1
+        return UnroutedDraw(f"a unit of segment {key!r} drew from torch's global CPU generator outside the stages "
+                            "measured to draw; it runs again with its draws routed to the task's stream")
+
+
+class _Guarded:
+    """``QuietUnits.guarded``: a class, not a generator (one per unit; a generator's block costs more calls)."""
+
+    __slots__ = ("quiet", "key", "seeding", "before")
+
+    def __init__(self, quiet: QuietUnits, key: Hashable, rng: TaskRNG) -> None:
+        self.quiet, self.key, self.seeding = quiet, key, seeding_to(rng)
+        self.before: bytes | None = None
+
+    def __enter__(self) -> None:
+        self.quiet.enter(self.key, self.seeding.target)
+        self.before = dispatch.global_rng_state()
+        self.seeding.__enter__()
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        self.seeding.__exit__()
+        self.quiet.leave()
+        if kind is not None:  # the unit's own error (an out-of-memory, say) is what its retry handles
+            return
         after = dispatch.global_rng_state()
-        if before is None or after is None or before != after:  # moved, or lent meanwhile: not known unmoved
-            with self._lock:
-                self._stages.pop(key, None)
-                self.counts["reruns"] += 1
-            raise UnroutedDraw(f"a unit of segment {key!r} drew from torch's global CPU generator outside the stages "
-                               "measured to draw; it runs again with its draws routed to the task's stream")
-        self.counts["quiet"] += 1
+        if self.before is None or after is None or self.before != after:  # moved, or lent: not known unmoved
+            raise self.quiet.moved(self.key)
+        self.quiet.counts["quiet"] += 1

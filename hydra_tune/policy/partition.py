@@ -30,6 +30,8 @@ backward, when moving them (at the device's measured copy bandwidth) costs less 
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -99,7 +101,7 @@ class Plan:
     keep: tuple[bool, ...] = ()     # per shard: its training forward keeps activations (no recompute in B)
     offload: tuple[bool, ...] = ()  # per shard: its forward moves saved activations to host memory
 
-    @property
+    @functools.cached_property  # (a frozen plan: read at every segment)
     def peak(self) -> int:
         """The largest predicted device bytes of any unit, prefetch buffer and held activations included."""
         return max(self.unit_peak(s.index) for s in self.shards) + self.prefetch_bytes + self.held_bytes

@@ -22,7 +22,6 @@ model's own parameter would not train); parameters with gradient hooks are refus
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -124,13 +123,13 @@ class DirectPath:
 
     def _run(self, device: Device, carry: Any) -> Any:
         """The stages in order on ``carry``, each in its stage scope (quiet units route the stages that draw)."""
+        scoped = device.scoped_stages()  # most stages: nothing to enter (a quiet unit routes those that draw)
         try:
             for stage in self.ex.stages:
-                scope = device.stage_scope(stage.name)
-                if type(scope) is contextlib.nullcontext:  # most stages: nothing to enter
+                if scoped is not None and stage.name not in scoped:
                     carry = stage.module(carry)
                     continue
-                with scope:
+                with device.stage_scope(stage.name):
                     carry = stage.module(carry)
         finally:
             replaced = [attr for slots, attr, p in self._slots if slots.get(attr) is not p]

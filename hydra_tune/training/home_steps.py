@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ..device.devices import Device
 
 
+_NULL = contextlib.nullcontext()
+
 def moves_with_param(group: dict[str, Any] | None, key: str) -> bool:
     """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
     that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
@@ -99,7 +101,7 @@ class HomeSteps:
         with self.lock:
             self.flush()
             device = self.step_device()
-            with device.step_scope() if device is not None else contextlib.nullcontext():
+            with device.step_scope() if device is not None else _NULL:
                 yield device
             if device is not None:
                 self.steps_on_device += 1

@@ -53,6 +53,8 @@ def _is_float(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
+_NULL = contextlib.nullcontext()  # (reusable: one object, not one per unit)
+
 class ShardExec(ShardPythonState):
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
@@ -140,7 +142,7 @@ class ShardExec(ShardPythonState):
     def precision(self, device: Device) -> Any:
         """The autocast region a forward (and its loss) runs in, as in the plain mixed-precision loop."""
         if self.autocast is None:
-            return contextlib.nullcontext()
+            return _NULL
         return torch.autocast(device.torch_device.type, dtype=self.autocast)
 
     def run(self, carry: Any, copies: dict[int, torch.Tensor], device: Device) -> Any:
