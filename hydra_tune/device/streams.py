@@ -70,9 +70,10 @@ class HostCopier:
 
     def _count(self, t: torch.Tensor, direction: str = "h2d", what: str = "activations") -> None:
         nbytes = t.numel() * t.element_size()
-        self._local.bytes = self.moved() + nbytes
+        local = self._local
+        local.bytes = getattr(local, "bytes", 0) + nbytes  # (moved(), inline: twice per unit)
         self.counts.add(direction, what, nbytes)
-        task = getattr(self._local, "task", None)
+        task = getattr(local, "task", None)
         if task is not None:
             task.add(direction, what, nbytes)
 

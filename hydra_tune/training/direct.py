@@ -83,7 +83,7 @@ class DirectPath:
         try:
             with ex.python_state(device, store), device.unit_scope(rng):
                 carry, batch = self._inputs(device, store)
-                out = self._run(device, carry)
+                out = self._run(ex, device, carry)
                 with ex.precision(device):
                     loss = model_loss(loss_fn, out, batch)
                 del out, carry, batch
@@ -106,7 +106,7 @@ class DirectPath:
         self.units += 1
         with ex.python_state(device, store), device.unit_scope(rng), torch.no_grad():
             carry, batch = self._inputs(device, store)
-            return ex.eval_value(device, loss_fn, self._run(device, carry), batch, measure)
+            return ex.eval_value(device, loss_fn, self._run(ex, device, carry), batch, measure)
 
     @staticmethod
     def _inputs(device: Device, store: HostStore) -> tuple[Any, Any]:
@@ -121,11 +121,11 @@ class DirectPath:
             return out
         return map_tensors(copy, store.carries[0]), map_tensors(copy, store.batch)
 
-    def _run(self, device: Device, carry: Any) -> Any:
+    def _run(self, ex: ShardExec, device: Device, carry: Any) -> Any:
         """The stages in order on ``carry``, each in its stage scope (quiet units route the stages that draw)."""
         scoped = device.scoped_stages()  # most stages: nothing to enter (a quiet unit routes those that draw)
         try:
-            for stage in self.ex.stages:
+            for stage in ex.stages:
                 if scoped is not None and stage.name not in scoped:
                     carry = stage.module(carry)
                     continue
@@ -133,12 +133,13 @@ class DirectPath:
                     carry = stage.module(carry)
         finally:
             replaced = [attr for slots, attr, p in self._slots if slots.get(attr) is not p]
-            for slots, attr, p in self._slots:
-                slots[attr] = p
+            if replaced:
+                for slots, attr, p in self._slots:
+                    slots[attr] = p
         if replaced:
             raise rule_error("a forward leaves its module's parameters in their slots (hydra_tune trains the "
                              "model's own parameters)", "compute with a local tensor (w = self.weight * s) instead "
                              "of assigning a new one to a parameter's attribute", replaced=replaced,
-                             shard=list(self.ex.names))
+                             shard=list(ex.names))
         return carry
 

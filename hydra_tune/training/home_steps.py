@@ -82,6 +82,17 @@ class HomeSteps:
             else:
                 self.hold_now()
 
+    def land_grads(self, store: Any, step_follows: bool = False) -> None:
+        """The minibatch's gradients from ``store`` (a HostStore) into ``.grad`` and the store cleared, with no
+        move meanwhile; counted as ``locked`` counts them (a method, not a block: one per minibatch)."""
+        with self.lock:
+            store.flush_grads()
+            store.clear()
+            if step_follows:
+                self.hold_grads()
+            else:
+                self.hold_now()
+
     def steps_here(self) -> bool:
         """Whether the step due now runs whole on the device, where ``stepping`` counts its memory. The gradients
         have landed, so nothing is evicted before it (state_cache.py waits for ``settle``)."""
@@ -99,18 +110,27 @@ class HomeSteps:
         """Around the task's optimizer step (clipping, step, scheduler, zero_grad), in its host thread: no move
         meanwhile; yields the device its state is on (None: host memory) and counts the step there."""
         with self.lock:
-            self.flush()
-            device = self.step_device()
+            device = self.step_start()
             with device.step_scope() if device is not None else _NULL:
                 yield device
-            if device is not None:
-                self.steps_on_device += 1
-                self.hold_now()
-            else:
-                self.steps_on_host += 1
-            self.step_path = "resident" if device is not None else "whole-host"
-            self.step_why = (f"its whole state is on {device.name}" if device is not None else self._host_why())
-            self._stepped()
+            self.step_end(device)
+
+    def step_start(self) -> Device | None:
+        """``stepping`` as two calls (the loop's step, once per step), the lock held around both: pending
+        updates applied; the device the whole step runs on (None: host memory)."""
+        self.flush()
+        return self.step_device()
+
+    def step_end(self, device: Device | None) -> None:
+        """After a whole step that ran on ``device`` (``step_start``'s answer): counted, its memory held."""
+        if device is not None:
+            self.steps_on_device += 1
+            self.hold_now()
+        else:
+            self.steps_on_host += 1
+        self.step_path = "resident" if device is not None else "whole-host"
+        self.step_why = (f"its whole state is on {device.name}" if device is not None else self._host_why())
+        self._stepped()
 
     def _host_why(self) -> str:
         if self.lazy is not None and not self.lazy.verdict.lazy:

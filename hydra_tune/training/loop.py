@@ -184,9 +184,7 @@ class TrainingLoop:
                 continue
             step_now = run.pending + 1 >= task.grad_accumulation
             # the gradients may be on a device: no eviction while they are added
-            with state.home.locked(step_follows=step_now and state.home.steps_here()):
-                state.store.flush_grads()
-                state.store.clear()
+            state.home.land_grads(state.store, step_follows=step_now and state.home.steps_here())
             run.samples += (size := batch_size(batch))
             state.samples_trained += size
             run.pending += 1

@@ -15,6 +15,7 @@ whether later ones must; one that only starts drawing later draws from torch's g
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,8 @@ from .step import check_lazy
 if TYPE_CHECKING:
     from .state import TaskState
 
+
+_NULL = contextlib.nullcontext()
 
 class OptimizerStep:
     """One task's step: ``__call__`` clips, steps the optimizer (through the GradScaler under fp16), steps a
@@ -41,23 +44,29 @@ class OptimizerStep:
 
     def __call__(self) -> None:
         state = self.state
-        with state.home.lock:
-            if state.home.steps_lazily():
+        home = state.home
+        with home.lock:  # (``home.stepping()`` as its two calls: no generator block at every step)
+            if home.steps_lazily():
                 state.measure_held_bytes()
-                state.home.begin_lazy()  # before the scheduler: the snapshot keeps step t's hyper-parameters
+                home.begin_lazy()  # before the scheduler: the snapshot keeps step t's hyper-parameters
                 self._schedule()
                 state.steps += 1
                 return
-        with state.home.stepping():
-            state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
-            if self._draws is False:  # the first step drew no random numbers: no routing (full speed)
-                self._update()
-            else:  # a noisy optimizer's draws come from the task's stream, as the plain loop's from the global one
-                with UnitMode(state.rng.cpu) as mode, seeding_to(state.rng):
-                    self._update()
-                if self._draws is None:
-                    self._draws = bool(mode.seeded)
+            device = home.step_start()
+            with device.step_scope() if device is not None else _NULL:
+                self._whole(state)
+            home.step_end(device)
         state.steps += 1
+
+    def _whole(self, state: TaskState) -> None:
+        state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads
+        if self._draws is False:  # the first step drew no random numbers: no routing (full speed)
+            self._update()
+        else:  # a noisy optimizer's draws come from the task's stream, as the plain loop's from the global one
+            with UnitMode(state.rng.cpu) as mode, seeding_to(state.rng):
+                self._update()
+            if self._draws is None:
+                self._draws = bool(mode.seeded)
 
     def _update(self) -> None:
         state = self.state

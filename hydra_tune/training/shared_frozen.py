@@ -90,7 +90,7 @@ class TaskShares:
     def check(self) -> None:
         """Raise when the task wrote into a shared tensor in place (its version counter moved: the pool puts the
         values back from a clean device copy), or another task wrote into one it holds and none was left."""
-        if self.pool is None:
+        if self.pool is None or not self.params:  # (a task holding no shared tensor: nothing to check)
             return
         written, poisoned = self.pool.check(self.task, {key for _, _, key, _ in self.params})
         if written:
