@@ -58,6 +58,9 @@ class Device:
         # gradients on this device. Not on CUDA: its update() copies found_inf device->host non-blocking into
         # page-locked memory and reads it at once, so fp16 tasks keep their state in host memory there.
         self.steps_loss_scaler = torch_device.type == "cpu"
+        # Whether another thread than the worker may run this device's units (runtime/lend.py, in lent.py's
+        # scope). Not on CUDA: the worker's current device and stream are its thread's.
+        self.units_any_thread = torch_device.type == "cpu"
 
     def start(self, elsewhere: Sequence[Callable[[Callable[[], None]], Any]] = ()) -> None:
         """Called once in the device's worker thread before its first unit; ``elsewhere``: one callable per other

@@ -71,6 +71,7 @@ class Driver:
         self.name, self.seed, self.guard = name, seed, guard
         self.handle: Any = None
         self.state: Any = None
+        self.lender: Any = None  # runs a call's segment in the caller's thread when a device is lent (lend.py)
         self._cv = threading.Condition()
         self._request: _Request | None = None
         self._calling = threading.Lock()  # held by the user's thread while its call runs
@@ -102,6 +103,7 @@ class Driver:
                     request.after()
                 request.done.set()
         finally:
+            self.lender = None
             with direct():
                 state.home.finish()
             self.finished = True
@@ -125,16 +127,35 @@ class Driver:
                              "thread (each trial its own), or call it from one thread", kind=RuntimeError,
                              task=self.name, thread=threading.current_thread().name)
         try:
-            request = _Request(make, after)
-            with self._cv:
-                self._check_live()
-                self._request = request
-                self._cv.notify_all()
-            while not request.done.wait(_POLL):
-                if self._ended():
-                    self._check_live()
+            if not self._lent(make, after):
+                self._handed(make, after)
         finally:
             self._calling.release()
+
+    def _lent(self, make: Callable[[], Segment], after: Callable[[], None]) -> bool:
+        """The call's segment run in this thread on the device the scheduler kept on the task, with no hand-off
+        (runtime/lend.py): whether it ran; the task's error raises if it ended instead."""
+        lender = self.lender
+        if lender is None or self._closed:
+            return False
+        with direct():  # as the host thread's work: the runtime's own reads and steps (guard.py, optimizer.py)
+            ran = lender.run(make, after)
+        if ran is False:
+            self._check_live()
+            raise RuntimeError(f"hydra_tune: prepared task {self.name!r} stopped in a lent segment without an "
+                               "error; please report this as a bug")
+        return bool(ran)
+
+    def _handed(self, make: Callable[[], Segment], after: Callable[[], None]) -> None:
+        """The call's segment through the task's host thread and the board; wait until it ran."""
+        request = _Request(make, after)
+        with self._cv:
+            self._check_live()
+            self._request = request
+            self._cv.notify_all()
+        while not request.done.wait(_POLL):
+            if self._ended():
+                self._check_live()
 
     def _check_live(self) -> None:
         if self._closed:

@@ -49,6 +49,11 @@ class PreparedTask(ModelTask):
         super().__init__(*args, **kwargs)
         self.drive_segments = driver.drive_segments
         self.retry_segment = driver.retry_segment
+        self._driver = driver
+
+    def attach_lender(self, lender: Any) -> None:
+        """The board's lender of this task (runtime/lend.py): the user's calls may run their segments in place."""
+        self._driver.lender = lender
 
     def __reduce__(self) -> Any:
         # a node's runtime server (another process) would get a copy of the model the user's loop never sees

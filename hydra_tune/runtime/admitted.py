@@ -42,6 +42,10 @@ class Admitted:
         self.open_seconds = 0.0     # how long its last opening took
         self.record: tuple[Any, Any] | None = None  # (fields, its policy Ready record): reused while equal
         self.released = False       # ended, and on_end has run: what the chain holds goes next
+        self.lent: int | None = None  # the device its caller's thread runs a segment on now (lend.py)
+        self.lent_by: int | None = None  # that thread's ident
+        self.lent_waiters = 0       # threads waiting for that segment's end (the device's worker, end())
+        self.lent_segments = 0      # segments its caller's thread ran on a lent device
         self.host = HostThread(handle.name, lambda: open_next(self))
 
     def let_go(self) -> None:
@@ -56,7 +60,8 @@ class Admitted:
                 "kept": [i for i in range(len(st.execs)) if st.plan.keeps(i)],
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "samples_trained": st.samples_trained,
-                "epoch": st.epoch, "units": self.units, "light_units": sum(ex.direct.units for ex in st.execs),
+                "epoch": st.epoch, "units": self.units, "lent_segments": self.lent_segments,
+                "light_units": sum(ex.direct.units for ex in st.execs),
                 "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,

@@ -47,9 +47,15 @@ class Picker:
     def holds(self, task: Admitted, index: int, idle: set[int]) -> bool:
         """Whether ``task``, finishing a segment on device ``index``, is within its turn there with work left and no
         other device waiting for work (``idle``): the device goes on with it without a pick."""
-        turn, state = task.turn, task.state
-        return (turn is not None and turn[0] == index and time.perf_counter() < turn[1] and idle <= {index}
-                and state is not None and any(state.remaining().values()))
+        state = task.state
+        return (self.in_turn(task, index) and idle <= {index} and state is not None
+                and any(state.remaining().values()))
+
+    @staticmethod
+    def in_turn(task: Admitted, index: int) -> bool:
+        """Whether the policy's last pick of ``task`` for device ``index`` still holds (its turn there)."""
+        turn = task.turn
+        return turn is not None and turn[0] == index and time.perf_counter() < turn[1]
 
     def estimate(self, task: Admitted, current: bool = False) -> float:
         """``task``'s estimated seconds left, kept while it waits in the ready queue (its state and unit times

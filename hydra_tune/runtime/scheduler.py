@@ -35,6 +35,7 @@ from ..training.state import TaskState
 from .admitted import Admitted
 from .handle import TaskHandle
 from .host import HostThread
+from .lend import Lender
 from .picker import AFFINITY, Picker
 
 # How long a device waits for the next segment of the task the policy kept it on: 4 times that task's last opening
@@ -44,6 +45,7 @@ KEEP_WAIT = (4.0, 0.05, 1.0)
 
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
+Lend = Callable[[Admitted, Any], bool]  # a device's run of a task's segment in the calling thread (DeviceWorker.run_lent)
 
 
 class Scheduler:
@@ -67,6 +69,7 @@ class Scheduler:
         self._admitted = 0
         self._closed = False
         self._idle: set[int] = set()
+        self._lenders: dict[int, Lend] = {}  # devices whose units may run in a caller's thread (lend.py)
 
     @property
     def closed(self) -> bool:
@@ -94,6 +97,9 @@ class Scheduler:
             task = Admitted(handle, state, self._admitted, footprint, self._open)
             self._tasks[name] = task
             task.since, task.opening = self._next_seq(), True
+            attach = getattr(state.task, "attach_lender", None)  # a caller-driven task (hydra_tune.prepare)
+            if attach is not None and self._lenders:
+                attach(Lender(self, task))
             task.host.start()
             task.host.request()  # under the lock: while it is opening, its host thread has work to do
         return task
@@ -105,6 +111,10 @@ class Scheduler:
         with self.cond:
             if self._tasks.get(task.name) is not task:
                 return  # already ended (e.g. finished while the runtime was closing)
+            if task.lent is not None and task.lent_by != threading.get_ident():
+                self._wait_lent(task)  # its caller's segment on a device ends first (lend.py)
+                if self._tasks.get(task.name) is not task:
+                    return
             del self._tasks[task.name]
             self._ready = [(q, a) for q, a in self._ready if a is not task]
             record = dict(task.stats(), state=status)
@@ -139,7 +149,7 @@ class Scheduler:
             task = self._tasks.get(handle.name)
             if task is None or task.handle is not handle:
                 return None
-            if task.opening:
+            if task.opening and task.lent is None:  # (a lent segment is on a device: give_back ends it)
                 return None if getattr(task.state, "trained", False) else task
             if not any(a is task for _, a in self._ready):
                 return None
@@ -208,6 +218,8 @@ class Scheduler:
             # as it computes; a task from another device would move its state, costing more than the wait)
             self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task
                                or any(self._picker.mine(a, index, floor) for _, a in self._ready), wait)
+            if task.lent == index:  # its caller's thread runs a segment on this device now (lend.py)
+                self._wait_lent(task)
             opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
             task.kept_by = None
             if self._closed:
@@ -268,6 +280,44 @@ class Scheduler:
         del segment
         self._after_opening(task, live, free, status, error)
         return nxt
+
+    # -- a caller-driven task's segments in its caller's thread (lend.py) ------------------------------------
+    def add_lender(self, index: int, run: Lend) -> None:
+        """Device ``index``'s units may run in a caller's thread: ``run(task, segment)`` there."""
+        self._lenders[index] = run
+
+    def borrow(self, task: Admitted) -> Lend | None:
+        """For ``task``, opening (its host thread waits for its caller): the run of the device kept on it, lent to
+        the calling thread for one segment, while the policy's turn holds there (an idle device has nothing ready
+        to run: the queue would have given it work); None: the segment goes through the board."""
+        with self.cond:
+            index = task.kept_by
+            if (index is None or index not in self._lenders or self._closed or task.lent is not None
+                    or not task.opening or self._tasks.get(task.name) is not task or task.handle.cancel_requested
+                    or not self._picker.in_turn(task, index)):
+                return None
+            task.lent, task.lent_by = index, threading.get_ident()
+            return self._lenders[index]
+
+    def give_back(self, task: Admitted, ran: bool) -> None:
+        """The lent segment of ``task`` ended (``ran``: it ran whole): its device decides again; a task cancelled
+        meanwhile ends now."""
+        with self.cond:
+            task.lent = task.lent_by = None
+            task.lent_segments += ran
+            if task.lent_waiters:
+                self.cond.notify_all()
+            cancelled = self._tasks.get(task.name) is task and task.handle.cancel_requested
+        if cancelled:
+            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
+
+    def _wait_lent(self, task: Admitted) -> None:
+        """Under the lock: wait for ``task``'s lent segment to end (a few units: it is not interrupted)."""
+        task.lent_waiters += 1
+        try:
+            self.cond.wait_for(lambda: task.lent is None)
+        finally:
+            task.lent_waiters -= 1
 
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless

@@ -72,6 +72,8 @@ class DeviceWorker:
         self._thread = threading.Thread(target=self._work, name=f"hydra-{device.name}", daemon=True)
         self._lock = threading.Lock()
         self._stats = {"units": 0, "busy_seconds": 0.0, "prefetches": 0, "prefetched_bytes": 0}
+        if device.units_any_thread:  # a prepared task's own thread may run its segments here (lend.py)
+            board.add_lender(index, self.run_lent)
 
     def start(self) -> None:
         self._thread.start()
@@ -142,17 +144,8 @@ class DeviceWorker:
         being opened)."""
         segment = task.segment
         task.segment = None
-        self.device.measuring = self.device.measure((task.name, segment.key))  # type: ignore[union-attr]
         following: Following = []
-        states, home = self.device.states, task.state.home
-        if states is not None:
-            with self.device.copier.charged_to(home.counts):
-                states.begin(home, task.state.plan.peak)
-        try:
-            failure = self._run_units(task, segment.units, following)  # type: ignore[union-attr]
-        finally:
-            if states is not None:
-                states.end(home)
+        failure = self._run_open(task, segment, following)
         if failure is not None:
             return self._after_failure(task, *failure, following), False
         keep = bool(following) and following[0][0] is task
@@ -162,6 +155,35 @@ class DeviceWorker:
         nxt = self._following(following)
         return (task, True) if keep else (nxt, False)
 
+    def _run_open(self, task: Admitted, segment: Any, following: Following | None) -> tuple[Unit, BaseException] | None:
+        """``segment``'s units with the task's state made room for on the device (``_run_units``)."""
+        self.device.measuring = self.device.measure((task.name, segment.key))
+        states, home = self.device.states, task.state.home
+        if states is not None:
+            with self.device.copier.charged_to(home.counts):
+                states.begin(home, task.state.plan.peak)
+        try:
+            return self._run_units(task, segment.units, following)
+        finally:
+            if states is not None:
+                states.end(home)
+
+    def run_lent(self, task: Admitted, segment: Any) -> bool:
+        """Run ``task``'s open ``segment`` in the calling thread, to which the board lent this device (lend.py;
+        this device's thread waits meanwhile): as its own segments, re-planned or rerun as they are, without
+        picking the device's next task. Whether it ran (False: the task ended, with why)."""
+        while True:
+            failure = self._run_open(task, segment, None)
+            if failure is None:
+                return True
+            unit, exc = failure
+            retry = (is_oom(exc) and self._replan(task, unit, exc)) or (isinstance(exc, UnroutedDraw)
+                                                                        and self._rerun(task, exc))
+            if not retry:  # (one that failed to re-plan ended already: end() leaves it alone)
+                self.board.end(task, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
+                return False
+            segment, task.segment = task.segment, None  # the same minibatch again, here
+
     @staticmethod
     def _inline(task: Admitted) -> bool:
         """Whether the device, kept on ``task``, opens its next segment itself: its host work is light
@@ -170,10 +192,10 @@ class DeviceWorker:
         return task.open_seconds < INLINE_OPEN and task.state.light_host_work()
 
     def _run_units(self, task: Admitted, units: Sequence[Unit],
-                   following: Following) -> tuple[Unit, BaseException] | None:
+                   following: Following | None) -> tuple[Unit, BaseException] | None:
         """The units, each with the next one's shard prefetched; during the last, the device's next task is picked
-        and the copy thread copies its first shard in (both go into ``following``). The unit that raised and its
-        error, if one did."""
+        and the copy thread copies its first shard in (both go into ``following``; None: no pick, a lent run). The
+        unit that raised and its error, if one did."""
         device, state = self.device, task.state
         pending: Future[None] | None = None
         try:
@@ -191,7 +213,7 @@ class DeviceWorker:
                 if later is not None:
                     if self._copies(task, later):
                         pending = self._copier.submit(self._prefetch, task, later)
-                elif not self.board.closed:
+                elif following is not None and not self.board.closed:
                     following.append(self._next_task(task))
                 self._run_unit(task, unit)
         except BaseException as exc:
