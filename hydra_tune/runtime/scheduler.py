@@ -30,12 +30,12 @@ from typing import Any
 
 from ..errors import RuntimeClosed, TaskCancelled, rule_error
 from ..training.footprint import Footprint
-from ..training.segments import Segment
 from ..training.state import TaskState
 from .admitted import Admitted
 from .handle import TaskHandle
 from .host import HostThread
 from .lend import Lender
+from .opening import Lend, Openings
 from .picker import AFFINITY, Picker
 
 # How long a device waits for the next segment of the task the policy kept it on: 4 times that task's last opening
@@ -45,10 +45,9 @@ KEEP_WAIT = (4.0, 0.05, 1.0)
 
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
-Lend = Callable[[Admitted, Any], bool]  # a device's run of a task's segment in the calling thread (DeviceWorker.run_lent)
 
 
-class Scheduler:
+class Scheduler(Openings):
     """Admitted tasks and the ready queue of one runtime (see the module docstring)."""
 
     def __init__(self, policy: str, on_end: EndHook, history: int | None = None) -> None:
@@ -281,44 +280,6 @@ class Scheduler:
         self._after_opening(task, live, free, status, error)
         return nxt
 
-    # -- a caller-driven task's segments in its caller's thread (lend.py) ------------------------------------
-    def add_lender(self, index: int, run: Lend) -> None:
-        """Device ``index``'s units may run in a caller's thread: ``run(task, segment)`` there."""
-        self._lenders[index] = run
-
-    def borrow(self, task: Admitted) -> Lend | None:
-        """For ``task``, opening (its host thread waits for its caller): the run of the device kept on it, lent to
-        the calling thread for one segment, while the policy's turn holds there (an idle device has nothing ready
-        to run: the queue would have given it work); None: the segment goes through the board."""
-        with self.cond:
-            index = task.kept_by
-            if (index is None or index not in self._lenders or self._closed or task.lent is not None
-                    or not task.opening or self._tasks.get(task.name) is not task or task.handle.cancel_requested
-                    or not self._picker.in_turn(task, index)):
-                return None
-            task.lent, task.lent_by = index, threading.get_ident()
-            return self._lenders[index]
-
-    def give_back(self, task: Admitted, ran: bool) -> None:
-        """The lent segment of ``task`` ended (``ran``: it ran whole): its device decides again; a task cancelled
-        meanwhile ends now."""
-        with self.cond:
-            task.lent = task.lent_by = None
-            task.lent_segments += ran
-            if task.lent_waiters:
-                self.cond.notify_all()
-            cancelled = self._tasks.get(task.name) is task and task.handle.cancel_requested
-        if cancelled:
-            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
-
-    def _wait_lent(self, task: Admitted) -> None:
-        """Under the lock: wait for ``task``'s lent segment to end (a few units: it is not interrupted)."""
-        task.lent_waiters += 1
-        try:
-            self.cond.wait_for(lambda: task.lent is None)
-        finally:
-            task.lent_waiters -= 1
-
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless
         it ended or the board closed."""
@@ -375,59 +336,6 @@ class Scheduler:
         thread is opening their next segment."""
         with self.cond:
             return [task for _, task in self._ready] + [t for t in self._tasks.values() if t.opening]
-
-    # -- the host threads' work -------------------------------------------------------------------------------
-    def _open(self, task: Admitted, here: bool = False) -> None:
-        """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
-        it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
-        A task that ended meanwhile is let go here."""
-        t0 = time.perf_counter()
-        segment, status, error = self._advance(task)
-        with self._lock:
-            live, free = self._opened(task, t0, segment, status, here)
-        del segment
-        self._after_opening(task, live, free, status, error)
-
-    def _advance(self, task: Admitted) -> tuple[Segment | None, str | None, BaseException | None]:
-        """Outside the lock: the task's next segment from its chain, or how the chain ended (a task that ended
-        meanwhile is not advanced; reading the dict needs no lock, its entry only goes)."""
-        if self._tasks.get(task.name) is not task:
-            return None, None, None
-        try:
-            return next(task.chain), None, None
-        except StopIteration:
-            return None, "done", None
-        except BaseException as exc:  # one task's failure is that task's alone
-            return None, "failed", exc
-
-    def _opened(self, task: Admitted, t0: float, segment: Segment | None, status: str | None,
-                here: bool) -> tuple[bool, bool]:
-        """Under the lock, after ``_advance``: the segment handed to the device kept on it (``here``: that device
-        opened it itself; no one else waits for it) or queued; (whether the task is still on the board, whether
-        it is to be let go now)."""
-        task.opening = False
-        task.open_seconds = time.perf_counter() - t0
-        live = self._tasks.get(task.name) is task
-        if live and status is None:
-            task.segment = segment
-            if task.kept_by is not None:
-                if not here:
-                    self.cond.notify_all()  # the device waiting for it takes it
-            elif not self._closed:  # closing: close() ends it
-                self._push(task)
-        return live, task.released
-
-    def _after_opening(self, task: Admitted, live: bool, free: bool, status: str | None,
-                       error: BaseException | None) -> None:
-        if free:
-            self._let_go(task)
-        elif live and status is not None:
-            self.end(task, status, error)
-
-    def _let_go(self, task: Admitted) -> None:
-        task.let_go()
-        with self._lock:
-            task.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
 
     # -- inside (the caller holds the lock) ------------------------------------------------------------------
     def _next_seq(self) -> int:

@@ -1,0 +1,130 @@
+"""The board's openings: a task's next segment opened by its host thread, by the device kept on it
+(``Scheduler.open_here``), or by its caller's thread on a lent device (lend.py).
+
+    board._open(task)                 # in the task's host thread (host.py): the chain advanced, the task queued
+    run = board.borrow(task)          # a caller-driven task: the device kept on it, lent for one segment, or None
+    board.give_back(task, ran)
+
+Rules: the chain advances outside the board's lock (its host work may take long or block); what it opened is
+handed to the device kept on the task or queued under the lock; a task that ended meanwhile is let go by whoever
+opened it. Mixed into Scheduler (scheduler.py), whose attributes and lock it uses.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import TaskCancelled
+from ..training.segments import Segment
+from .admitted import Admitted
+
+Lend = Callable[[Admitted, Any], bool]  # a device's run of a task's segment in the calling thread (DeviceWorker.run_lent)
+
+if TYPE_CHECKING:
+    from .picker import Picker
+
+
+class Openings:
+    """Mixed into Scheduler (see the module docstring)."""
+
+    _lock: threading.RLock
+    cond: threading.Condition
+    _tasks: dict[str, Admitted]
+    _closed: bool
+    _lenders: dict[int, Lend]
+    _picker: Picker
+
+    # (and Scheduler's end() and _push())
+
+    # -- the host threads' work -------------------------------------------------------------------------------
+    def _open(self, task: Admitted, here: bool = False) -> None:
+        """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
+        it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
+        A task that ended meanwhile is let go here."""
+        t0 = time.perf_counter()
+        segment, status, error = self._advance(task)
+        with self._lock:
+            live, free = self._opened(task, t0, segment, status, here)
+        del segment
+        self._after_opening(task, live, free, status, error)
+
+    def _advance(self, task: Admitted) -> tuple[Segment | None, str | None, BaseException | None]:
+        """Outside the lock: the task's next segment from its chain, or how the chain ended (a task that ended
+        meanwhile is not advanced; reading the dict needs no lock, its entry only goes)."""
+        if self._tasks.get(task.name) is not task:
+            return None, None, None
+        try:
+            return next(task.chain), None, None
+        except StopIteration:
+            return None, "done", None
+        except BaseException as exc:  # one task's failure is that task's alone
+            return None, "failed", exc
+
+    def _opened(self, task: Admitted, t0: float, segment: Segment | None, status: str | None,
+                here: bool) -> tuple[bool, bool]:
+        """Under the lock, after ``_advance``: the segment handed to the device kept on it (``here``: that device
+        opened it itself; no one else waits for it) or queued; (whether the task is still on the board, whether
+        it is to be let go now)."""
+        task.opening = False
+        task.open_seconds = time.perf_counter() - t0
+        live = self._tasks.get(task.name) is task
+        if live and status is None:
+            task.segment = segment
+            if task.kept_by is not None:
+                if not here:
+                    self.cond.notify_all()  # the device waiting for it takes it
+            elif not self._closed:  # closing: close() ends it
+                self._push(task)
+        return live, task.released
+
+    def _after_opening(self, task: Admitted, live: bool, free: bool, status: str | None,
+                       error: BaseException | None) -> None:
+        if free:
+            self._let_go(task)
+        elif live and status is not None:
+            self.end(task, status, error)
+
+    def _let_go(self, task: Admitted) -> None:
+        task.let_go()
+        with self._lock:
+            task.state = None  # type: ignore[assignment]  # drop the model, optimizer and store now
+
+    # -- a caller-driven task's segments in its caller's thread (lend.py) ------------------------------------
+    def add_lender(self, index: int, run: Lend) -> None:
+        """Device ``index``'s units may run in a caller's thread: ``run(task, segment)`` there."""
+        self._lenders[index] = run
+
+    def borrow(self, task: Admitted) -> Lend | None:
+        """For ``task``, opening (its host thread waits for its caller): the run of the device kept on it, lent to
+        the calling thread for one segment, while the policy's turn holds there (an idle device has nothing ready
+        to run: the queue would have given it work); None: the segment goes through the board."""
+        with self.cond:
+            index = task.kept_by
+            if (index is None or index not in self._lenders or self._closed or task.lent is not None
+                    or not task.opening or self._tasks.get(task.name) is not task or task.handle.cancel_requested
+                    or not self._picker.in_turn(task, index)):
+                return None
+            task.lent, task.lent_by = index, threading.get_ident()
+            return self._lenders[index]
+
+    def give_back(self, task: Admitted, ran: bool) -> None:
+        """The lent segment of ``task`` ended (``ran``: it ran whole): its device decides again; a task cancelled
+        meanwhile ends now."""
+        with self.cond:
+            task.lent = task.lent_by = None
+            task.lent_segments += ran
+            if task.lent_waiters:
+                self.cond.notify_all()
+            cancelled = self._tasks.get(task.name) is task and task.handle.cancel_requested
+        if cancelled:
+            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
+
+    def _wait_lent(self, task: Admitted) -> None:
+        """Under the lock: wait for ``task``'s lent segment to end (a few units: it is not interrupted)."""
+        task.lent_waiters += 1
+        try:
+            self.cond.wait_for(lambda: task.lent is None)
+        finally:
+            task.lent_waiters -= 1
