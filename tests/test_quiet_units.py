@@ -105,6 +105,19 @@ def test_guard_raises_on_a_draw_and_routes_the_key_from_then_on() -> None:
     assert quiet.counts == {"quiet": 1, "reruns": 1}
 
 
+def test_a_unit_that_fails_keeps_its_own_error_and_its_key_quiet() -> None:
+    """A quiet unit that raises (an out-of-memory, say) is retried for that error: the guard neither replaces it
+    with UnroutedDraw (even when the unit also drew) nor counts the unit, and its stage routing ends with it."""
+    key = ("t", "train")
+    quiet = _measured_quiet(key)
+    with pytest.raises(torch.OutOfMemoryError, match="test"):
+        with quiet.guarded(key, TaskRNG(0)):
+            torch.rand(2)  # a draw too: the error in flight is what the caller sees
+            raise torch.OutOfMemoryError("test")
+    assert quiet.allows(key) and quiet.counts == {"quiet": 0, "reruns": 0}
+    assert quiet.scoped_stages() == frozenset()  # no unit running: nothing routed
+
+
 def test_dropout_stage_alone_is_routed_and_the_task_stays_exact() -> None:
     # A dropout model cut into stages: its training units draw only inside the Dropout stage, which is routed;
     # the Linear stages and the eval units run with no router. Same weights as the plain loop.
