@@ -13,6 +13,7 @@ HEAVY = ("ray", "optuna", "transformers", "pynvml", "matplotlib")
 _FRESH = (
     "import sys, hydra_tune; hydra_tune.ModelTask; hydra_tune.Runtime; hydra_tune.train\n"
     f"print('IMPORT=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    "print('DYNAMO=' + str('torch._dynamo' in sys.modules))\n"
     "import torch, hydra_tune as ht\n"
     "t = ht.ModelTask(torch.nn.Sequential(torch.nn.Linear(2, 2)), lambda m: torch.optim.SGD(m.parameters(),"
     " lr=0.1), [(torch.ones(1, 2), torch.ones(1, 2))], loss=lambda o, b: o.sum())\n"
@@ -36,6 +37,13 @@ def fresh() -> dict:
 def test_import_pulls_no_optional_dependency(fresh):
     assert "IMPORT" in fresh, fresh["stderr"]
     assert fresh["IMPORT"] == "", f"imported eagerly: {fresh['IMPORT']}"
+
+
+def test_import_does_not_load_torch_dynamo(fresh):
+    # torch imports torch._dynamo (over a second on a busy core) at its first optimizer: `import hydra_tune`
+    # must not make one (a Ray driver or a node's client never trains)
+    assert "DYNAMO" in fresh, fresh["stderr"]
+    assert fresh["DYNAMO"] == "False"
 
 
 def test_runtime_on_cpu_imports_no_optional_dependency(fresh):

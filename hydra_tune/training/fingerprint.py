@@ -46,9 +46,17 @@ _BY_IDENTITY = (types.BuiltinFunctionType, types.MethodDescriptorType, types.Wra
                 types.ClassMethodDescriptorType, types.ModuleType, types.CodeType, torch.dtype, torch.device,
                 torch.layout, torch.memory_format, enum.Enum, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _MODULE_OWN = ("_parameters", "_buffers", "_modules")
-# torch's bookkeeping attributes of every module and optimizer (empty ones are left out of keys)
-_TORCH_OWN = frozenset(nn.Module().__dict__) | frozenset(
-    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1).__dict__)
+
+
+@functools.cache
+def _torch_own() -> frozenset[str]:
+    """torch's bookkeeping attributes of every module and optimizer (empty ones are left out of keys). Made at
+    first use: torch's first optimizer imports torch._dynamo (over a second), which ``import hydra_tune`` need
+    not pay (a Ray driver, a node's client)."""
+    return frozenset(nn.Module().__dict__) | frozenset(
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1).__dict__)
+
+
 _EMPTY_CELL = ("<empty cell>",)
 
 
@@ -205,7 +213,7 @@ class Keyer:
         for name, value in own.items():
             if name in skip:
                 continue
-            if isinstance(value, (dict, set)) and not value and name in _TORCH_OWN:
+            if isinstance(value, (dict, set)) and not value and name in _torch_own():
                 continue
             if "hooks" in name and isinstance(value, dict):
                 if order is None:
