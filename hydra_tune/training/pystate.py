@@ -41,6 +41,8 @@ import torch.nn as nn
 from torch.nn.modules import module as torch_module  # torch keeps the global module hooks there
 from torch.utils.data import Dataset
 
+from .names import shared_name
+
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _CONTAINERS = (list, dict, set, collections.deque, bytearray)
@@ -267,7 +269,7 @@ class ModuleState:
     def of_model(cls, model: nn.Module) -> ModuleState:
         """The state of every module of ``model``, labelled by its path (``named_modules``; "(root)" for the model
         itself), containers copied whatever their length: what ``changes`` compares a checkpoint's model with."""
-        named = [(path or "(root)", m) for path, m in model.named_modules()]
+        named = [(shared_name(path) if path else "(root)", m) for path, m in model.named_modules()]
         return cls._take(named, float("inf"), named)
 
     @classmethod
