@@ -257,9 +257,7 @@ class ModuleState:
         # model's as-built state for its whole life (checkpoint.py), so no per-key tuple is spent on scalars
         self._entries = entries
         self._named = named or []  # of_model, of_objects: the (label, object) pairs taken
-        # (path, hook dict) -> hooks registered there then, where any were (most modules have none: a model's
-        # full table cost ~90 KiB per MiniLM task)
-        self._hooks = _hook_counts(self._named)
+        self._hooks = _hook_counts(self._named)  # (path, hook dict) -> hooks there then, where any (~90 KiB saved)
 
     @classmethod
     def take(cls, modules: Iterable[nn.Module]) -> ModuleState:
@@ -401,5 +399,5 @@ class ModuleState:
 def _hook_counts(named: Iterable[tuple[str, Any]]) -> dict[tuple[str, str], int]:
     """(module label, hook dict) -> the number of hooks registered there, where there are any (a label given twice
     counts as its last object)."""
-    every = {(label, d): len(getattr(m, d, {})) for label, m in named for d in _HOOK_DICTS}
-    return {k: n for k, n in every.items() if n}
+    return {k: n for k, n in {(label, d): len(getattr(m, d, {})) for label, m in named for d in _HOOK_DICTS}.items()
+            if n}
