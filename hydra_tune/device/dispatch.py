@@ -37,6 +37,19 @@ _GLOBAL_RNG_LOCK = threading.Lock()
 _generator_arg: dict[Any, bool] = {}
 
 
+class _Tracked(weakref.ref):
+    """A weak reference to a counted storage that carries its key and bytes: one object per live storage (before:
+    a (bytes, reference) tuple and a closure per storage, ~0.3 KiB each; a task resident on a CPU stand-in keeps
+    ~150 counted storages)."""
+
+    __slots__ = ("key", "nbytes")
+
+    def __init__(self, storage: torch.UntypedStorage, callback: Callable[[Any], None], *, key: int,
+                 nbytes: int) -> None:
+        super().__init__(storage, callback)
+        self.key, self.nbytes = key, nbytes
+
+
 class MemoryAccount:
     """Bytes of live storages created under a UnitMode with this account: current and peak (thread-safe)."""
 
@@ -44,7 +57,7 @@ class MemoryAccount:
         self._lock = threading.Lock()
         self.types = types  # the device types whose storages count (a profile on a GPU: ("cuda",))
         self.granule = granule  # allocation size rounding (CUDA's caching allocator: 512 bytes)
-        self._live: dict[int, tuple[int, Any]] = {}  # storage identity -> (bytes, a weak reference to it)
+        self._live: dict[int, _Tracked] = {}  # storage identity -> a weak reference to it, with its bytes
         self.current = 0
         self.peak = 0
         self.limit: int | None = None  # test-only: exceeding it raises torch.OutOfMemoryError (CpuDevice)
@@ -65,8 +78,8 @@ class MemoryAccount:
                 raise torch.OutOfMemoryError(f"CPU device out of memory (test limit): allocating {nbytes} bytes "
                                              f"with {self.current} in use would pass the limit of {self.limit}")
             # A weak reference whose callback runs when the storage is freed (cheaper than weakref.finalize,
-            # which this path pays once per new storage of every counted op; a partial: no Python frame of its own)
-            self._live[key] = (nbytes, weakref.ref(storage, functools.partial(self._release, key)))
+            # which this path pays once per new storage of every counted op)
+            self._live[key] = _Tracked(storage, self._release, key=key, nbytes=nbytes)
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
@@ -81,7 +94,7 @@ class MemoryAccount:
                 nbytes = storage.nbytes()
                 if nbytes == 0:
                     continue
-                live[key] = (nbytes, weakref.ref(storage, functools.partial(self._release, key)))
+                live[key] = _Tracked(storage, self._release, key=key, nbytes=nbytes)
                 self.current += nbytes
             self.peak = max(self.peak, self.current)
 
@@ -90,14 +103,13 @@ class MemoryAccount:
         with self._lock:
             entry = self._live.pop(storage._cdata, None)
             if entry is not None:
-                self.current -= entry[0]
+                self.current -= entry.nbytes
 
-    def _release(self, key: int, ref: Any) -> None:
+    def _release(self, ref: _Tracked) -> None:
         with self._lock:
-            entry = self._live.get(key)
-            if entry is not None and entry[1] is ref:  # the key may have been reused since: only this storage's
-                del self._live[key]
-                self.current -= entry[0]
+            if self._live.get(ref.key) is ref:  # the key may have been reused since: only this storage's
+                del self._live[ref.key]
+                self.current -= ref.nbytes
 
     def reset_peak(self) -> int:
         """Restart peak tracking from the current bytes; return the old peak."""

@@ -22,7 +22,11 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-Slot = tuple[nn.Module, str, str]  # owner module, "_parameters" or "_buffers", attribute
+from .names import shared_name
+
+# owner module, "_parameters" or "_buffers", attribute, the key of its tensor in ``copies``, the names reaching it
+# (flat: a task keeps one per parameter and buffer for its life)
+Slot = tuple[nn.Module, str, str, int, tuple[str, ...]]
 
 
 class Bound:
@@ -31,13 +35,13 @@ class Bound:
     def __init__(self, module: nn.Module, binding: Sequence[tuple[str, int]]) -> None:
         self.module = module
         self.binding = list(binding)
-        # One entry per slot: (slot, key, names reaching it). None: run through functional_call.
-        self._slots: list[tuple[Slot, int, list[str]]] | None = self._resolve()
+        # One entry per slot. None: run through functional_call.
+        self._slots: list[Slot] | None = self._resolve()
 
-    def _resolve(self) -> list[tuple[Slot, int, list[str]]] | None:
+    def _resolve(self) -> list[Slot] | None:
         if isinstance(self.module, (torch.jit.ScriptModule, nn.DataParallel)):
             return None
-        slots: dict[tuple[int, str], tuple[Slot, int, list[str]]] = {}
+        slots: dict[tuple[int, str], tuple[nn.Module, str, str, int, list[str]]] = {}
         for name, key in self.binding:
             prefix, _, attr = name.rpartition(".")
             try:
@@ -47,11 +51,11 @@ class Bound:
             table = "_parameters" if attr in owner._parameters else "_buffers" if attr in owner._buffers else None
             if table is None:
                 return None
-            entry = slots.setdefault((id(owner), attr), ((owner, table, attr), key, []))
-            if entry[1] != key:  # one slot given two tensors: cannot be; functional_call decides
+            entry = slots.setdefault((id(owner), attr), (owner, table, shared_name(attr), key, []))
+            if entry[3] != key:  # one slot given two tensors: cannot be; functional_call decides
                 return None
-            entry[2].append(name)
-        return list(slots.values())
+            entry[4].append(name)
+        return [(owner, table, attr, key, tuple(names)) for owner, table, attr, key, names in slots.values()]
 
     def call(self, carry: Any, copies: dict[int, torch.Tensor]) -> tuple[Any, dict[str, Any]]:
         """The module's forward on ``carry`` with the bound tensors; and what each name's slot held after it."""
@@ -60,7 +64,7 @@ class Bound:
         swapped: list[tuple[dict[str, Any], str, Any, list[str]]] = []
         after: dict[str, Any] = {}
         try:
-            for (owner, table, attr), key, names in self._slots:
+            for owner, table, attr, key, names in self._slots:
                 slots = owner.__dict__[table]
                 if attr not in slots:  # the module changed its slots since: bind the slow way
                     break

@@ -46,16 +46,17 @@ class DirectPath:
         # held weakly: the ShardExec holds this path, and a cycle between them would keep an ended task's model
         # (its stages) alive until Python's collector runs
         self._ex = weakref.ref(ex)
-        # (owner's parameter dict, attribute, parameter) for every slot: a forward must leave each as it found it
-        self._slots = [(owner._parameters, attr, p) for stage in ex.stages
-                       for owner in stage.module.modules() for attr, p in owner._parameters.items()
-                       if p is not None]
-        self._trainable = [p for p in ex.params if p.requires_grad]
         self.units = 0  # units that took this path (stats()["tasks"][name]["light_units"])
         # L and E units run on the last shard: the first being the last, it is the only one. (Mixed precision takes
         # the general path: its forwards run under autocast there.)
         self._eligible = (ex.index == 0 and ex.plain_tensors and not ex.buffers and not ex.frozen
                           and ex.autocast is None)
+        # (owner's parameter dict, attribute, parameter) for every slot: a forward must leave each as it found it.
+        # Only a path that may run keeps them (a LoRA shard never does: its frozen base is copied in)
+        self._slots = [(owner._parameters, attr, p) for stage in ex.stages
+                       for owner in stage.module.modules() for attr, p in owner._parameters.items()
+                       if p is not None] if self._eligible else []
+        self._trainable = [p for p in ex.params if p.requires_grad] if self._eligible else []
 
     @property
     def ex(self) -> ShardExec:

@@ -42,6 +42,7 @@ from ..stages import Stage
 from .bind import Bound
 from .direct import DirectPath
 from .loss import LossFn, model_loss
+from .names import shared_name
 from .pystate import inert_modules
 from .residency import Kept, ShardCache, offloading
 from .shard_state import ShardPythonState
@@ -70,7 +71,7 @@ class ShardExec(ShardPythonState):
         for stage in self.stages:
             named = list(stage.module.named_parameters(remove_duplicate=False))
             named += list(stage.module.named_buffers(remove_duplicate=False))
-            self._bound.append(Bound(stage.module, [(name, id(t)) for name, t in named]))
+            self._bound.append(Bound(stage.module, [(shared_name(name), id(t)) for name, t in named]))
             for _, t in named:
                 tensors[id(t)] = t
         self.tensors = tensors

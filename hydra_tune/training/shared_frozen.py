@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import rule_error
+from .names import shared_name
 from .shared_frozen_copies import DEVICE_SHARE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies, on_host
 from .shared_frozen_match import content_key, probe_key, qualifies, same_bytes
 
@@ -163,7 +164,7 @@ class SharedFrozen(SharedDeviceCopies):
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in seen and qualifies(p):
                 seen.add(id(p))
-                found.append((name, p))
+                found.append((shared_name(name), p))
         start = time.perf_counter()
         for name, p in found:
             key, probe = self._match(p)
