@@ -95,16 +95,19 @@ def test_the_check_reads_torch_dropout_ops_and_values(monkeypatch: pytest.Monkey
     assert dropout._check() is False
 
 
-@pytest.mark.parametrize("context", ["meta", "router", "unit", "no_grad", "inference"])
+@pytest.mark.parametrize("context", ["meta", "router", "unit", "no_grad", "inference", "offload", "autocast"])
 def test_the_first_check_reads_torch_whatever_the_caller_runs_under(monkeypatch: pytest.MonkeyPatch,
                                                                     context: str) -> None:
     """The verdict is taken once per process, at the first dropout the router sees: that may be inside a unit's
     dispatch mode, a meta-device context, the router itself or a no_grad block (a prepared model's evaluation in
-    train mode). It must read torch's own dropout there too (a meta probe compares nothing; the router around the
-    check would route the check's own dropout into a second check; without autograd its gradients raise)."""
+    train mode) or an offloading forward's saved-tensor hooks. It must read torch's own dropout there too (a meta
+    probe compares nothing; the router around the check would route the check's own dropout into a second check;
+    without autograd its gradients raise; hooks that copy saved tensors put their copies into the recording)."""
     monkeypatch.setattr(dropout, "_verdict", [])
     scopes = {"meta": lambda: torch.device("meta"), "router": lambda: dispatch.router_for(TaskRNG(1)),
               "unit": lambda: dispatch.UnitMode(torch.Generator().manual_seed(1), dispatch.MemoryAccount()),
-              "no_grad": torch.no_grad, "inference": torch.inference_mode}
+              "no_grad": torch.no_grad, "inference": torch.inference_mode,
+              "offload": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t),
+              "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
     with scopes[context]():
         assert dropout.matches_torch() is True

@@ -20,7 +20,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DROPOUT = F.dropout
 _EXPECTED = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar", "aten.mul.Tensor")
@@ -66,14 +66,20 @@ class _Recorded(TorchDispatchMode):
 
 
 def matches_torch() -> bool:
-    """Whether this torch's CPU dropout is the short form's ops and values (checked once per process, outside every
-    mode of the calling thread and with autograd on: its first call may come from inside a unit, a meta-device
-    context, the router or a ``no_grad`` block)."""
+    """Whether this torch's CPU dropout is the short form's ops and values (checked once per process). The check
+    runs in a thread of its own, whose torch state is a fresh thread's: its first call may come from inside a unit,
+    a meta-device context, the router, a ``no_grad`` block or an offloading forward, whose saved-tensor hooks
+    (thread-local, as modes and grad mode are) would run copies inside the recording and read False for the whole
+    process (correct, but every dropout then takes the slow path)."""
     if not _verdict:
-        with _lock, torch._C.DisableTorchFunction(), _disable_current_modes(), torch.inference_mode(False), \
-                torch.enable_grad():
+        with _lock:
             if not _verdict:
-                _verdict.append(_check())
+                found: list[bool] = []
+                checker = threading.Thread(target=lambda: found.append(_check()), name="hydra-dropout-check",
+                                           daemon=True)
+                checker.start()
+                checker.join()
+                _verdict.append(bool(found and found[0]))  # (an error in the check: False, the slow path)
     return _verdict[0]
 
 
