@@ -12,11 +12,14 @@ its warm-up batches to the last task's end, the batches handed out in that windo
 machine: read them, not the absolute times.
 
 Where the difference comes from: a prepared loop hands each forward and backward to the runtime and waits (two
-round trips through the task's host thread per minibatch, and the loss computed on the host), while a ModelTask's
-training segment (F.. L B..) is one round trip with the loss inside the last unit. The "device work" line prints each
-side's device busy seconds and units: a prepared minibatch is two segments (F.., then B..), and its last shard's
-B unit recomputes that shard's forward (the plan keeps no graph of the last shard: a ModelTask's L unit needs
-none), so its devices are busy longer for the same work.
+calls per minibatch, run in the loop's own thread on a lent device or through the task's host thread, and the loss
+computed on the host), while a ModelTask's training segment (F.. L B..) is one round trip with the loss inside the
+last unit. The "device work" line prints each side's device busy seconds and units: a prepared minibatch is two
+segments (F.., then B..); its last shard's F keeps its graph for B where the device has room beside what it holds
+(prepare/driver.py ``_train_forward``; else B recomputes that forward), so both sides run about the same compute.
+
+The default is 200 steps (was 40: too short to read on a shared machine); set-up is counted the same way on both
+sides at any ``--steps`` (from the first submit / thread start; the steady window excludes it).
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
     ap.add_argument("--tasks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
     ap.add_argument("--device-memory", default="1536KiB")
     args = ap.parse_args()

@@ -120,6 +120,10 @@ class Plan:
     def keeps(self, shard: int) -> bool:
         return bool(self.keep) and self.keep[shard]
 
+    def may_keep(self) -> bool:
+        """Whether this plan's devices may keep forwards' graphs at all (planned with ``keep``: ``keep`` is set)."""
+        return bool(self.keep)
+
     def offloads(self, shard: int) -> bool:
         return bool(self.offload) and self.offload[shard]
 

@@ -16,7 +16,9 @@ prepared model as any other task.
 Segments: a training forward is F0..F(K-1) (the last shard's forward too: the loss is the user's), the output
 carry of the last shard is the model's output; its backward is B(K-1)..B0 from the output's gradients (a shard
 that kept its graph backpropagates through it, else it recomputes its forward from the saved input and RNG state,
-exactly as the loop's B units); an evaluation forward (no autograd) is E0..E(K-1).
+exactly as the loop's B units); an evaluation forward (no autograd) is E0..E(K-1). The last shard keeps its graph
+where the device has room for it (``_train_forward``), so a step costs about a ModelTask's (one forward, one
+backward); a new forward, the task's end, or a device that needs the room drops it.
 
 State: kept as a ModelTask's (training/resident.py): resident on a device when it fits, else per-shard entries
 with the lazy per-shard step when the optimizer is on its allowlist, else in host memory; the user's thread steps
@@ -243,11 +245,28 @@ class Driver:
 
     def _forward_list(self, train: bool) -> list[tuple[str, Any, Callable[[Device], Any]]]:
         state = self.state
-        store, rng, plan = state.store, state.rng, state.plan
+        store, rng = state.store, state.rng
         if train:
-            return [("F", ex, lambda d, ex=ex: ex.forward(d, store, rng, keep=plan.keeps(ex.index),
-                                                        offload=plan.offloads(ex.index))) for ex in state.execs]
+            return [("F", ex, lambda d, ex=ex: self._train_forward(d, ex)) for ex in state.execs]
         return [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False)) for ex in state.execs]
+
+    def _train_forward(self, device: Device, ex: Any) -> None:
+        """F of one shard as the plan says; the last shard's keeps its graph for the backward call when the device
+        has room for it beside what it holds (state_cache.py ``room_for_graph``): that B unit then backpropagates
+        through it instead of recomputing the forward (a ModelTask's L unit runs that forward once too). Its F
+        saves what a recompute needs as well, so the device may drop the graph when another task needs the room
+        (held_graphs.py), or the backward run on another device, and B recomputes instead."""
+        state = self.state
+        store, rng, plan = state.store, state.rng, state.plan
+        index = ex.index
+        cache = device.states
+        nbytes = plan.shards[index].kept_bytes
+        if (index == len(state.execs) - 1 and plan.may_keep() and cache is not None
+                and cache.room_for_graph(nbytes)):
+            ex.forward(device, store, rng, keep=True, droppable=True)
+            cache.hold_graph(store, index, nbytes)
+            return
+        ex.forward(device, store, rng, keep=plan.keeps(index), offload=plan.offloads(index))
 
     def _backward_list(self) -> list[tuple[str, Any, Callable[[Device], Any]]]:
         state = self.state

@@ -62,6 +62,7 @@ class Admitted:
                 "samples_trained": st.samples_trained,
                 "epoch": st.epoch, "units": self.units, "lent_segments": self.lent_segments,
                 "light_units": sum(ex.direct.units for ex in st.execs),
+                "kept_backwards": sum(ex.kept_backwards for ex in st.execs),
                 "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,

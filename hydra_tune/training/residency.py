@@ -31,12 +31,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class Kept:
-    """A forward kept on its device for the backward: outputs (with their graph), input leaves, state copies."""
+    """A forward kept on its device for the backward: outputs (with their graph), input leaves, state copies.
+    ``droppable``: its F unit also saved what a recompute needs (RNG, buffers, Python state), so it may be dropped
+    (another task needs the room, or its backward runs on another device) and its B unit recomputes instead."""
 
     out: Any
     leaves: list[Any]
     copies: dict[int, torch.Tensor]
     filled: bool = False
+    device: Any = None
+    droppable: bool = False
 
 
 class ShardCache:

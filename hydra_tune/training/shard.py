@@ -86,6 +86,7 @@ class ShardExec(ShardPythonState):
         self._inert = inert_modules(self.modules)
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
         self.direct = DirectPath(self)  # the light path of a resident only shard (direct.py)
+        self.kept_backwards = 0  # B units through their forward's kept (or offloaded) graph: no recompute
 
     # -- copies ---------------------------------------------------------------------------------------------
     def resident(self, device: Device) -> bool:
@@ -197,16 +198,17 @@ class ShardExec(ShardPythonState):
 
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
-                offload: bool = False) -> None:
+                offload: bool = False, droppable: bool = False) -> None:
         """F: the output carry becomes the next shard's input in host memory. Plain: no autograd (B recomputes).
-        ``keep``: the graph stays on the device, parameter bytes released until B refills them. ``offload``: as
-        ``keep``, but the saved activations are moved to host memory as they are made (B brings them back).
+        ``keep``: the graph stays on the device, parameter bytes released until B refills them; ``droppable``:
+        what a recompute needs is saved too, so the graph may be dropped before B (residency.Kept). ``offload``:
+        as ``keep``, but the saved activations are moved to host memory as they are made (B brings them back).
         ``train=False``: an eval forward (E)."""
         if train:
             store.rng[self.index] = rng.snapshot()
-        with self.python_state(device, store, replay=train and not (keep or offload)):
+        with self.python_state(device, store, replay=train and (droppable or not (keep or offload))):
             if keep or offload:
-                self._forward_keep(device, store, rng, offload)
+                self._forward_keep(device, store, rng, offload, droppable)
                 return
             with device.unit_scope(rng) as mode, torch.no_grad():
                 copies = self.load(device, grad=False)
@@ -217,7 +219,8 @@ class ShardExec(ShardPythonState):
                     store.carries[self.index + 1] = map_tensors(device.copier.to_host, out)
                 del copies, carry, out
 
-    def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG, offload: bool) -> None:
+    def _forward_keep(self, device: Device, store: HostStore, rng: TaskRNG, offload: bool,
+                      droppable: bool = False) -> None:
         with device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
             resident = self.resident(device)
@@ -229,7 +232,7 @@ class ShardExec(ShardPythonState):
                     out = self.run(carry, copies, device)
             else:
                 out = self.run(carry, copies, device)
-            self._write_back_buffers(copies, device, store, mode)
+            self._write_back_buffers(copies, device, store, mode, recompute=droppable)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = map_tensors(lambda t: device.copier.to_host(t.detach()), out)
             if not resident:  # a resident shard's parameter bytes are its state: they stay
@@ -242,7 +245,7 @@ class ShardExec(ShardPythonState):
                 for t in {id(t): t for t in tree_flatten(out)[0] + leaves if isinstance(t, torch.Tensor)
                           and t.untyped_storage().nbytes() > 0 and not hooks.references(t)}.values():
                     device.copier.release(t)
-        store.kept[self.index] = Kept(out, leaves, copies, filled=resident)
+        store.kept[self.index] = Kept(out, leaves, copies, filled=resident, device=device, droppable=droppable)
 
     def refill(self, device: Device, kept: Kept) -> int:
         """Give a kept forward's released parameter copies their values back (the prefetch of a kept B); returns
@@ -305,9 +308,14 @@ class ShardExec(ShardPythonState):
         """B: backward through the kept graph, or recompute the forward from the saved input with the saved RNG
         state, buffers and Python state (as its F unit ran it), then backward."""
         kept = store.kept.pop(self.index, None)
+        if kept is not None and kept.droppable and kept.device is not device:
+            kept = None  # its graph is on another device: dropped, recomputed here (its F saved what that needs)
         snap = store.rng.pop(self.index)
         with self.python_state(device, store):  # backward hooks may keep state too
             if kept is not None:
+                self.kept_backwards += 1
+                store.buffers.pop(self.index, None)  # (a droppable one's recompute inputs: not needed now)
+                store.states.pop(self.index, None)
                 with device.unit_scope(rng) as mode:
                     self.refill(device, kept)
                     self._backward_from(device, store, kept.out, kept.copies, kept.leaves, mode)
@@ -336,7 +344,7 @@ class ShardExec(ShardPythonState):
         the bytes copied (0 when it was already resident, or its state is on another device: the segment's start
         brings it back first, and a copy made now would read the other device's tensors)."""
         kept = store.kept.get(self.index) if kind == "B" else None
-        if kept is not None:
+        if kept is not None and (kept.device is device or not kept.droppable):
             return self.refill(device, kept)
         # not while an update it reads is pending, its entry moves in at its unit, or its state is elsewhere
         blocked = self.home is not None and not self.home.prefetchable(self.index, device)

@@ -6,6 +6,7 @@
     cache.prefetched(home)              # that task runs next here: its state stays meanwhile
     cache.using(home, shards)           # a unit starts: the shards of its units left (which entries to keep)
     cache.fetch(home, shards)           # a unit's entries move in (StateHome.use)
+    cache.hold_graph(store, i, nbytes)  # a prepared forward's graph waits here for its backward (held_graphs.py)
 
 Rules: at the start of a segment, a task's state moves in whole (``StateHome.move_in``) when its predicted bytes
 fit beside its plan's peak within the device budget and the room an out-of-memory re-plan left it
@@ -19,7 +20,10 @@ never the entries the running task's current unit reads, nor those of the task p
 entry goes back to host memory only when evicted (``StateHome.release``). Before evicting another task's entries
 it waits (up to ``EVICT_WAIT`` seconds) for that task's host thread to settle: a segment's end leaves gradients on
 the device and its step is imminent, so the step goes first, where its state is (``StateHome.settled``). After an
-out-of-memory the device makes no more per-shard entries (``after_oom``).
+out-of-memory the device makes no more per-shard entries (``after_oom``). Graphs held across segments
+(held_graphs.py) count beside the state; making room drops them first (their backward recomputes), and a graph is
+held only where it fits beside what is held and the running task's peak without evicting anything
+(``room_for_graph``).
 """
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ import torch
 
 from ..device.devices import Device
 from ..policy.partition import resident_fits
+from .held_graphs import HeldGraphs
 from .resident import StateHome
+from .store import HostStore
 
 EVICT_WAIT = 5.0  # seconds a device waits for a task's host thread to finish its step before evicting its state
 
@@ -51,6 +57,7 @@ class StateCache:
         self._peak = 0                   # the running task's units' peak
         self.evictions = 0
         self.entries_off: str | None = None  # why per-shard entries are no longer made here (an out-of-memory)
+        self.graphs = HeldGraphs()       # kept forwards waiting across segments for their backward
 
     def add(self, home: StateHome) -> None:
         with self._lock:
@@ -62,9 +69,21 @@ class StateCache:
             self._homes = [h for h in self._homes if h is not home]
 
     def total(self) -> int:
-        """Device bytes reserved for the state held here (predicted: each entry's bytes)."""
+        """Device bytes reserved for the state held here (predicted: each entry's bytes) and the graphs held here
+        but the running task's."""
         with self._lock:
-            return sum(h.held_bytes() for h in self._homes)
+            running = self._running.store if self._running is not None else None
+            return sum(h.held_bytes() for h in self._homes) + self.graphs.nbytes(running)
+
+    def room_for_graph(self, nbytes: int) -> bool:
+        """Whether a graph of ``nbytes`` the running task keeps here for a later backward fits beside what is held
+        and the running task's units' peak, evicting nothing (a task that needs the room later drops it)."""
+        budget = self.device.plan_budget
+        return budget is None or self.total() + nbytes + self._peak <= budget
+
+    def hold_graph(self, store: HostStore, index: int, nbytes: int) -> None:
+        """``store.kept[index]`` stays here for its backward, counted as ``nbytes`` (held_graphs.py)."""
+        self.graphs.hold(store, index, nbytes)
 
     def prefetched(self, home: StateHome) -> None:
         """``home``'s task runs next here: its entries are not evicted meanwhile."""
@@ -209,11 +228,17 @@ class StateCache:
         with self._lock:
             held = sum(h.held_bytes() for h in self._homes)
             victims = self._victims(home, keep)
-        over = held + need - budget
+            running = self._running.store if self._running is not None else None
+        graphs = self.graphs.nbytes(running)
+        over = held + graphs + need - budget
         if over <= 0:
             return True
-        if optional and sum(v.entry_bytes(g) for _, v, g in victims) < over:
+        spare = (home.store, running)  # (the running task's graphs are inside its peak; its own it needs now)
+        if optional and self.graphs.nbytes(*spare) + sum(v.entry_bytes(g) for _, v, g in victims) < over:
             return False
+        over -= self.graphs.drop(over, spare)  # the cheapest to lose: a recompute, not a write-back and reload
+        if over <= 0:
+            return True
         for _, victim, shards in victims:
             over -= self._evict(victim, shards, home)
             if over <= 0:
@@ -236,6 +261,7 @@ class StateCache:
                 shards = [s for s in shards if s in victim.resident_shards()]
             freed = victim.entry_bytes(shards)
             if freed:
+                self.graphs.drop_of(victim.store)  # a graph over its state would keep storage no longer counted
                 victim.release(f"evicted from {self.device.name} to make room for another task" if victim is not home
                                else None, shards=shards)
                 victim.evictions += 1
@@ -256,4 +282,5 @@ class StateCache:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"resident_tasks": len(self._homes), "resident_bytes": sum(h.held_bytes() for h in self._homes),
-                    "evictions": self.evictions}
+                    "evictions": self.evictions, "graphs_held": self.graphs.held,
+                    "graphs_dropped": self.graphs.dropped}
