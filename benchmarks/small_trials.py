@@ -18,6 +18,7 @@ Every side uses one intra-op thread per device (torch.set_num_threads(1)). Print
 """
 from __future__ import annotations
 
+import resource
 import statistics
 import sys
 import threading
@@ -115,6 +116,11 @@ def plain_search(tasks: list[ht.ModelTask], threads: int = 2) -> tuple[float, li
     return time.perf_counter() - start, accs
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def hydra_search(tasks: list[ht.ModelTask], devices: int = 2) -> tuple[float, list[float]]:
     start = time.perf_counter()
     with ht.Runtime(devices=["cpu"] * devices) as rt:
@@ -178,18 +184,24 @@ def main() -> int:
     hydra_search([trial_task(0, train, val, 1)], 2)   # warm-up of each side (imports, allocator)
     plain_search([trial_task(0, train, val, 1)])
     runs: dict[str, list[float]] = {"hydra": [], "plain": []}
+    cpu: dict[str, list[float]] = {"hydra": [], "plain": []}  # process CPU seconds: less swayed by other load
     accs: dict[str, list[float]] = {}
     for r in range(args.repeats):
         for side in (("hydra", "plain") if r % 2 == 0 else ("plain", "hydra")):
             tasks = [trial_task(i, train, val, epochs) for i in range(n)]
+            c0 = _cpu_seconds()
             wall, accs[side] = hydra_search(tasks) if side == "hydra" else plain_search(tasks)
             runs[side].append(wall)
-            print(f"   {side:<6} run {r + 1}: {wall:6.2f} s", flush=True)
+            cpu[side].append(_cpu_seconds() - c0)
+            print(f"   {side:<6} run {r + 1}: {wall:6.2f} s ({cpu[side][-1]:.2f} CPU s)", flush=True)
     hydra, plain = statistics.median(runs["hydra"]), statistics.median(runs["plain"])
+    cpu_ratio = statistics.median(cpu["plain"]) / statistics.median(cpu["hydra"])
     # (the plain threads share torch's global generator, so their dropout masks interleave: means, not equality)
     mean = {side: sum(a) / len(a) for side, a in accs.items()}
     print(f"   search ratio plain/hydra = {plain / hydra:.3f}x (hydra {hydra:.2f} s, plain 2 at a time {plain:.2f} s; "
           f"goal >= 1.0x); mean final accuracy hydra {mean['hydra']:.3f}, plain {mean['plain']:.3f}", flush=True)
+    print(f"   CPU seconds, plain/hydra = {cpu_ratio:.3f}x (what each side spent, all threads; compare across runs "
+          "when the machine's load differs)", flush=True)
 
     print("2. short trials: 4 GPT-2 4x128 tasks x 6 minibatches, 2 devices vs 1, counting submit", flush=True)
     short = short_trials(args.repeats)
@@ -200,7 +212,8 @@ def main() -> int:
     over = unit_overhead(train, val, min(epochs, 3))
     print(f"   {over['units']} units; unit overhead {over['unit_us']:.0f} us/unit, with hand-offs and host work "
           f"{over['gap_us']:.0f} us/unit, plain compute {over['plain_per_unit_us']:.0f} us/unit (aim < 200 us)")
-    emit({"benchmark": "small_trials", "search_ratio": plain / hydra, "search": runs, "mean_accuracy": mean,
+    emit({"benchmark": "small_trials", "search_ratio": plain / hydra, "search": runs, "search_cpu": cpu,
+          "search_cpu_ratio": cpu_ratio, "mean_accuracy": mean,
           "short": short, "overhead": over, "trials": n, "epochs": epochs, "mlp_params": params}, args, t_start)
     return 0
 
