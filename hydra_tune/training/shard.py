@@ -252,7 +252,7 @@ class ShardExec(ShardPythonState):
         the bytes copied."""
         if kept.filled:
             return 0
-        with device.copy_scope(), device.copier.deferred():
+        with device.refill_scope(), device.copier.deferred():
             for p in self.params:
                 if id(p) not in self.pooled:
                     device.copier.refill(kept.copies[id(p)], p)
