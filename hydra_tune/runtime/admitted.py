@@ -46,6 +46,8 @@ class Admitted:
         self.lent_by: int | None = None  # that thread's ident
         self.lent_waiters = 0       # threads waiting for that segment's end (the device's worker, end())
         self.lent_segments = 0      # segments its caller's thread ran on a lent device
+        self.follows = 0.0          # until when its next segment completes its last one (Segment.follows; 0: not)
+        self.follow_waits = 0       # times a device stayed for that segment past its turn or other work (stats)
         self.host = HostThread(handle.name, lambda: open_next(self))
 
     def let_go(self) -> None:
@@ -61,6 +63,7 @@ class Admitted:
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "samples_trained": st.samples_trained,
                 "epoch": st.epoch, "units": self.units, "lent_segments": self.lent_segments,
+                "follow_waits": self.follow_waits,
                 "light_units": sum(ex.direct.units for ex in st.execs),
                 "kept_backwards": sum(ex.kept_backwards for ex in st.execs),
                 "host_bytes": st.held_bytes, "replans": st.replans,

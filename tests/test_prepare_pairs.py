@@ -1,0 +1,87 @@
+"""A prepared step's backward runs on the device its forward ran on (Segment.follows; runtime/opening.py ``FOLLOW``):
+the device stays for it past the policy's turn and other ready work, so it runs through the forward's kept graph,
+in the loop's own thread (stats ``follow_waits``, ``lent_segments``, ``kept_backwards``), bit identical to the plain
+loop; and a kept backward's refill of its released parameter copies runs no op through the CPU device's counting
+mode (devices.py ``refill_scope``), its bytes counted as before."""
+from __future__ import annotations
+
+import threading
+
+import torch
+from test_prepare_exactness import _diff, mlp_loop
+
+import hydra_tune as ht
+from hydra_tune.device import dispatch
+from hydra_tune.device.devices import CpuDevice
+from hydra_tune.device.rng import TaskRNG
+from hydra_tune.prepare.streams import trial_stream
+from hydra_tune.stages import Stage
+from hydra_tune.training.residency import Kept
+from hydra_tune.training.shard import ShardExec
+from hydra_tune.training.store import HostStore
+
+
+def test_the_backward_is_lent_on_its_forwards_device_past_the_turn_bit_identical():
+    plain = mlp_loop(epochs=2)
+    # FIFO takes turns per segment (no turn holds), so before, no call ran lent and every backward went through the
+    # task's host thread; now the backward that completes a forward is due on its device whatever the turn
+    with ht.Runtime(devices=["cpu"], device_memory=None, policy="fifo") as rt:
+        weights, history, model = mlp_loop(lambda m, o: ht.prepare(m, o, runtime=rt, name="pairs"), epochs=2)
+        stats = rt.stats()["tasks"]["pairs"]
+        model.release()
+    assert _diff(plain[0], weights) == 0.0 and plain[1] == history
+    assert stats["lent_segments"] >= 1 and stats.get("follow_waits", 0) >= 1
+    assert stats["kept_backwards"] == 8  # every step (2 epochs x 4) through its forward's graph
+
+
+def test_two_prepared_tasks_on_two_devices_keep_every_backward_with_its_forward_bit_identical():
+    plain = mlp_loop(epochs=2)
+    results: dict[str, tuple] = {}
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=None) as rt:
+        def run(name: str) -> None:
+            with trial_stream():  # each thread its own stream, as Optuna's trial threads (streams.py)
+                results[name] = mlp_loop(lambda m, o: ht.prepare(m, o, runtime=rt, name=name), epochs=2)
+        threads = [threading.Thread(target=run, args=(f"t{i}",)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = rt.stats()["tasks"]
+        for _, _, model in results.values():
+            model.release()
+    assert set(results) == {"t0", "t1"}
+    for name, (weights, history, _) in results.items():
+        assert _diff(plain[0], weights) == 0.0 and plain[1] == history, name
+        assert stats[name]["kept_backwards"] == 8, name  # each backward on its forward's device, through its graph
+
+
+def _one_shard() -> tuple[ShardExec, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    stages = [Stage(f"{i}:{type(m).__name__}", m) for i, m in enumerate(model)]
+    return ShardExec(0, stages), model
+
+
+def test_a_kept_backwards_refill_runs_no_op_through_the_counting_mode_and_counts_its_bytes(monkeypatch):
+    ex, model = _one_shard()
+    device = CpuDevice("cpu:0", None)
+    device.measuring = False
+    store, rng = HostStore(), TaskRNG(0)
+    store.carries[0] = torch.randn(3, 8)
+    ex.forward(device, store, rng, keep=True, droppable=True)
+    kept: Kept = store.kept[0]
+    assert not kept.filled and all(kept.copies[id(p)].untyped_storage().nbytes() == 0 for p in ex.params)
+    before = device.account.current
+    ops: list[object] = []
+    real = dispatch.UnitMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        ops.append(func)
+        return real(self, func, types, args, kwargs)
+    monkeypatch.setattr(dispatch.UnitMode, "__torch_dispatch__", counting)
+    nbytes = ex.refill(device, kept)
+    assert ops == []  # before: every refill's detach, empty, set_ and copy_ went through the mode
+    assert nbytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert device.account.current - before == nbytes  # the refilled storages are counted as the device's
+    for p in ex.params:
+        assert torch.equal(kept.copies[id(p)], p)
