@@ -68,7 +68,7 @@ def test_a_kept_backwards_refill_runs_no_op_through_the_counting_mode_and_counts
     device.measuring = False
     store, rng = HostStore(), TaskRNG(0)
     store.carries[0] = torch.randn(3, 8)
-    ex.forward(device, store, rng, keep=True, droppable=True)
+    ex.forward(device, store, rng, keep=True)  # (a planned keep: its parameter bytes released until B)
     kept: Kept = store.kept[0]
     assert not kept.filled and all(kept.copies[id(p)].untyped_storage().nbytes() == 0 for p in ex.params)
     before = device.account.current
@@ -85,3 +85,51 @@ def test_a_kept_backwards_refill_runs_no_op_through_the_counting_mode_and_counts
     assert device.account.current - before == nbytes  # the refilled storages are counted as the device's
     for p in ex.params:
         assert torch.equal(kept.copies[id(p)], p)
+
+
+def test_a_backward_right_after_its_forward_needs_no_refill_bit_identical():
+    plain = mlp_loop(epochs=2)
+    # its state (34 KiB) does not stay beside its peak (33 KiB) in 64 KiB: it moves in per step, the graph fits
+    with ht.Runtime(devices=["cpu"], device_memory="64KiB") as rt:
+        weights, history, model = mlp_loop(lambda m, o: ht.prepare(m, o, runtime=rt, name="loaded"), epochs=2)
+        stats = rt.stats()
+        model.release()
+    assert _diff(plain[0], weights) == 0.0 and plain[1] == history
+    task = stats["tasks"]["loaded"]
+    # before: each kept backward copied its parameters in a second time (refill); now they stay from the forward
+    assert task["residency"]["step_path"] == "whole-host"
+    assert task["kept_backwards"] == 8 and task.get("loaded_backwards", 0) == 8
+    assert stats["devices"][0]["graphs_unloaded"] == 0
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_another_tasks_segment_between_forward_and_backward_unloads_the_parameters_and_stays_exact():
+    from test_prepare_exactness import X, Y, _mlp
+
+    def two(prepare=None) -> list[dict]:
+        models = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            m = _mlp()
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            models.append(prepare(m, opt, seed) if prepare is not None else (m, opt))
+        for i in range(3):
+            x, y = X[i * 16:(i + 1) * 16], Y[i * 16:(i + 1) * 16]
+            (a, a_opt), (b, b_opt) = models
+            loss_a = _loss(a, x, y)          # a's forward: its graph and parameters stay on the device
+            loss_b = _loss(b, x, y)          # b's forward runs there meanwhile: a's parameters give way
+            b_opt.zero_grad(); loss_b.backward(); b_opt.step()
+            a_opt.zero_grad(); loss_a.backward(); a_opt.step()   # a's backward refills them, through its graph
+        return [{k: v.clone() for k, v in m.state_dict().items()} for m, _ in models]
+
+    plain = two()
+    with ht.Runtime(devices=["cpu"], device_memory="64KiB") as rt:  # neither state stays; both graphs fit
+        got = two(lambda m, o, s: ht.prepare(m, o, runtime=rt, name=f"m{s}"))
+        stats = rt.stats()
+    assert all(_diff(p, g) == 0.0 for p, g in zip(plain, got))
+    assert stats["devices"][0]["graphs_unloaded"] >= 3  # a's, at each of b's forwards
+    assert stats["tasks"]["m1"]["kept_backwards"] == 3 and stats["tasks"]["m1"]["loaded_backwards"] == 0
+    assert stats["devices"][0]["peak_bytes"] <= 64 * 1024

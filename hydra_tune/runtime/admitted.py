@@ -66,6 +66,7 @@ class Admitted:
                 "follow_waits": self.follow_waits,
                 "light_units": sum(ex.direct.units for ex in st.execs),
                 "kept_backwards": sum(ex.kept_backwards for ex in st.execs),
+                "loaded_backwards": sum(ex.loaded_backwards for ex in st.execs),
                 "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,
