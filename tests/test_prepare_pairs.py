@@ -31,6 +31,7 @@ def test_the_backward_is_lent_on_its_forwards_device_past_the_turn_bit_identical
         model.release()
     assert _diff(plain[0], weights) == 0.0 and plain[1] == history
     assert stats["lent_segments"] >= 1 and stats.get("follow_waits", 0) >= 1
+    assert stats.get("lent_picks", 0) >= 1  # forwards out of a turn, lent as the policy, asked then, picked them
     assert stats["kept_backwards"] == 8  # every step (2 epochs x 4) through its forward's graph
 
 
@@ -133,3 +134,35 @@ def test_another_tasks_segment_between_forward_and_backward_unloads_the_paramete
     assert stats["devices"][0]["graphs_unloaded"] >= 3  # a's, at each of b's forwards
     assert stats["tasks"]["m1"]["kept_backwards"] == 3 and stats["tasks"]["m1"]["loaded_backwards"] == 0
     assert stats["devices"][0]["peak_bytes"] <= 64 * 1024
+
+
+def test_a_prepared_loop_that_calls_again_and_again_leaves_the_device_to_a_model_task_beside_it():
+    """FIFO: a turn per segment; a forward lent out of its turn only where the policy, asked then, picks it (the
+    ModelTask's segment, ready first, goes first), its backward before any other. (Under LRTF the loop, whose
+    remaining time is unknown, is the longer task: it goes first by that policy's rule.)"""
+    from test_prepare_exactness import X, Y, _mlp
+
+    batches = [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 64, 8)]
+    with ht.Runtime(devices=["cpu"], device_memory="64KiB", policy="fifo") as rt:
+        torch.manual_seed(3)
+        m = _mlp()
+        model, opt = ht.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3), runtime=rt, name="busy")
+
+        def step() -> None:
+            loss = torch.nn.functional.cross_entropy(model(X[:16]), Y[:16])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for _ in range(5):  # planned, measured, lending
+            step()
+        handle = rt.submit(ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), batches,
+                                        loss=lambda out, b: torch.nn.functional.cross_entropy(out, b[1]),
+                                        epochs=2, seed=1, name="beside"))
+        steps = 0
+        while not handle.done() and steps < 3000:  # the loop's calls keep coming: the device still takes turns
+            step()
+            steps += 1
+        stats = rt.stats()["tasks"]
+        model.release()
+    assert handle.done() and handle.error is None and steps < 3000, steps
+    assert stats["busy"]["lent_segments"] > 0
