@@ -141,6 +141,10 @@ class Device:
         """Where the device's copy engine (the prefetch thread) makes device copies: counted, no RNG swap."""
         raise NotImplementedError
 
+    def refill_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Where released device copies get their bytes back (``copier.refill``, which counts them itself)."""
+        return self.copy_scope()
+
     def step_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Where a task's host thread runs its optimizer step over tensors on this device."""
         return _NULL
@@ -238,6 +242,9 @@ class CpuDevice(Device):
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return UnitMode(self._scratch, self.account)  # clones count as this device's memory
+
+    def refill_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return _NULL  # a refill makes no storage (HostCopier.refill counts the refilled one); a mode: ~20 us an op
 
     def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
         return self.quiet.stage_scope(name)  # type: ignore[union-attr]

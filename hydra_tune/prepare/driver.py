@@ -184,9 +184,11 @@ class Driver:
                 handle.cancel()
 
     # -- segments --------------------------------------------------------------------------------------------
-    def segment(self, units: list[tuple[str, Any, Callable[[Device], Any]]], train: bool) -> Segment:
+    def segment(self, units: list[tuple[str, Any, Callable[[Device], Any]]], train: bool,
+                follows: bool = False) -> Segment:
         """A Segment of ``(kind, shard, run)`` units over the store's batch, each as the loop wraps its units:
-        the shard's state in place first (home.use), the run as the task's own work."""
+        the shard's state in place first (home.use), the run as the task's own work; ``follows``: a training
+        forward, whose backward is the loop's next call (Segment.follows)."""
         state = self.state
         home, store, name = state.home, state.store, self.name
         self._made += 1
@@ -204,7 +206,7 @@ class Driver:
 
         return Segment(name, self._made, tuple(Unit(name, kind, ex.index, self._made, work(run, ex.index),
                                                     pre(ex, kind)) for kind, ex, run in units),
-                       train, segment_key(train, store.batch))
+                       train, segment_key(train, store.batch), follows)
 
     def open_forward(self, train: bool) -> Segment:
         """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``, from the task's RNG state now (kept: a
@@ -212,7 +214,7 @@ class Driver:
         snap = self.state.rng.snapshot()
         if train:
             self.forward_snap = snap
-        self._attempt = (snap, lambda: self.segment(self._forward_list(train), train))
+        self._attempt = (snap, lambda: self.segment(self._forward_list(train), train, follows=train))
         return self._attempt[1]()
 
     def open_backward(self, out_grads: list[Any]) -> Segment:

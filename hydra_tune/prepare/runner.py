@@ -195,9 +195,11 @@ class Runner:
         modes, versions = self._at_forward
         with direct():  # the counters are read, not the values: no pending update to apply (guard.py)
             check_unchanged([name for (name, p), v in zip(self._named, versions) if p._version != v])
-        now = [(m, m.training) for m in self._modules]
-        for m, mode in zip(self._modules, modes):  # model.eval() between forward and backward: the backward is
-            m.training = mode                        # still the forward's
+        now = [m.training for m in self._modules]
+        changed = now != modes  # model.eval() between forward and backward: the backward is still the forward's
+        if changed:  # (rare: nn.Module's __setattr__ per module cost about as much as the rest of this call)
+            for m, mode in zip(self._modules, modes):
+                m.training = mode
         out_grads = [None if grads.get(i) is None else grads[i].detach().cpu() for i in range(n)]
 
         def make() -> Any:
@@ -218,8 +220,9 @@ class Runner:
         try:
             driver.run(make, after)
         finally:
-            for m, mode in now:
-                m.training = mode
+            if changed:
+                for m, mode in zip(self._modules, now):
+                    m.training = mode
 
     def _settle(self) -> None:
         """The user's thread is inside a call (not reading its state): evictions need not wait for it."""

@@ -46,6 +46,10 @@ class Admitted:
         self.lent_by: int | None = None  # that thread's ident
         self.lent_waiters = 0       # threads waiting for that segment's end (the device's worker, end())
         self.lent_segments = 0      # segments its caller's thread ran on a lent device
+        self.follows = 0.0          # until when its next segment completes its last one (Segment.follows; 0: not)
+        self.follow_waits = 0       # times a device stayed for that segment past its turn or other work (stats)
+        self.lent_picks = 0         # lent segments out of its turn that the policy, asked then, gave it (stats)
+        self.owes = False           # the policy gave its device to another while it stayed for such a segment
         self.host = HostThread(handle.name, lambda: open_next(self))
 
     def let_go(self) -> None:
@@ -61,8 +65,10 @@ class Admitted:
                 "offloaded": [i for i in range(len(st.execs)) if st.plan.offloads(i)], "steps": st.steps,
                 "samples_trained": st.samples_trained,
                 "epoch": st.epoch, "units": self.units, "lent_segments": self.lent_segments,
+                "follow_waits": self.follow_waits, "lent_picks": self.lent_picks,
                 "light_units": sum(ex.direct.units for ex in st.execs),
                 "kept_backwards": sum(ex.kept_backwards for ex in st.execs),
+                "loaded_backwards": sum(ex.loaded_backwards for ex in st.execs),
                 "host_bytes": st.held_bytes, "replans": st.replans,
                 "predicted_peak": st.plan.peak,
                 "host_footprint": self.footprint.parts() if self.footprint is not None else None,

@@ -49,14 +49,16 @@ class Lender:
         run = self._board.borrow(task)
         if run is None:
             return None
-        ran = False
+        ran = follows = False
         try:
             with scope:
-                if run(task, make()):
+                segment = make()
+                follows = segment.follows
+                if run(task, segment):
                     after()
                     ran = True
         except BaseException as exc:  # an error of its host work (or ours): the task fails with it, as in its chain
             self._board.end(task, "failed", exc)
         finally:
-            self._board.give_back(task, ran)
+            self._board.give_back(task, ran, follows and ran)
         return ran

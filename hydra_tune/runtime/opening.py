@@ -20,6 +20,12 @@ from ..errors import TaskCancelled
 from ..training.segments import Segment
 from .admitted import Admitted
 
+# How long a device waits, past other work and the policy's turn, for a task's segment that completes its last one
+# (Segment.follows: a prepared training forward's backward, the loop's next call after its loss): a ModelTask's
+# step is one segment (F.. L B..), a prepared step two; the device keeps the pair together, as for the ModelTask, and
+# its graph kept for the backward stays usable (the backward on another device recomputes that forward).
+FOLLOW = 0.05  # (KEEP_WAIT's least: 20 ms was passed on a loaded 2-core box, now and then)
+
 Lend = Callable[[Admitted, Any], bool]  # a device's run of a task's segment in the calling thread (DeviceWorker.run_lent)
 
 if TYPE_CHECKING:
@@ -35,6 +41,9 @@ class Openings:
     _closed: bool
     _lenders: dict[int, Lend]
     _picker: Picker
+    _ready: list[tuple[int, Admitted]]
+    _idle: set[int]
+    _seq: int
 
     # (and Scheduler's end() and _push())
 
@@ -104,22 +113,85 @@ class Openings:
             index = task.kept_by
             if (index is None or index not in self._lenders or self._closed or task.lent is not None
                     or not task.opening or self._tasks.get(task.name) is not task or task.handle.cancel_requested
-                    or not self._picker.in_turn(task, index)):
+                    or not self._due(task, index)):
                 return None
             task.lent, task.lent_by = index, threading.get_ident()
             return self._lenders[index]
 
-    def give_back(self, task: Admitted, ran: bool) -> None:
-        """The lent segment of ``task`` ended (``ran``: it ran whole): its device decides again; a task cancelled
-        meanwhile ends now."""
+    def give_back(self, task: Admitted, ran: bool, follows: bool = False) -> None:
+        """The lent segment of ``task`` ended (``ran``: it ran whole; ``follows``: its next completes it, see
+        Segment.follows): its device decides again; a task cancelled meanwhile ends now."""
         with self.cond:
             task.lent = task.lent_by = None
             task.lent_segments += ran
+            waited, task.follows = task.follows, self.follow_until() if follows else 0.0
+            if waited:  # a device that stayed for this segment goes on (``wait_kept``)
+                self.cond.notify_all()
             if task.lent_waiters:
                 self.cond.notify_all()
             cancelled = self._tasks.get(task.name) is task and task.handle.cancel_requested
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
+
+    # -- a segment that completes the last one (Segment.follows) -------------------------------------------
+    @staticmethod
+    def follow_until() -> float:
+        """Until when the devices wait for the segment that completes a task's last one (``FOLLOW``)."""
+        return time.perf_counter() + FOLLOW
+
+    def _due(self, task: Admitted, index: int) -> bool:
+        """Under the lock: whether device ``index``, kept on ``task``, runs its next segment now: within its turn;
+        when it completes the last one (a prepared forward's backward: the turn is the step's, as an L unit is);
+        or when the policy, asked now as the device would ask it, picks ``task`` (its turn starts anew)."""
+        if self._picker.in_turn(task, index):
+            return True
+        if task.follows > time.perf_counter():
+            task.follow_waits += 1
+            return True
+        if self._picks(task, index):
+            task.lent_picks += 1
+            return True
+        return False
+
+    def _picks(self, task: Admitted, index: int) -> bool:
+        """Under the lock: whether the policy gives device ``index`` to ``task`` (as if ready now, last run there)
+        over the ready tasks it may take; if so, ``task``'s turn there starts (as after any pick)."""
+        cands = [(seq, a) for seq, a in self._ready if a.set_aside in (None, index)] + [(self._seq + 1, task)]
+        records = self._picker.records(index, cands, task)
+        if self._picker.pick(records, index, sorted(self._idle - {index})) != len(cands) - 1:
+            return False
+        self._picker.picked(task, index)
+        return True
+
+    def _stays(self, task: Admitted, index: int) -> bool:
+        """Under the lock, device ``index`` finishing ``task``'s segment that its next completes (``choose_next``):
+        it stays for that one. Out of its turn, the policy is asked as at any segment's end, so a pick of ``task``
+        starts its turn anew there (its next step may run lent); a pick of another counts here, and once the pair
+        ran the device chooses again (``owes``: ``wait_kept`` ends, the next segment of ``task`` is queued)."""
+        if not self._picker.in_turn(task, index) and not self._picks(task, index):
+            task.follow_waits += 1
+            task.owes = True  # once the pair ran, the device chooses again (``wait_kept``): no kept hand-over
+        return True
+
+    def wait_kept(self, task: Admitted, done: Callable[[], bool], other: Callable[[], bool], wait: float) -> None:
+        """Under the lock, in ``take_kept``: wait up to ``wait`` seconds until ``done()``, or until ``other()`` (a
+        ready task to run instead), but while ``task``'s next segment completes its last one (``follows``) other
+        work waits for it (a few microseconds of the caller's work: the loss between forward and backward), past
+        ``wait`` too."""
+        # (not renewed by its lent segments: a loop that calls again and again would keep the device for good, as
+        # a task that is not ready, not opening, is no candidate of the policy's; the device chooses again then)
+        deadline = time.perf_counter() + wait
+        stayed = False
+        while not done():
+            now = time.perf_counter()
+            patient = task.follows > now
+            if not patient and (now >= deadline or task.owes or other()):
+                break
+            if patient and not stayed and (now >= deadline or other()):
+                stayed = True
+                task.follow_waits += 1
+            self.cond.wait(task.follows - now if patient else deadline - now)
+        task.owes = False
 
     def _wait_lent(self, task: Admitted) -> None:
         """Under the lock: wait for ``task``'s lent segment to end (a few units: it is not interrupted)."""

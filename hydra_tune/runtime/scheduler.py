@@ -215,8 +215,8 @@ class Scheduler(Openings):
             floor = (1 - AFFINITY) * estimator.remaining(task.name, state.remaining()) if state else 0.0
             # (many small tasks: waiting for each host thread's wake-up and step idles the device about as long
             # as it computes; a task from another device would move its state, costing more than the wait)
-            self.cond.wait_for(lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task
-                               or any(self._picker.mine(a, index, floor) for _, a in self._ready), wait)
+            self.wait_kept(task, lambda: self._closed or not task.opening or self._tasks.get(task.name) is not task,
+                           lambda: any(self._picker.mine(a, index, floor) for _, a in self._ready), wait)
             if task.lent == index:  # its caller's thread runs a segment on this device now (lend.py)
                 self._wait_lent(task)
             opened = task.kept_by == index and not task.opening and self._tasks.get(task.name) is task
@@ -233,14 +233,15 @@ class Scheduler(Openings):
             return other[1]
         return task if opened else None
 
-    def choose_next(self, index: int, current: Admitted) -> Admitted | None:
+    def choose_next(self, index: int, current: Admitted, follows: bool = False) -> Admitted | None:
         """For device ``index``, finishing ``current``'s segment: the task it runs next (its segment open), popped
-        from the ready queue, or ``current`` itself when the policy keeps the device on it; None when nothing is
-        ready or the board is closed."""
+        from the ready queue, or ``current`` itself when the policy keeps the device on it or its next segment
+        completes this one (``follows``: Segment.follows); None when nothing is ready or the board is closed."""
         with self._lock:
-            if not self._closed and self._tasks.get(current.name) is current and self._picker.holds(current, index,
-                                                                                                  self._idle):
-                return current  # within the turn the policy's last pick gave it
+            current.follows = self.follow_until() if follows else 0.0
+            if not self._closed and self._tasks.get(current.name) is current and (
+                    self._picker.holds(current, index, self._idle) or follows and self._stays(current, index)):
+                return current  # within the turn the policy's last pick gave it, or completing its segment
             task = None if self._closed else self._choose(index, current)
         if task is not None and task is not current:
             task.handle.started()

@@ -163,7 +163,7 @@ class DeviceWorker:
             with self.device.copier.charged_to(home.counts):
                 states.begin(home, task.state.plan.peak)
         try:
-            return self._run_units(task, segment.units, following)
+            return self._run_units(task, segment.units, following, segment.follows)
         finally:
             if states is not None:
                 states.end(home)
@@ -191,11 +191,12 @@ class DeviceWorker:
         would wait for it anyway)."""
         return task.open_seconds < INLINE_OPEN and task.state.light_host_work()
 
-    def _run_units(self, task: Admitted, units: Sequence[Unit],
-                   following: Following | None) -> tuple[Unit, BaseException] | None:
+    def _run_units(self, task: Admitted, units: Sequence[Unit], following: Following | None,
+                   follows: bool = False) -> tuple[Unit, BaseException] | None:
         """The units, each with the next one's shard prefetched; during the last, the device's next task is picked
-        and the copy thread copies its first shard in (both go into ``following``; None: no pick, a lent run). The
-        unit that raised and its error, if one did."""
+        (``follows``: the task's next segment completes this one, Segment.follows) and the copy thread copies its
+        first shard in (both go into ``following``; None: no pick, a lent run). The unit that raised and its
+        error, if one did."""
         device, state = self.device, task.state
         pending: Future[None] | None = None
         try:
@@ -214,7 +215,7 @@ class DeviceWorker:
                     if self._copies(task, later):
                         pending = self._copier.submit(self._prefetch, task, later)
                 elif following is not None and not self.board.closed:
-                    following.append(self._next_task(task))
+                    following.append(self._next_task(task, follows))
                 self._run_unit(task, unit)
         except BaseException as exc:
             if pending is not None:
@@ -283,11 +284,11 @@ class DeviceWorker:
             return False
         return True
 
-    def _next_task(self, current: Admitted) -> tuple[Admitted | None, Future[None] | None]:
+    def _next_task(self, current: Admitted, follows: bool = False) -> tuple[Admitted | None, Future[None] | None]:
         """As ``current``'s last unit starts: the device's next task (its segment open; ``current`` itself when
-        the policy keeps the device on it, None when nothing is ready), and the copy thread's copy of its first
-        shard."""
-        task = self.board.choose_next(self.index, current)
+        the policy keeps the device on it or its next segment completes this one, ``follows``; None when nothing
+        is ready), and the copy thread's copy of its first shard."""
+        task = self.board.choose_next(self.index, current, follows)
         if task is None or task is current:
             return task, None
         states = self.device.states

@@ -4,6 +4,7 @@
     graphs.hold(store, index, nbytes)                # store.kept[index] (droppable) waits here for its B unit
     graphs.nbytes(store)                             # what they hold, but the running task's (its peak counts it)
     graphs.drop(over, spare=(store,))                # free at least ``over`` bytes by dropping graphs, if it can
+    graphs.unload(store, copier.release)             # store's segment begins: the others' loaded parameters go
 
 Why: a prepared model's training forward (prepare/driver.py) keeps its last shard's graph so its backward, a
 call later, needs no recompute. Unlike a segment's kept forwards (inside its units' planned peak), that graph
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from .store import HostStore
 
@@ -35,6 +39,7 @@ class HeldGraphs:
         self._held: list[tuple[weakref.ref[HostStore], int, weakref.ref[Any], int]] = []
         self.held = 0      # graphs held here (stats: "graphs_held")
         self.dropped = 0   # of them dropped for room (their backward recomputed: "graphs_dropped")
+        self.unloaded = 0  # of them whose parameter copies gave their bytes back for another task ("graphs_unloaded")
 
     def hold(self, store: HostStore, index: int, nbytes: int) -> None:
         """``store.kept[index]``, just kept on this device, waits here for its backward (``nbytes`` predicted)."""
@@ -76,6 +81,20 @@ class HeldGraphs:
                     self.dropped += 1
             self._prune()
         return freed
+
+    def unload(self, running: HostStore | None, release: Callable[[torch.Tensor], None]) -> None:
+        """Another task's segment (``running``'s) begins here: the held graphs' loaded parameter copies give their
+        bytes back (``release``: the device copier's), so what the device holds is what the cache counts; their
+        backward refills them (residency.Kept ``loaded``)."""
+        with self._lock:
+            for store_ref, index, kept_ref, _ in self._held:
+                store, kept = store_ref(), kept_ref()
+                if store is None or store is running or kept is None or not kept.loaded:
+                    continue
+                for t in kept.loaded:
+                    release(t)
+                kept.loaded, kept.filled = [], False
+                self.unloaded += 1
 
     def drop_of(self, store: HostStore) -> None:
         """Drop ``store``'s held graphs (its task's state leaves this device: a graph over that state would keep

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +41,10 @@ class Kept:
     filled: bool = False
     device: Any = None
     droppable: bool = False
+    # a droppable one's parameter copies, whose bytes stay past its forward while the device runs no other task
+    # (its backward, the loop's next call, then needs no refill: a second copy in); released when another task's
+    # segment begins there (HeldGraphs.unload), after which ``refill`` gives them back
+    loaded: list[torch.Tensor] = field(default_factory=list)
 
 
 class ShardCache:

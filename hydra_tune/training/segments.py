@@ -44,6 +44,9 @@ class Segment:
     units: tuple[Unit, ...]
     train: bool
     key: Any = None  # (train, input shapes): segments with equal keys allocate alike
+    # the task's next segment completes this one, right after its caller's own short work (a prepared training
+    # forward: its backward is the loop's next call): the device runs it before any other (scheduler.py)
+    follows: bool = False
 
     def __str__(self) -> str:
         return " ".join(str(u) for u in self.units)

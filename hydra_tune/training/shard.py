@@ -86,7 +86,8 @@ class ShardExec(ShardPythonState):
         self._inert = inert_modules(self.modules)
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
         self.direct = DirectPath(self)  # the light path of a resident only shard (direct.py)
-        self.kept_backwards = 0  # B units through their forward's kept (or offloaded) graph: no recompute
+        # B units through their forward's kept (or offloaded) graph: no recompute; of them, with no refill either
+        self.kept_backwards = self.loaded_backwards = 0
 
     # -- copies ---------------------------------------------------------------------------------------------
     def resident(self, device: Device) -> bool:
@@ -201,7 +202,8 @@ class ShardExec(ShardPythonState):
                 offload: bool = False, droppable: bool = False) -> None:
         """F: the output carry becomes the next shard's input in host memory. Plain: no autograd (B recomputes).
         ``keep``: the graph stays on the device, parameter bytes released until B refills them; ``droppable``:
-        what a recompute needs is saved too, so the graph may be dropped before B (residency.Kept). ``offload``:
+        what a recompute needs is saved too, so the graph may be dropped before B, and its parameter bytes stay
+        until another task runs there (residency.Kept ``loaded``: B, next, needs no refill). ``offload``:
         as ``keep``, but the saved activations are moved to host memory as they are made (B brings them back).
         ``train=False``: an eval forward (E)."""
         if train:
@@ -235,24 +237,25 @@ class ShardExec(ShardPythonState):
             self._write_back_buffers(copies, device, store, mode, recompute=droppable)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = map_tensors(lambda t: device.copier.to_host(t.detach()), out)
-            if not resident:  # a resident shard's parameter bytes are its state: they stay
-                for p in self.params:
-                    if id(p) not in self.pooled:  # a pooled copy is other tasks' too: it stays
-                        device.copier.release(copies[id(p)])
+            # a resident shard's parameter bytes are its state: they stay; a pooled copy is other tasks' too
+            own = [] if resident else [copies[id(p)] for p in self.params if id(p) not in self.pooled]
+            for t in [] if droppable else own:
+                device.copier.release(t)
             if offload:
                 # Every activation the backward reads is on the host now (but those the hooks left in place, e.g.
                 # tiny ones): the output and input tensors are only the graph's ends, so their bytes go too.
                 for t in {id(t): t for t in tree_flatten(out)[0] + leaves if isinstance(t, torch.Tensor)
                           and t.untyped_storage().nbytes() > 0 and not hooks.references(t)}.values():
                     device.copier.release(t)
-        store.kept[self.index] = Kept(out, leaves, copies, filled=resident, device=device, droppable=droppable)
+        store.kept[self.index] = Kept(out, leaves, copies, filled=resident or droppable, device=device,
+                                      droppable=droppable, loaded=own if droppable else [])
 
     def refill(self, device: Device, kept: Kept) -> int:
         """Give a kept forward's released parameter copies their values back (the prefetch of a kept B); returns
         the bytes copied."""
         if kept.filled:
             return 0
-        with device.copy_scope(), device.copier.deferred():
+        with device.refill_scope(), device.copier.deferred():
             for p in self.params:
                 if id(p) not in self.pooled:
                     device.copier.refill(kept.copies[id(p)], p)
@@ -314,6 +317,7 @@ class ShardExec(ShardPythonState):
         with self.python_state(device, store):  # backward hooks may keep state too
             if kept is not None:
                 self.kept_backwards += 1
+                self.loaded_backwards += bool(kept.loaded)  # its parameter copies still in (residency.Kept)
                 store.buffers.pop(self.index, None)  # (a droppable one's recompute inputs: not needed now)
                 store.states.pop(self.index, None)
                 with device.unit_scope(rng) as mode:

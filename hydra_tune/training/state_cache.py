@@ -106,6 +106,7 @@ class StateCache:
             self._running, self._upcoming, self._peak = home, [], peak
             if self._next is home:
                 self._next = None
+        self.graphs.unload(home.store, self.device.copier.release)  # (another task's parameters: not counted)
         if home.cache is not None and home.cache is not self:
             home.release("its next segment ran on another device")  # a task's state lives on one device
         budget = self.device.plan_budget
@@ -283,4 +284,4 @@ class StateCache:
         with self._lock:
             return {"resident_tasks": len(self._homes), "resident_bytes": sum(h.held_bytes() for h in self._homes),
                     "evictions": self.evictions, "graphs_held": self.graphs.held,
-                    "graphs_dropped": self.graphs.dropped}
+                    "graphs_dropped": self.graphs.dropped, "graphs_unloaded": self.graphs.unloaded}
