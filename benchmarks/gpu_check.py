@@ -247,7 +247,7 @@ def unit_memory(device: str, size: Size) -> list[dict[str, Any]]:
     shards, each run alone (no prefetch beside it), predicted bytes vs measured peak."""
     import dataclasses
 
-    from hydra_tune.device.devices import resolve_devices
+    from hydra_tune.device.resolve import resolve_devices
     from hydra_tune.training.state import TaskState
 
     data = token_batches(size, seed=4)[:1]
@@ -287,7 +287,7 @@ def backward_modes(device: str) -> dict[str, Any]:
     the plain loop on the device. HYDRA_TUNE_CUDA_RECOMPUTE=1 forces recompute in the runtime if this fails."""
     import dataclasses
 
-    from hydra_tune.device.devices import resolve_devices
+    from hydra_tune.device.resolve import resolve_devices
     from hydra_tune.training.residency import ShardCache
     from hydra_tune.training.state import TaskState
 

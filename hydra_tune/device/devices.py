@@ -1,6 +1,6 @@
 """Device discovery, budgets, memory measurement and RNG scoping per unit: CPU stand-ins and CUDA devices.
 
-    devices = resolve_devices(["cpu", "cpu"], 64 << 20)      # two CPU stand-ins for two GPUs
+    devices = resolve_devices(["cpu", "cpu"], 64 << 20)      # two CPU stand-ins for two GPUs (resolve.py)
     with devices[0].unit_scope(task_rng) as mode: ...        # run one unit: measured memory, task's RNG stream
     devices[0].peak_bytes() <= devices[0].budget
 
@@ -12,7 +12,6 @@ NVML (pynvml, imported lazily) for free memory and falls back to ``torch.cuda``.
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..errors import rule_error
 from .dispatch import ROUTED, MemoryAccount, UnitMode, router_for
 from .offload import releases_graphs
 from .quiet import QuietUnits
@@ -28,7 +26,6 @@ from .rng import TaskRNG
 from .seeding import OnDevice, seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
 
-CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
 
 
 _NULL = contextlib.nullcontext()  # (reusable)
@@ -366,52 +363,3 @@ class CudaDevice(Device):
 
     def current_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.torch_device))
-
-
-def _cuda_free_bytes(index: int) -> int:
-    try:
-        import pynvml  # optional extra `nvml`: sees memory held by other processes too
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML (not installed, no driver access): torch's view of this process's device
-        free, _total = torch.cuda.mem_get_info(index)
-        return int(free)
-
-
-def cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_devices(devices: int | str | Sequence[str] = "auto", budget: int | None = None) -> list[Device]:
-    """The Device objects for a ``RuntimeConfig``'s ``devices`` and ``device_memory`` (bytes), which it has
-    validated; what needs the machine (a GPU, its index, its free memory) is checked here."""
-    n_cuda = cuda_count()
-    if devices == "auto":
-        names = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
-    elif isinstance(devices, int):
-        names = [f"cuda:{i}" for i in range(devices)] if n_cuda else ["cpu"] * devices
-    else:
-        names = list(devices)
-    out: list[Device] = []
-    for i, name in enumerate(names):
-        if name == "cpu" or re.fullmatch(r"cpu:\d+", name):
-            out.append(CpuDevice(f"cpu:{i}", budget))
-        else:  # "cuda" or "cuda:<index>"
-            if n_cuda == 0:
-                raise rule_error("a CUDA device is available (torch.cuda.device_count() > 0)", "use CPU "
-                                 "stand-ins here, e.g. devices=['cpu', 'cpu'] with a device_memory budget, or "
-                                 "run where a GPU is visible (a CUDA build of torch, CUDA_VISIBLE_DEVICES not "
-                                 "empty)", device=name, device_count=0, torch_cuda=torch.version.cuda)
-            name = "cuda:0" if name == "cuda" else name
-            index = int(name.split(":")[1])
-            if index >= n_cuda:
-                raise rule_error("each `cuda:i` has `i < torch.cuda.device_count()`", "use an existing GPU "
-                                 f"index (0 to {n_cuda - 1})", device=name, device_count=n_cuda)
-            own = budget if budget is not None else int(_cuda_free_bytes(index) * (1 - CUDA_MARGIN))
-            out.append(CudaDevice(name, own))
-    return out

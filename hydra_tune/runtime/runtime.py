@@ -22,7 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import RuntimeConfig
-from ..device.devices import Device, resolve_devices
+from ..device.devices import Device
+from ..device.resolve import resolve_devices
 from ..device.threads import set_cpu_threads
 from ..errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
 from ..task import ModelTask
