@@ -26,9 +26,8 @@ from .rng import TaskRNG
 from .seeding import OnDevice, seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
 
-
-
 _NULL = contextlib.nullcontext()  # (reusable)
+
 
 class Device:
     """One execution device: a worker thread runs one unit at a time on it.

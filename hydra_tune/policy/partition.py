@@ -31,7 +31,6 @@ backward, when moving them (at the device's measured copy bandwidth) costs less 
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 

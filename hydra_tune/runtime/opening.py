@@ -48,16 +48,23 @@ class Openings:
     # (and Scheduler's end() and _push())
 
     # -- the host threads' work -------------------------------------------------------------------------------
-    def _open(self, task: Admitted, here: bool = False) -> None:
+    def _open(self, task: Admitted, here: int | None = None) -> Admitted | None:
         """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
         it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
-        A task that ended meanwhile is let go here."""
+        A task that ended meanwhile is let go here. ``here``: the device kept on the task opens it itself
+        (``Scheduler.open_here``), in the same hold of the lock: ``task`` when it got its segment, else None."""
         t0 = time.perf_counter()
         segment, status, error = self._advance(task)
+        nxt = None
         with self._lock:
-            live, free = self._opened(task, t0, segment, status, here)
+            live, free = self._opened(task, t0, segment, status, here is not None)
+            if here is not None:
+                if live and status is None and task.kept_by == here and not self._closed:
+                    nxt = task
+                task.kept_by = None
         del segment
         self._after_opening(task, live, free, status, error)
+        return nxt
 
     def _advance(self, task: Admitted) -> tuple[Segment | None, str | None, BaseException | None]:
         """Outside the lock: the task's next segment from its chain, or how the chain ended (a task that ended

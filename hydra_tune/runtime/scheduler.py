@@ -269,17 +269,7 @@ class Scheduler(Openings):
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
         if not opening:
             return None
-        # as its host thread would (_open); kept_by is set, so it is handed back here, not queued
-        t0 = time.perf_counter()
-        segment, status, error = self._advance(task)
-        with self._lock:
-            live, free = self._opened(task, t0, segment, status, here=True)
-            opened = live and status is None and task.kept_by == index
-            task.kept_by = None
-            nxt = task if opened and not self._closed else None
-        del segment
-        self._after_opening(task, live, free, status, error)
-        return nxt
+        return self._open(task, here=index)  # as its host thread would: kept_by set, handed back here, not queued
 
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless

@@ -76,9 +76,8 @@ class HeldGraphs:
                 store = self._live(held)
                 if store is None or any(store is s for s in spare):
                     continue
-                if store.kept.pop(held[1], None) is held[2]():
+                if self._take(store, held):
                     freed += held[3]
-                    self.dropped += 1
             self._prune()
         return freed
 
@@ -101,6 +100,14 @@ class HeldGraphs:
         device storage the cache no longer counts)."""
         with self._lock:
             for held in self._held:
-                if self._live(held) is store and store.kept.pop(held[1], None) is held[2]():
-                    self.dropped += 1
+                if self._live(held) is store:
+                    self._take(store, held)
             self._prune()
+
+    def _take(self, store: HostStore, held: tuple[weakref.ref[HostStore], int, weakref.ref[Any], int]) -> bool:
+        """(the lock held) Pop the held graph from its store, counted as dropped; False when a backward popped it
+        first (``dict.pop``: whoever pops first has it)."""
+        if store.kept.pop(held[1], None) is held[2]():
+            self.dropped += 1
+            return True
+        return False

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 _NULL = contextlib.nullcontext()
 
+
 def moves_with_param(group: dict[str, Any] | None, key: str) -> bool:
     """Whether optimizer state ``key`` moves to its parameter's device: all but the ``step`` counter of a group
     that is neither capturable nor fused (torch reads that one on the host, without a device sync)."""
@@ -71,20 +72,17 @@ class HomeSteps:
         self.device_bytes = sum(map(torch.UntypedStorage.nbytes, storages))
 
     @contextlib.contextmanager
-    def locked(self, step_follows: bool = False) -> Iterator[None]:
-        """The task's host thread changes its state inside (flush of gradients): no move meanwhile. With
-        ``step_follows`` (``steps_here``: a resident step right after), only the gradients are counted now; the
-        step's own count (``stepping``) passes over every tensor of the task once for both."""
+    def locked(self) -> Iterator[None]:
+        """The task's host thread changes its state inside (flush of gradients): no move meanwhile."""
         with self.lock:
             yield
-            if step_follows:
-                self.hold_grads()
-            else:
-                self.hold_now()
+            self.hold_now()
 
     def land_grads(self, store: Any, step_follows: bool = False) -> None:
         """The minibatch's gradients from ``store`` (a HostStore) into ``.grad`` and the store cleared, with no
-        move meanwhile; counted as ``locked`` counts them (a method, not a block: one per minibatch)."""
+        move meanwhile (``locked`` as a method: one per minibatch). With ``step_follows`` (``steps_here``: a
+        resident step right after) only the gradients are counted now; the step's own count passes over every
+        tensor of the task once for both."""
         with self.lock:
             store.flush_grads()
             store.clear()
@@ -105,24 +103,19 @@ class HomeSteps:
             cache.device.hold_storages([grad.untyped_storage() for slots in self._slots.values() for slot in slots
                                         if (grad := slot.param.grad) is not None])
 
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[Device | None]:
+    def stepping(self) -> contextlib.AbstractContextManager[Device | None]:
         """Around the task's optimizer step (clipping, step, scheduler, zero_grad), in its host thread: no move
-        meanwhile; yields the device its state is on (None: host memory) and counts the step there."""
-        with self.lock:
-            device = self.step_start()
-            with device.step_scope() if device is not None else _NULL:
-                yield device
-            self.step_end(device)
+        meanwhile; gives the device its state is on (None: host memory) and counts the step there. A class, not
+        a generator block: the loop enters one at every step."""
+        return _Stepping(self)
 
-    def step_start(self) -> Device | None:
-        """``stepping`` as two calls (the loop's step, once per step), the lock held around both: pending
-        updates applied; the device the whole step runs on (None: host memory)."""
+    def step_started(self) -> Device | None:
+        """(``_Stepping``, the lock held) Pending updates applied; the device the whole step runs on."""
         self.flush()
         return self.step_device()
 
-    def step_end(self, device: Device | None) -> None:
-        """After a whole step that ran on ``device`` (``step_start``'s answer): counted, its memory held."""
+    def step_ended(self, device: Device | None) -> None:
+        """(``_Stepping``, the lock held) A whole step ran on ``device``: counted, its memory held."""
         if device is not None:
             self.steps_on_device += 1
             self.hold_now()
@@ -237,3 +230,32 @@ class HomeSteps:
         if lazy is not None:
             out.update(lazy.stats())
         return out
+
+
+class _Stepping:
+    """``HomeSteps.stepping``'s block: the home's lock, then the device's step scope; a step that raised is not
+    counted (as the plain loop's failed step changes nothing it counts)."""
+
+    __slots__ = ("home", "device", "scope")
+
+    def __init__(self, home: HomeSteps) -> None:
+        self.home = home
+
+    def __enter__(self) -> Device | None:
+        self.home.lock.acquire()
+        try:
+            self.device = self.home.step_started()
+            self.scope = self.device.step_scope() if self.device is not None else _NULL
+            self.scope.__enter__()
+        except BaseException:
+            self.home.lock.release()
+            raise
+        return self.device
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.scope.__exit__(kind, exc, tb)
+            if kind is None:
+                self.home.step_ended(self.device)
+        finally:
+            self.home.lock.release()

@@ -15,7 +15,6 @@ whether later ones must; one that only starts drawing later draws from torch's g
 """
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,8 +27,6 @@ from .step import check_lazy
 if TYPE_CHECKING:
     from .state import TaskState
 
-
-_NULL = contextlib.nullcontext()
 
 class OptimizerStep:
     """One task's step: ``__call__`` clips, steps the optimizer (through the GradScaler under fp16), steps a
@@ -45,17 +42,15 @@ class OptimizerStep:
     def __call__(self) -> None:
         state = self.state
         home = state.home
-        with home.lock:  # (``home.stepping()`` as its two calls: no generator block at every step)
+        with home.lock:  # (re-entrant: ``stepping`` holds it again, so nothing moves between the two)
             if home.steps_lazily():
                 state.measure_held_bytes()
                 home.begin_lazy()  # before the scheduler: the snapshot keeps step t's hyper-parameters
                 self._schedule()
                 state.steps += 1
                 return
-            device = home.step_start()
-            with device.step_scope() if device is not None else _NULL:
+            with home.stepping():
                 self._whole(state)
-            home.step_end(device)
         state.steps += 1
 
     def _whole(self, state: TaskState) -> None:

@@ -56,6 +56,7 @@ def _is_float(t: object) -> bool:
 
 _NULL = contextlib.nullcontext()  # (reusable: one object, not one per unit)
 
+
 class ShardExec(ShardPythonState):
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
@@ -239,8 +240,9 @@ class ShardExec(ShardPythonState):
                 store.carries[self.index + 1] = map_tensors(lambda t: device.copier.to_host(t.detach()), out)
             # a resident shard's parameter bytes are its state: they stay; a pooled copy is other tasks' too
             own = [] if resident else [copies[id(p)] for p in self.params if id(p) not in self.pooled]
-            for t in [] if droppable else own:
-                device.copier.release(t)
+            if not droppable:  # (a droppable graph's copies stay filled for its backward: Kept ``loaded``)
+                for t in own:
+                    device.copier.release(t)
             if offload:
                 # Every activation the backward reads is on the host now (but those the hooks left in place, e.g.
                 # tiny ones): the output and input tensors are only the graph's ends, so their bytes go too.
