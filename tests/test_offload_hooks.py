@@ -6,6 +6,7 @@ covered by the exactness tests below (plain loop vs offloaded shards, max abs di
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import lm_batches, make_gpt2
 from reference import max_param_diff, plain_train, run_in_mode, smallest_plan
@@ -121,3 +122,59 @@ def test_footprint_on_meta_offloads_as_the_real_profile_does():
     real = measure_costs(real_cut, batch)
     meta = measure_costs(meta_cut, meta_cut.meta_batch(batch))
     assert [(c.off_fwd_peak, c.off_bwd_peak) for c in meta] == [(c.off_fwd_peak, c.off_bwd_peak) for c in real]
+
+
+# -- what the hooks hold: nothing past an abandoned forward, no stale parameter ids, versions checked ------------
+def _host_device(min_bytes: int = 0) -> CpuDevice:
+    dev = CpuDevice("cpu:0", None)
+    dev.copier.offload_min_bytes = min_bytes
+    return dev
+
+
+def test_an_abandoned_forward_with_outputs_saved_as_they_are_is_freed():
+    # Nothing is moved (threshold above every tensor): ReLU's and tanh's results are saved as they are. Returned
+    # undetached, each would hold its own node through the hook's reference: a cycle the collector cannot see.
+    import gc
+    import weakref
+
+    dev = _host_device(min_bytes=1 << 30)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    with offloading(dev, {1: w}, None):
+        hidden = torch.relu(x @ w.t())
+        out = torch.tanh(hidden * 2)
+    inside = weakref.ref(hidden)
+    del hidden, out  # the backward never runs (an out-of-memory retry, a cancelled task)
+    gc.collect()
+    assert inside() is None, "the abandoned forward's graph outlived its output"
+
+
+def test_a_storage_id_no_copy_lives_over_any_more_is_not_kept_in_place():
+    # ``keep`` names copies by tensor: a storage id counts while its own copy still lives over it. A forward that
+    # reassigns a buffer frees the old copy, and the next activation's storage may take its id (the allocator's
+    # reuse, which a test cannot force); a copy moved to other bytes stands for that here, deterministically.
+    dev = _host_device()
+    buffer = torch.zeros(16)
+    hooks = offloading(dev, {1: buffer}, None)
+    act = torch.empty(0).set_(buffer.untyped_storage())  # an activation over the storage id the buffer had
+    buffer.set_(torch.zeros(16).untyped_storage())        # the buffer's copy is elsewhere now
+    act.copy_(torch.randn(16))
+    with hooks:
+        packed = hooks.pack(act)
+    assert not hooks.references(act), "an activation was saved in place as if it were the buffer"
+    assert dev.copier.counts.snapshot()["d2h"]["activations"] == act.untyped_storage().nbytes()
+    assert torch.equal(hooks.unpack(packed), act)
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30], ids=["moved", "in-place"])
+def test_a_saved_tensor_changed_in_place_before_the_backward_raises_as_plain_autograd_does(min_bytes):
+    x = torch.randn(6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = x.exp()
+        y.add_(1)
+        y.sum().backward()
+    with offloading(_host_device(min_bytes), {}, None):
+        y = x.exp()  # exp saves its result
+    y.add_(1)
+    with pytest.raises(RuntimeError, match=r"not changed in place before the backward reads it.*now=1"):
+        y.sum().backward()

@@ -191,6 +191,37 @@ def test_out_of_memory_retry_applies_each_update_once(budget, share):
     assert_same_state(plain(task), got)
 
 
+def test_a_minibatch_abandoned_after_its_offloaded_forwards_leaves_no_device_bytes():
+    # What an out-of-memory retry or a cancel does with the forwards' graphs: drop them. EmaCount reassigns its
+    # buffers, freeing their old copies mid-forward; an activation that takes a freed copy's storage id stays an
+    # activation (moved to host memory), and nothing of a graph outlives the minibatch (it once kept a shard's
+    # parameter copies on the device until the task ended, and a re-plan for a tight budget failed).
+    import gc
+
+    from hydra_tune.device.devices import CpuDevice
+    from hydra_tune.training.residency import ShardCache
+
+    from hydra_tune.policy.partition import Plan, shard_of
+
+    state = TaskState.build(_task(), None)
+    cuts = [(0, 1), (1, 3), (3, len(state.costs))]  # EmaCount and the ReLU after it in one offloading forward
+    k = len(cuts)
+    shards = tuple(shard_of(state.costs, a, b, index=i) for i, (a, b) in enumerate(cuts))
+    state.reshard(Plan(shards, None, 0, keep=(False,) * k, offload=(True,) * (k - 1) + (False,)), replanned=False)
+    device = CpuDevice("cpu:0", None)
+    device.resident = ShardCache()
+    segment = next(iter(state.segments(lambda m: None)))
+    for unit in segment.units:
+        if unit.kind != "F":
+            break
+        unit.run(device)
+    assert len(state.store.kept) == k - 1
+    device.resident.clear()
+    state.store.clear()
+    gc.collect()
+    assert device.account.current == 0
+
+
 # -- submit touches nothing of the user's objects -----------------------------------------------------------------
 def test_a_python_counter_in_forward_trains_like_plain():
     def factory() -> nn.Module:

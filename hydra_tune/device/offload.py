@@ -1,6 +1,6 @@
 """Saved-tensor hooks that send a forward's activations to host memory and bring each back where it came from.
 
-    hooks = Offloader(copier, keep={storage ids of the shard's parameters}, pause=lambda: paused_accounting(mode))
+    hooks = Offloader(copier, keep=the shard's parameter copies, pause=lambda: paused_accounting(mode))
     with hooks:                      # torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) inside
         out = forward(...)           # on exit: every copy out has landed and no source is held any more
     out.backward(g)                  # each saved tensor comes back on its own device, with its own layout
@@ -15,13 +15,22 @@ Rules (each one a way the CUDA autograd engine has crashed or could read wrong v
   from one ``qkv`` come back as views of one copy, as the forward left them).
 * The copy out may run on a side stream: the source is held (and recorded on that stream) until its event has
   completed, and the copy back waits for that event before it reads the host buffer.
+* ``keep`` names the shard's parameter and buffer copies by tensor, not by storage id alone: a buffer the forward
+  reassigns frees its old copy, and the next activation's storage may take its id (it would stay on the device,
+  saved as it is, against the plan).
+* A tensor saved as it is goes in detached when it has a graph: a forward's output saved by its own node (ReLU's
+  result) would hold that node through the hook's reference, a cycle the garbage collector cannot see, and the
+  whole graph (parameter copies included) would outlive a forward whose backward never runs (an out-of-memory
+  retry, a cancelled task, a dropped graph).
+* A saved tensor changed in place before the backward reads it raises, as plain PyTorch's autograd does (hooks turn
+  its version check off): the offloaded copy holds the old values, the tensor the new ones.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,16 +54,39 @@ class _Span:
 
 
 class _Packed:
-    """A saved tensor whose storage is in host memory: where and how to rebuild it."""
+    """A saved tensor whose storage is in host memory: where and how to rebuild it, and the tensor it was (weakly,
+    with its version then: a change in place before the backward is refused)."""
 
-    __slots__ = ("span", "dtype", "offset", "size", "stride")
+    __slots__ = ("span", "dtype", "offset", "size", "stride", "source", "version")
 
-    def __init__(self, span: _Span, t: torch.Tensor) -> None:
+    def __init__(self, span: _Span, t: torch.Tensor, source: weakref.ref[torch.Tensor]) -> None:
         self.span = span
         self.dtype = t.dtype
         self.offset = t.storage_offset()
         self.size = tuple(t.shape)
         self.stride = t.stride()
+        self.source = source
+        self.version = t._version
+
+
+class _AsIs:
+    """A saved tensor left where it is (a parameter, a tiny or host tensor), detached (no cycle through its graph),
+    with its version when saved."""
+
+    __slots__ = ("tensor", "version", "checked")
+
+    def __init__(self, t: torch.Tensor, checked: bool) -> None:
+        self.tensor = t.detach() if t.grad_fn is not None else t  # (detach shares the version counter)
+        self.version = t._version
+        self.checked = checked  # parameter copies are refilled in place by the runtime itself: not checked
+
+
+def _changed_in_place(t: torch.Tensor, version: int) -> Exception:
+    return rule_error(
+        "a tensor saved for the backward is not changed in place before the backward reads it (plain PyTorch's "
+        "autograd raises here too)", "use the out-of-place form of the operation (y = y + 1, not y.add_(1)), or "
+        "clone the tensor before changing it", kind=RuntimeError, shape=tuple(t.shape), saved_at_version=version,
+        now=t._version)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -72,11 +104,12 @@ def _movable(t: torch.Tensor, device: torch.device, min_bytes: int) -> bool:
 class Offloader:
     """Pack/unpack hooks for one offloading forward; enter it around the forward (see the module's rules)."""
 
-    def __init__(self, copier: Any, keep: set[int] | None = None,
+    def __init__(self, copier: Any, keep: Iterable[torch.Tensor] = (),
                  pause: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         self.copier = copier
         self.device = torch.device(copier.device)
-        self.keep = keep or set()
+        # storage id -> the copy over it, weakly: an id counts only while its own tensor still lives over it
+        self._keep = {t.untyped_storage()._cdata: weakref.ref(t) for t in keep}
         self.pause = pause
         self._spans: dict[int, _Span] = {}  # storage id -> its host copy, while a tensor over it is alive
         self._flying: list[_Span] = []  # spans whose source is still held
@@ -86,11 +119,17 @@ class Offloader:
         """Whether the graph saved a tensor over ``t``'s storage as it is (not moved): its bytes must stay."""
         return t.untyped_storage()._cdata in self._held
 
+    def _keeps(self, key: int) -> bool:
+        ref = self._keep.get(key)
+        own = ref() if ref is not None else None
+        return own is not None and own.untyped_storage()._cdata == key
+
     def pack(self, t: torch.Tensor) -> Any:
         key = t.untyped_storage()._cdata
-        if key in self.keep or not _movable(t, self.device, self.copier.offload_min_bytes):
+        kept = self._keeps(key)
+        if kept or not _movable(t, self.device, self.copier.offload_min_bytes):
             self._held.add(key)
-            return t
+            return _AsIs(t, checked=not kept)
         self._land(wait=False)
         span = self._spans.get(key)
         if span is None or span.version != t._version or not any(
@@ -103,12 +142,18 @@ class Offloader:
             self._spans[key] = span
             if event is not None:
                 self._flying.append(span)
-        span.users.append(weakref.ref(t))
-        return _Packed(span, t)
+        source = weakref.ref(t)
+        span.users.append(source)
+        return _Packed(span, t, source)
 
     def unpack(self, x: Any) -> torch.Tensor:
-        if not isinstance(x, _Packed):
-            return x
+        if isinstance(x, _AsIs):
+            if x.checked and x.tensor._version != x.version:
+                raise _changed_in_place(x.tensor, x.version)
+            return x.tensor
+        source = x.source()
+        if source is not None and source._version != x.version:
+            raise _changed_in_place(source, x.version)
         span = x.span
         if span.on_device is None:
             span.on_device = self.copier.unstash(span.host, span.event, span.device)

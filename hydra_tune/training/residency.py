@@ -100,5 +100,4 @@ def offloading(device: Device, copies: dict[int, torch.Tensor], mode: Any) -> Of
     """The saved-tensor hooks of an offloading forward, to enter around it (device/offload.py has the rules):
     parameters and buffers (``copies``) stay referenced, their bytes released and refilled like a kept forward's;
     every other saved tensor on the device goes to host memory now and comes back when the backward needs it."""
-    keep = {c.untyped_storage()._cdata for c in copies.values()}
-    return Offloader(device.copier, keep, pause=lambda: paused_accounting(mode))
+    return Offloader(device.copier, list(copies.values()), pause=lambda: paused_accounting(mode))
