@@ -73,12 +73,12 @@ class _AsIs:
     """A saved tensor left where it is (a parameter, a tiny or host tensor), detached (no cycle through its graph),
     with its version when saved."""
 
-    __slots__ = ("tensor", "version", "checked")
+    __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor, checked: bool) -> None:
         self.tensor = t.detach() if t.grad_fn is not None else t  # (detach shares the version counter)
-        self.version = t._version
-        self.checked = checked  # parameter copies are refilled in place by the runtime itself: not checked
+        # None: not checked (parameter copies are refilled in place by the runtime itself)
+        self.version = t._version if checked else None
 
 
 def _changed_in_place(t: torch.Tensor, version: int) -> Exception:
@@ -148,7 +148,7 @@ class Offloader:
 
     def unpack(self, x: Any) -> torch.Tensor:
         if isinstance(x, _AsIs):
-            if x.checked and x.tensor._version != x.version:
+            if x.version is not None and x.tensor._version != x.version:
                 raise _changed_in_place(x.tensor, x.version)
             return x.tensor
         source = x.source()
