@@ -119,6 +119,21 @@ def test_remote_tasks_match_in_process_runtime_bit_for_bit():
         assert _no_seconds(ms0) == _no_seconds(ms1) and len(ms1) == 2
 
 
+def test_a_task_over_slices_of_one_dataset_trains_remotely_as_in_process():
+    # the minibatches are views of one tensor: they travel as one storage (node/shipping.py) and share it there
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(48, 16, generator=g), torch.randn(48, 4, generator=g)
+    data = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)]
+
+    def task():
+        return ht.ModelTask(_mlp, _sgd, data, loss=_mse, epochs=2, seed=4, name="sliced")
+    with ht.Runtime(**CFG) as local:
+        expected = trained(local.submit(task()))
+    with _connect() as rt:
+        got = trained(rt.submit(task()))
+    assert max_param_diff(expected, got) == 0.0
+
+
 def test_two_clients_share_one_server_and_see_each_others_tasks():
     with _connect() as a, _connect() as b:
         assert a.pid == b.pid == b.stats()["server"]["pid"] and a.stats()["server"]["clients"] >= 2

@@ -38,6 +38,7 @@ from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
 from ..task import ModelTask
 from ..training.boundary import Snapshot
+from .shipping import dump as ship, load as unship
 from .boot import SHADOWED_EXIT, package_dir, script, shadowing_error
 from .files import LOG_BYTES, locked, log_tail, server_env, server_files
 from .wire import RemoteError, TaskNotPicklable, unpack_error
@@ -90,14 +91,14 @@ class RemoteHandle(TaskHandle):
         """The done task's model (CPU), fetched from the server once; the server then drops its copy."""
         with self._fetch:
             if not self._fetched:
-                self._fetched.append(pickle.loads(self._call("model", self._tid)))
+                self._fetched.append(unship(self._call("model", self._tid)))
         return self._fetched[0]
 
     def snapshot(self, timeout: float | None = None) -> Snapshot:
         """``TaskHandle.snapshot`` served by the server's handle and shipped here; a done task's from its model."""
         if self.done():
             return super().snapshot(timeout)
-        return pickle.loads(self._call("snapshot", self._tid, timeout))
+        return unship(self._call("snapshot", self._tid, timeout))
 
     def checkpoint(self, path: str, timeout: float | None = None) -> str:
         """``TaskHandle.checkpoint`` run in the server (same node, same filesystem); returns the absolute path."""
@@ -156,7 +157,8 @@ class NodeRuntime:
         self.pid, self.devices, self.client_id = info["pid"], info["devices"], info["client"]
 
     def submit(self, task: ModelTask) -> RemoteHandle:
-        """Ship ``task`` (cloudpickle) to the server, which plans it (errors raise here) and queues it."""
+        """Ship ``task`` (cloudpickle, each tensor storage once: shipping.py) to the server, which plans it (errors
+        raise here) and queues it."""
         if not isinstance(task, ModelTask):
             raise rule_error("`task` is a hydra_tune.ModelTask", "wrap the job in ModelTask(model, optimizer, "
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
@@ -275,7 +277,7 @@ def _dump_task(task: ModelTask) -> bytes:
         task = copy.copy(task)  # the server's cwd may differ: resolve the checkpoint path here
         task.resume_from = os.path.abspath(task.resume_from)
     try:
-        return cloudpickle.dumps(task)
+        return ship(task)  # each tensor storage once (shipping.py)
     except Exception as exc:  # noqa: BLE001  (TypeError, PicklingError, AttributeError, RecursionError, ...)
         field = next((f for f in _TASK_FIELDS if not _pickles(cloudpickle, getattr(task, f, None))), "?")
         raise rule_error("the task pickles with cloudpickle (the node server runs it in its own process)",

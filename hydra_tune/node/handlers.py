@@ -19,13 +19,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-
 from ..errors import RuntimeClosed, rule_error
 from ..runtime.runtime import Runtime
 from .connections import Client
 from .files import server_log
 from .forward import Forwarders
+from .shipping import dump, load
 from .wire import TaskNotPicklable, pack_error, renamed
 
 __all__ = ["Handlers"]
@@ -82,7 +81,7 @@ class Handlers:
 
     def _submit(self, client: Client, tid: int, blob: bytes) -> str:
         try:
-            task = cloudpickle.loads(blob)
+            task = load(blob)
         except Exception as exc:  # noqa: BLE001
             raise rule_error("the node server can load the task", "make the module of its factories importable "
                              f"from the server (it has the client's sys.path; its cwd is {os.getcwd()}), or define "
@@ -114,7 +113,7 @@ class Handlers:
         handle = client.task(tid)
         if handle is None:
             raise RuntimeError(f"the node server no longer holds task {tid}'s model (it was fetched or forgotten)")
-        blob = cloudpickle.dumps(handle.model())   # by value where the client's task was: the same classes there
+        blob = dump(handle.model())   # by value where the client's task was: the same classes there
         client.release(tid)                        # shipped: the client keeps the only copy
         return blob
 
@@ -127,7 +126,7 @@ class Handlers:
             snap = handle.snapshot(timeout)
         except BaseException as exc:  # its message names the task as the client does
             raise renamed(exc, handle.name, handle.name.split("/", 1)[-1]) from exc.__cause__
-        return cloudpickle.dumps(snap)   # the model by value, as for "model"
+        return dump(snap)   # the model by value, as for "model"
 
     def _checkpoint(self, client: Client, tid: int, path: str, timeout: float | None) -> str:
         handle = client.task(tid)
