@@ -6,7 +6,10 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
      (default 10; --quick 3) with an accuracy evaluation after every epoch (``metrics={"accuracy": ...}``).
      hydra_tune: all trials submitted at once to one runtime with 2 CPU devices (wall counts runtime start, every
      submit and every result). Plain: the same trials as plain PyTorch loops, 2 at a time (two threads, as Optuna's
-     ``n_jobs=2``). Ratio = plain wall / hydra wall (>= 1.0: hydra at least as fast; the issue's goal).
+     ``n_jobs=2``). Ratio = plain wall / hydra wall (>= 1.0: hydra at least as fast; the issue's goal). Beside it
+     the same trials through 2 node servers of one CPU device each (``hydra_tune.node``: a process each, so the
+     devices share no GIL; tasks dealt out in turn; the servers started once, as a node server outlives a
+     search), whose accuracies must equal the in-process runtime's.
   2. Short trials: 4 GPT-2 tasks (4 layers x 128) of 6 minibatches, 1 epoch, on 2 CPU devices vs 1, wall counting
      submit (runtime start to the last result). Goal >= 1.6x.
   3. Per-unit runtime overhead: one MLP trial alone on 1 device, traced. ``unit`` = (sum of its units' wall times -
@@ -130,6 +133,28 @@ def hydra_search(tasks: list[ht.ModelTask], devices: int = 2) -> tuple[float, li
     return time.perf_counter() - start, accs
 
 
+def start_servers(count: int = 2) -> tuple[list[Any], float]:
+    """``count`` node servers of one CPU device each (hydra_tune.node: a process each, so no shared GIL) and the
+    seconds their start took. A server is one per configuration: they differ only in ``history``."""
+    import os
+
+    from hydra_tune import node
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # their one intra-op thread each, as every side here
+    os.environ.setdefault("HYDRA_TUNE_NODE_LINGER", "600")  # alive between the runs; gone 10 min after the last
+    start = time.perf_counter()
+    servers = [node.connect(config=ht.RuntimeConfig(devices=["cpu"], history=1000 + j)) for j in range(count)]
+    return servers, time.perf_counter() - start
+
+
+def servers_search(tasks: list[ht.ModelTask], servers: list[Any]) -> tuple[float, list[float]]:
+    """The search through the node servers, tasks dealt out in turn (wall: every submit and every result)."""
+    start = time.perf_counter()
+    handles = [servers[i % len(servers)].submit(t) for i, t in enumerate(tasks)]
+    accs = [h.result()["accuracy"] for h in handles]
+    return time.perf_counter() - start, accs
+
+
 def _traced_units(train: list[Batch], val: list[Batch], epochs: int) -> list[Any]:
     """The trace's units of the fastest of three runs of one trial alone on one device (first to last unit)."""
     runs = []
@@ -191,23 +216,36 @@ def main() -> int:
           f"{len(val)} eval batches of 64), accuracy every epoch; {args.repeats} runs per side", flush=True)
     hydra_search([trial_task(0, train, val, 1)], 2)   # warm-up of each side (imports, allocator)
     plain_search([trial_task(0, train, val, 1)])
-    runs: dict[str, list[float]] = {"hydra": [], "plain": []}
+    servers, server_start = start_servers()
+    servers_search([trial_task(i, train, val, 1) for i in range(2)], servers)
+    runs: dict[str, list[float]] = {"hydra": [], "plain": [], "servers": []}
     cpu: dict[str, list[float]] = {"hydra": [], "plain": []}  # process CPU seconds: less swayed by other load
     accs: dict[str, list[float]] = {}
+    sides = ["hydra", "plain", "servers"]
     for r in range(args.repeats):
-        for side in (("hydra", "plain") if r % 2 == 0 else ("plain", "hydra")):
+        for side in sides[r % 3:] + sides[:r % 3]:
             tasks = [trial_task(i, train, val, epochs) for i in range(n)]
             c0 = _cpu_seconds()
-            wall, accs[side] = hydra_search(tasks) if side == "hydra" else plain_search(tasks)
+            wall, accs[side] = (hydra_search(tasks) if side == "hydra" else plain_search(tasks) if side == "plain"
+                                else servers_search(tasks, servers))
             runs[side].append(wall)
-            cpu[side].append(_cpu_seconds() - c0)
-            print(f"   {side:<6} run {r + 1}: {wall:6.2f} s ({cpu[side][-1]:.2f} CPU s)", flush=True)
+            if side in cpu:  # (the servers' CPU is theirs, not this process's)
+                cpu[side].append(_cpu_seconds() - c0)
+            print(f"   {side:<7} run {r + 1}: {wall:6.2f} s" + (f" ({cpu[side][-1]:.2f} CPU s)" if side in cpu else ""),
+                  flush=True)
+    for rt in servers:
+        rt.close()
     hydra, plain = statistics.median(runs["hydra"]), statistics.median(runs["plain"])
     cpu_ratio = statistics.median(cpu["plain"]) / statistics.median(cpu["hydra"])
     # (the plain threads share torch's global generator, so their dropout masks interleave: means, not equality)
     mean = {side: sum(a) / len(a) for side, a in accs.items()}
     print(f"   search ratio plain/hydra = {plain / hydra:.3f}x (hydra {hydra:.2f} s, plain 2 at a time {plain:.2f} s; "
           f"goal >= 1.0x); mean final accuracy hydra {mean['hydra']:.3f}, plain {mean['plain']:.3f}", flush=True)
+    served = statistics.median(runs["servers"])
+    print(f"   through 2 node servers of 1 CPU device each (a process each: no shared GIL; their start, "
+          f"{server_start:.2f} s, not counted): plain/servers = {plain / served:.3f}x ({served:.2f} s); hydra's "
+          f"accuracies {'equal' if accs['servers'] == accs['hydra'] else 'DIFFER FROM'} the in-process runtime's",
+          flush=True)
     print(f"   CPU seconds, plain/hydra = {cpu_ratio:.3f}x (what each side spent, all threads; compare across runs "
           "when the machine's load differs)", flush=True)
 
@@ -221,6 +259,7 @@ def main() -> int:
     print(f"   {over['units']} units; unit overhead {over['unit_us']:.0f} us/unit, with hand-offs and host work "
           f"{over['gap_us']:.0f} us/unit, plain compute {over['plain_per_unit_us']:.0f} us/unit (aim < 200 us)")
     emit({"benchmark": "small_trials", "search_ratio": plain / hydra, "search": runs, "search_cpu": cpu,
+          "servers_ratio": plain / served, "server_start_s": server_start,
           "search_cpu_ratio": cpu_ratio, "mean_accuracy": mean,
           "short": short, "overhead": over, "trials": n, "epochs": epochs, "mlp_params": params}, args, t_start)
     return 0
