@@ -242,8 +242,8 @@ def main() -> int:
     print(f"   search ratio plain/hydra = {plain / hydra:.3f}x (hydra {hydra:.2f} s, plain 2 at a time {plain:.2f} s; "
           f"goal >= 1.0x); mean final accuracy hydra {mean['hydra']:.3f}, plain {mean['plain']:.3f}", flush=True)
     served = statistics.median(runs["servers"])
-    print(f"   through 2 node servers of 1 CPU device each (a process each: no shared GIL; their start, "
-          f"{server_start:.2f} s, not counted): plain/servers = {plain / served:.3f}x ({served:.2f} s); hydra's "
+    print(f"   through 2 node servers of 1 CPU device each (a process each: no shared GIL; connecting, "
+          f"{server_start:.2f} s with their start if they were not running, not counted): plain/servers = {plain / served:.3f}x ({served:.2f} s); hydra's "
           f"accuracies {'equal' if accs['servers'] == accs['hydra'] else 'DIFFER FROM'} the in-process runtime's",
           flush=True)
     print(f"   CPU seconds, plain/hydra = {cpu_ratio:.3f}x (what each side spent, all threads; compare across runs "

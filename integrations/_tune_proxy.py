@@ -1,6 +1,6 @@
 """Torch-free half of the Ray Tune integration: the per-node runtime actor and the thin trial proxy.
 
-    fn_bytes = cloudpickle.dumps(train_fn)                 # the user's function, unpickled only in the runtime
+    fn_bytes = shipping.dump(train_fn, cloudpickle)        # the user's function, unpickled only in the runtime
     trainable = make_proxy(fn_bytes, RuntimeConfig(devices="auto").as_dict(), cpus=0.05, name="train_fn")
     tune.Tuner(trainable, ...)                             # each trial streams train_fn's reports from its node
 
@@ -117,7 +117,7 @@ class RuntimeActor:
         from hydra_tune.integrations._tune_names import tune_checked  # refuses Tune's own result keys
         from hydra_tune.integrations._tune_session import ForwardSession
 
-        from hydra_tune import api
+        from hydra_tune import api, shipping
 
         old = self.trials.get(trial_id)
         if old is not None and old.thread is not None and old.thread.is_alive():
@@ -127,7 +127,7 @@ class RuntimeActor:
         def run() -> None:
             self.router.use(s)
             try:
-                fn = cloudpickle.loads(fn_bytes)
+                fn = shipping.load(fn_bytes)  # (ray_tune.py wrote it: each tensor storage once)
                 from hydra_tune.prepare.streams import trial_stream
 
                 # trials run in threads of this actor: each its own stream of torch's random numbers

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 from ray import cloudpickle, tune
 
+from hydra_tune import shipping
 from hydra_tune.config import RuntimeConfig
 from hydra_tune.errors import rule_error
 from hydra_tune.runtime.progress import progress_seconds
@@ -87,7 +88,9 @@ class HydraExecutor(tune.Callback):
         if not callable(train_fn):
             raise rule_error("`train_fn` is callable", "pass the Tune function `def train_fn(config): ...`",
                              kind=TypeError, train_fn=type(train_fn).__name__)
-        fn_bytes = cloudpickle.dumps(train_fn)    # unpickled (with torch and the model code) only in the runtime
+        # unpickled (with torch and the model code) only in the runtime, once per trial; each tensor storage it
+        # holds travels once (a dataset sliced into minibatches: once, not once per minibatch)
+        fn_bytes = shipping.dump(train_fn, cloudpickle)
         return _proxy.make_proxy(fn_bytes, self.runtime_settings(), self.proxy_cpus,
                                  getattr(train_fn, "__name__", "hydra_trial"), self.report_proxy_modules)
 

@@ -114,19 +114,19 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_not_run(tmp_path):
 _LOADERS = {"pickle", "cloudpickle", "dill", "torch", "joblib", "marshal", "numpy", "np"}
 # Every place hydra_tune turns bytes into objects, and why no other user can have written those bytes. A new one
 # fails this test until it is added here with its reason (and the README's "Files on disk" says the same).
-# torch.load is weights_only everywhere but in the node connection's frames, which carry functions by value.
-_FRAMES = {"hydra_tune/node/shipping.py"}
+# torch.load is weights_only everywhere but in shipping.py: node frames and Tune trainables carry functions by value.
+_FRAMES = {"hydra_tune/shipping.py"}
 _KNOWN = {
     "hydra_tune/training/checkpoint.py": (1, "torch.load(weights_only=True): tensors and plain data only"),
     "hydra_tune/node/client.py": (1, "frames of the node server's connection (messages), after the mutual HMAC "
                                     "handshake"),
-    "hydra_tune/node/shipping.py": (2, "a task, a trained model or a snapshot in a frame of the node connection, after "
-                                      "the HMAC handshake: torch's format holding cloudpickle's graph (functions by "
-                                      "value, so torch.load(weights_only=False)), or a plain cloudpickle blob"),
+    "hydra_tune/shipping.py": (2, "a task, a trained model or a snapshot in a frame of the node connection, after the "
+                                 "HMAC handshake, or a Tune trainable in a Ray actor call: torch's format holding "
+                                 "cloudpickle's graph (functions by value, so torch.load(weights_only=False)), or a "
+                                 "plain cloudpickle blob"),
     "hydra_tune/node/wire.py": (2, "an error in a frame of the node connection (above/below); the server's own error"),
     "hydra_tune/node/connections.py": (1, "frames of a client's connection after the HMAC handshake"),
-    "integrations/_tune_proxy.py": (2, "the trainable's bytes, a failed trial's exception: Ray actor calls (Ray's "
-                                       "own transport)"),
+    "integrations/_tune_proxy.py": (1, "a failed trial's exception: a Ray actor call (Ray's own transport)"),
 }
 
 

@@ -120,7 +120,7 @@ def test_remote_tasks_match_in_process_runtime_bit_for_bit():
 
 
 def test_a_task_over_slices_of_one_dataset_trains_remotely_as_in_process():
-    # the minibatches are views of one tensor: they travel as one storage (node/shipping.py) and share it there
+    # the minibatches are views of one tensor: they travel as one storage (hydra_tune/shipping.py) and share it there
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(48, 16, generator=g), torch.randn(48, 4, generator=g)
     data = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)]

@@ -14,9 +14,9 @@ interpreter, visible GPUs), gone ``$HYDRA_TUNE_NODE_LINGER`` s (10) after its la
 passed before anything is unpickled), ``<key>.sock``, ``<key>.lock`` (starting and stopping) and ``<key>.log``.
 
 Modules: ``client`` (connect, NodeRuntime, RemoteHandle), ``files`` (where a server lives), ``wire`` (the messages
-and how errors travel), ``shipping`` (tasks and models as bytes, each tensor storage once), and the server's:
-``boot`` (its start: which hydra_tune it imports), ``server`` (its lifetime), ``connections``, ``handlers``,
-``forward``.
+and how errors travel), and the server's: ``boot`` (its start: which hydra_tune it imports), ``server`` (its
+lifetime), ``connections``, ``handlers``, ``forward``. Tasks and models travel as ``hydra_tune/shipping.py``
+writes them (each tensor storage once).
 """
 from .client import NodeRuntime, RemoteHandle, connect
 from .files import server_files

@@ -38,7 +38,7 @@ from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
 from ..task import ModelTask
 from ..training.boundary import Snapshot
-from .shipping import dump as ship, load as unship
+from ..shipping import dump as ship, load as unship
 from .boot import SHADOWED_EXIT, package_dir, script, shadowing_error
 from .files import LOG_BYTES, locked, log_tail, server_env, server_files
 from .wire import RemoteError, TaskNotPicklable, unpack_error
@@ -157,8 +157,8 @@ class NodeRuntime:
         self.pid, self.devices, self.client_id = info["pid"], info["devices"], info["client"]
 
     def submit(self, task: ModelTask) -> RemoteHandle:
-        """Ship ``task`` (cloudpickle, each tensor storage once: shipping.py) to the server, which plans it (errors
-        raise here) and queues it."""
+        """Ship ``task`` (cloudpickle, each tensor storage once: hydra_tune/shipping.py) to the server, which plans
+        it (errors raise here) and queues it."""
         if not isinstance(task, ModelTask):
             raise rule_error("`task` is a hydra_tune.ModelTask", "wrap the job in ModelTask(model, optimizer, "
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
@@ -277,7 +277,7 @@ def _dump_task(task: ModelTask) -> bytes:
         task = copy.copy(task)  # the server's cwd may differ: resolve the checkpoint path here
         task.resume_from = os.path.abspath(task.resume_from)
     try:
-        return ship(task)  # each tensor storage once (shipping.py)
+        return ship(task)  # each tensor storage once (hydra_tune/shipping.py)
     except Exception as exc:  # noqa: BLE001  (TypeError, PicklingError, AttributeError, RecursionError, ...)
         field = next((f for f in _TASK_FIELDS if not _pickles(cloudpickle, getattr(task, f, None))), "?")
         raise rule_error("the task pickles with cloudpickle (the node server runs it in its own process)",

@@ -24,7 +24,7 @@ from ..runtime.runtime import Runtime
 from .connections import Client
 from .files import server_log
 from .forward import Forwarders
-from .shipping import dump, load
+from ..shipping import dump, load
 from .wire import TaskNotPicklable, pack_error, renamed
 
 __all__ = ["Handlers"]

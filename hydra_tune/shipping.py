@@ -1,8 +1,10 @@
-"""How tasks and models cross between a node client and its server: cloudpickle's object graph in torch's
+"""How tasks, models and Tune trainables cross to another process: cloudpickle's object graph in torch's
 serialization format, each tensor storage written once.
 
-    blob = dump(task)            # the client (a ModelTask), or the server (a trained model, a snapshot)
+    blob = dump(task)            # a node client's ModelTask; the server's trained model or snapshot
     task = load(blob)            # the other side
+    fn_bytes = dump(train_fn, ray.cloudpickle)   # a Tune trainable (integrations/ray_tune.py), loaded in the
+                                                 # runtime actor for each trial
 
 Why: plain pickling writes a tensor's whole storage with every tensor that views it. A task whose minibatches
 are slices of one dataset tensor (``[x[i:i + 64] for i in ...]``, the usual way to batch an in-memory set) carried
@@ -12,9 +14,10 @@ cloudpickle's pickler writes each storage once (factories and lambdas still go b
 them so), and tensors that shared a storage in the sender share one in the receiver, as they do in the sender's
 own process (an in-process Runtime sees the user's tensors as they are).
 
-Rules: both sides are the same hydra_tune (the server imports the client's, node/boot.py); a blob that is not in
-torch's format (a plain cloudpickle blob: no zip header) still loads. Loading runs code from the blob, as any
-unpickling does: only after the connection's HMAC handshake (node/connections.py).
+Rules: both sides are the same hydra_tune (a node server imports its client's, node/boot.py; a Ray runtime actor
+the driver's); a blob that is not in torch's format (a plain cloudpickle blob: no zip header) still loads. Loading
+runs code from the blob, as any unpickling does: only what came over a node connection after its HMAC handshake
+(node/connections.py) or as an argument of a Ray actor call (Ray's transport).
 """
 from __future__ import annotations
 
@@ -25,13 +28,16 @@ from typing import Any
 _ZIP = b"PK\x03\x04"  # torch.save's format is a zip archive
 
 
-def dump(obj: Any) -> bytes:
-    """``obj`` as bytes: cloudpickle's graph, each storage once (raises what pickling raises)."""
-    import cloudpickle
+def dump(obj: Any, pickle_module: Any = None) -> bytes:
+    """``obj`` as bytes: cloudpickle's graph, each storage once (raises what pickling raises). ``pickle_module``:
+    the cloudpickle to use (Ray's own for a Tune trainable: the modules it registered to go by value), by default
+    the ``cloudpickle`` package."""
     import torch
 
+    if pickle_module is None:
+        import cloudpickle as pickle_module
     buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=cloudpickle, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save(obj, buf, pickle_module=pickle_module, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     return buf.getvalue()
 
 

@@ -1,5 +1,6 @@
-"""How tasks and models travel to and from the node server (hydra_tune/node/shipping.py): each storage once,
-shared storages shared on the other side, factories by value. The server round trip is in test_node.py."""
+"""How tasks, models and Tune trainables travel to another process (hydra_tune/shipping.py): each storage once,
+shared storages shared on the other side, factories by value. The node server's round trip is in test_node.py, a
+Tune trainable's in test_ray_tune.py."""
 from __future__ import annotations
 
 import cloudpickle
@@ -8,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hydra_tune as ht
-from hydra_tune.node import shipping
+from hydra_tune import shipping
 
 
 def _sliced(n: int = 32, batch: int = 8) -> tuple[torch.Tensor, list]:
@@ -70,3 +71,17 @@ def test_a_plain_cloudpickle_blob_still_loads():
     _, data = _sliced(2)
     task = shipping.load(cloudpickle.dumps(_task(data)))
     assert task.name == "sliced" and torch.equal(task.train_data[1][0], data[1][0])
+
+
+def test_a_tune_trainable_over_a_sliced_dataset_carries_it_once(monkeypatch):
+    from hydra_tune.integrations import _tune_proxy, ray_tune
+
+    seen: dict[str, bytes] = {}
+    monkeypatch.setattr(_tune_proxy, "make_proxy", lambda fn_bytes, *args, **kw: seen.setdefault("fn", fn_bytes))
+    x, data = _sliced()
+
+    def train_fn(config):
+        return sum(float(b[0].sum()) for b in data)
+    ray_tune.HydraExecutor().wrap(train_fn)  # what each trial's runtime actor loads (its Tune run: test_ray_tune.py)
+    assert len(seen["fn"]) < 2 * x.numel() * x.element_size() + 64 * 1024
+    assert shipping.load(seen["fn"])({}) == train_fn({})
