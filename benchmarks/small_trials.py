@@ -7,9 +7,9 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
      hydra_tune: all trials submitted at once to one runtime with 2 CPU devices (wall counts runtime start, every
      submit and every result). Plain: the same trials as plain PyTorch loops, 2 at a time (two threads, as Optuna's
      ``n_jobs=2``). Ratio = plain wall / hydra wall (>= 1.0: hydra at least as fast; the issue's goal). Beside it
-     the same trials through 2 node servers of one CPU device each (``hydra_tune.node``: a process each, so the
-     devices share no GIL; tasks dealt out in turn; the servers started once, as a node server outlives a
-     search), whose accuracies must equal the in-process runtime's.
+     the same trials through 2 node servers of one CPU device each (``hydra_tune.node.spread``: a process each,
+     so the devices share no GIL; each task to the server with the fewest unfinished; the servers started once, as
+     a node server outlives a search), whose accuracies must equal the in-process runtime's.
   2. Short trials: 4 GPT-2 tasks (4 layers x 128) of 6 minibatches, 1 epoch, on 2 CPU devices vs 1, wall counting
      submit (runtime start to the last result). Goal >= 1.6x.
   3. Per-unit runtime overhead: one MLP trial alone on 1 device, traced. ``unit`` = (sum of its units' wall times -
@@ -133,24 +133,23 @@ def hydra_search(tasks: list[ht.ModelTask], devices: int = 2) -> tuple[float, li
     return time.perf_counter() - start, accs
 
 
-def start_servers(count: int = 2) -> tuple[list[Any], float]:
-    """``count`` node servers of one CPU device each (hydra_tune.node: a process each, so no shared GIL) and the
-    seconds their start took. A server is one per configuration: they differ only in ``history``."""
+def start_servers(count: int = 2) -> tuple[Any, float]:
+    """``node.spread``: ``count`` node servers of one CPU device each (a process each, so no shared GIL), and the
+    seconds connecting took (with their start if they were not running)."""
     import os
 
     from hydra_tune import node
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # their one intra-op thread each, as every side here
     os.environ.setdefault("HYDRA_TUNE_NODE_LINGER", "600")  # alive between the runs; gone 10 min after the last
     start = time.perf_counter()
-    servers = [node.connect(config=ht.RuntimeConfig(devices=["cpu"], history=1000 + j)) for j in range(count)]
-    return servers, time.perf_counter() - start
+    pool = node.spread(["cpu"] * count)
+    return pool, time.perf_counter() - start
 
 
-def servers_search(tasks: list[ht.ModelTask], servers: list[Any]) -> tuple[float, list[float]]:
-    """The search through the node servers, tasks dealt out in turn (wall: every submit and every result)."""
+def servers_search(tasks: list[ht.ModelTask], pool: Any) -> tuple[float, list[float]]:
+    """The search through the servers (wall: every submit and every result)."""
     start = time.perf_counter()
-    handles = [servers[i % len(servers)].submit(t) for i, t in enumerate(tasks)]
+    handles = [pool.submit(t) for t in tasks]
     accs = [h.result()["accuracy"] for h in handles]
     return time.perf_counter() - start, accs
 
@@ -233,8 +232,7 @@ def main() -> int:
                 cpu[side].append(_cpu_seconds() - c0)
             print(f"   {side:<7} run {r + 1}: {wall:6.2f} s" + (f" ({cpu[side][-1]:.2f} CPU s)" if side in cpu else ""),
                   flush=True)
-    for rt in servers:
-        rt.close()
+    servers.close()
     hydra, plain = statistics.median(runs["hydra"]), statistics.median(runs["plain"])
     cpu_ratio = statistics.median(cpu["plain"]) / statistics.median(cpu["hydra"])
     # (the plain threads share torch's global generator, so their dropout masks interleave: means, not equality)
@@ -242,9 +240,9 @@ def main() -> int:
     print(f"   search ratio plain/hydra = {plain / hydra:.3f}x (hydra {hydra:.2f} s, plain 2 at a time {plain:.2f} s; "
           f"goal >= 1.0x); mean final accuracy hydra {mean['hydra']:.3f}, plain {mean['plain']:.3f}", flush=True)
     served = statistics.median(runs["servers"])
-    print(f"   through 2 node servers of 1 CPU device each (a process each: no shared GIL; connecting, "
-          f"{server_start:.2f} s with their start if they were not running, not counted): plain/servers = {plain / served:.3f}x ({served:.2f} s); hydra's "
-          f"accuracies {'equal' if accs['servers'] == accs['hydra'] else 'DIFFER FROM'} the in-process runtime's",
+    print(f"   through 2 node servers of 1 CPU device each (node.spread; a process each: no shared GIL; connecting, "
+          f"{server_start:.2f} s with their start if they were not running, not counted): plain/servers = "
+          f"{plain / served:.3f}x ({served:.2f} s); hydra's accuracies {'equal' if accs['servers'] == accs['hydra'] else 'DIFFER FROM'} the in-process runtime's",
           flush=True)
     print(f"   CPU seconds, plain/hydra = {cpu_ratio:.3f}x (what each side spent, all threads; compare across runs "
           "when the machine's load differs)", flush=True)

@@ -5,6 +5,7 @@
     rt = hydra_tune.node.connect(config=config)        # the same server: a config or its four keywords, not both
     handle = rt.submit(task); print(handle.result()["train_loss"]); model = handle.model()
     rt.close()                                         # the server cancels this client's unfinished tasks
+    pool = hydra_tune.node.spread(["cpu", "cpu"])      # a server per device: small models' devices share no GIL
     print(open(hydra_tune.node.server_files(config=config)["log"]).read())       # what that server printed
 
 The server (``python hydra_tune/node/boot.py``, run by its path so that a ``hydra_tune.py`` in the working
@@ -15,11 +16,13 @@ passed before anything is unpickled), ``<key>.sock``, ``<key>.lock`` (starting a
 
 Modules: ``client`` (connect, NodeRuntime, RemoteHandle), ``files`` (where a server lives), ``wire`` (the messages
 and how errors travel), and the server's: ``boot`` (its start: which hydra_tune it imports), ``server`` (its
-lifetime), ``connections``, ``handlers``, ``forward``. Tasks and models travel as ``hydra_tune/shipping.py``
+lifetime), ``connections``, ``handlers``, ``forward``; ``spread`` (a pool of one-device servers). Tasks and models travel as ``hydra_tune/shipping.py``
 writes them (each tensor storage once).
 """
 from .client import NodeRuntime, RemoteHandle, connect
 from .files import server_files
+from .spread import NodePool, spread
 from .wire import RemoteError, TaskNotPicklable
 
-__all__ = ["connect", "server_files", "NodeRuntime", "RemoteHandle", "RemoteError", "TaskNotPicklable"]
+__all__ = ["connect", "spread", "server_files", "NodeRuntime", "NodePool", "RemoteHandle", "RemoteError",
+           "TaskNotPicklable"]

@@ -59,14 +59,19 @@ def connect(devices: int | str | Sequence[str] = "auto", device_memory: int | st
         handles = [rt.submit(t) for t in tasks]          # one Runtime for every process of this user and config
         print([h.result() for h in handles]); rt.close()
     """
-    files = server_files(devices, device_memory, policy=policy, host_memory=host_memory, config=config)
+    return join(server_files(devices, device_memory, policy=policy, host_memory=host_memory, config=config))
+
+
+def join(files: dict[str, Any], env: dict[str, str] | None = None) -> "NodeRuntime":
+    """A connection to the server of ``files`` (``server_files``), started with ``env`` over this environment if
+    none answers."""
     with open(files["authkey"], "rb") as f:
         key = f.read()
     node = _open(files, key)
     if node is not None:
         return node
     with locked(files["lock"]):  # one starter at a time; a stopping server holds it while it removes its socket
-        return _open(files, key) or _start(files, key)
+        return _open(files, key) or _start(files, key, env)
 
 
 class RemoteHandle(TaskHandle):
@@ -311,7 +316,7 @@ def _open(files: dict[str, Any], key: bytes) -> NodeRuntime | None:
         return None
 
 
-def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
+def _start(files: dict[str, Any], key: bytes, env: dict[str, str] | None = None) -> NodeRuntime:
     """Spawn the server (caller holds the lock) and connect once it accepts; fail early with its log's tail."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(files["socket"])  # nobody answered on it: left by a server that was killed
@@ -330,7 +335,7 @@ def _start(files: dict[str, Any], key: bytes) -> NodeRuntime:
     try:  # own session: it outlives this process and its Ctrl-C. Run by path, not -m: the cwd is not on its path,
         # so a hydra_tune.py there cannot shadow the package in the server (boot.py checks what it imports)
         proc = subprocess.Popen([sys.executable, script(), arg], cwd=os.getcwd(),
-                                env=server_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env=server_env(env), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True)
     finally:
         os.close(log)

@@ -35,8 +35,9 @@ _rotation: dict[str, Any] = {"path": None, "limit": LOG_BYTES, "lock": threading
 
 def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int | str | None = None, *,
                  policy: str = "lrtf", host_memory: int | str | None = None,
-                 config: RuntimeConfig | None = None) -> dict[str, Any]:
+                 config: RuntimeConfig | None = None, slot: str | None = None) -> dict[str, Any]:
     """The server's files for these settings; creates the private base directory and its authkey if missing.
+    ``slot``: one of several servers of the same settings (``node.spread``'s "1/2": the second of two).
 
         files = node.server_files(devices=["cpu", "cpu"], device_memory="64MiB")
         print(open(files["log"]).read())                  # what the server printed
@@ -47,6 +48,8 @@ def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int
     # The interpreter and the visible GPUs are part of the identity: a server is only shared by processes that
     # would have built the same Runtime (same venv, same torch, same devices).
     identity = dict(config, python=sys.executable, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if slot is not None:  # (absent otherwise: the servers of earlier versions keep their names)
+        identity["slot"] = slot
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
     base = private_dir()
     files = {name: os.path.join(base, f"{key}.{ext}") for name, ext in (("socket", "sock"), ("lock", "lock"),
@@ -107,10 +110,11 @@ def locked(path: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def server_env() -> dict[str, str]:
-    """This environment, plus hydra_tune's root on PYTHONPATH where this process found it through sys.path (a
-    checkout), so the server imports this same package. Not a site dir: its .pth files would then be skipped."""
-    env, root = dict(os.environ), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment (with ``extra`` over it), plus hydra_tune's root on PYTHONPATH where this process found it
+    through sys.path (a checkout), so the server imports this same package. Not a site dir: its .pth files would
+    then be skipped."""
+    env, root = {**os.environ, **(extra or {})}, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root in {os.path.abspath(p or ".") for p in sys.path} and root not in site.getsitepackages():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     return env

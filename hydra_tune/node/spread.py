@@ -1,0 +1,101 @@
+"""A search's tasks dealt out to several node servers, one device each: devices that share no interpreter lock.
+
+    pool = node.spread(["cpu", "cpu"])                  # two servers of one CPU device each (joined if running)
+    handles = [pool.submit(task) for task in tasks]     # each to the server with the fewest unfinished tasks
+    print([h.result()["eval_loss"] for h in handles]); pool.close()
+    study = hydra_tune.optuna_study(runtime=pool)       # or an Optuna study's runtime
+
+Why: an in-process Runtime's devices are threads of one Python process. A small model's unit is mostly Python
+and short torch calls, which hold the GIL: two CPU devices in one process ran two such trials as slowly as one
+device ran both (benchmarks/small_trials.py), where one process per device runs them side by side.
+
+Rules: server ``i`` of ``n`` is the node server of ``RuntimeConfig(devices=[devices[i]], ...)`` in slot
+"i/n" (``server_files``): calling ``spread`` again with the same settings joins the same servers, and none of them
+is the server ``node.connect`` gives for those settings. A CPU server starts with ``OMP_NUM_THREADS`` = the cores
+divided among the CPU servers (at least 1) unless this environment sets it. A task stays on the server it was
+given: it is cut to that one device's budget, never sharded over the others, and the others do not take over its
+work when they run out of their own (a task larger than one device needs ``node.connect`` or ``Runtime``).
+``host_memory`` is each server's own bound; with None each measures the machine's free memory as it admits.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..config import RuntimeConfig
+from ..errors import rule_error
+from ..task import ModelTask
+from .client import NodeRuntime, RemoteHandle, join
+from .files import server_files
+
+
+def spread(devices: Sequence[str], device_memory: int | str | None = None, *, policy: str = "lrtf",
+           host_memory: int | str | None = None) -> NodePool:
+    """Connect to (starting if needed) one node server per entry of ``devices`` and return the pool of them."""
+    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices or \
+            not all(isinstance(d, str) for d in devices):
+        raise rule_error("`devices` is a non-empty list of device names, one server each", "pass e.g. ['cpu', "
+                         "'cpu'] or ['cuda:0', 'cuda:1']", kind=TypeError, devices=devices)
+    configs = [RuntimeConfig(devices=[d], device_memory=device_memory, policy=policy, host_memory=host_memory)
+               for d in devices]  # each validated here, before any server starts
+    n_cpu = sum(d.startswith("cpu") for d in devices)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, cores // max(n_cpu, 1)))}
+    nodes: list[NodeRuntime] = []
+    try:
+        for i, config in enumerate(configs):
+            files = server_files(config=config, slot=f"{i}/{len(configs)}")
+            nodes.append(join(files, env if devices[i].startswith("cpu") else None))
+    except BaseException:
+        for node in nodes:
+            node.close()
+        raise
+    return NodePool(nodes)
+
+
+class NodePool:
+    """Node servers of one device each, used as one runtime (see the module docstring): ``submit``, ``stats``,
+    ``close``; ``devices`` is their number."""
+
+    def __init__(self, nodes: list[NodeRuntime]) -> None:
+        self.nodes = nodes
+        self.devices = sum(node.devices for node in nodes)
+        self._lock = threading.Lock()
+        self._running: list[list[RemoteHandle]] = [[] for _ in nodes]
+
+    def submit(self, task: ModelTask) -> RemoteHandle:
+        """Ship ``task`` to the server with the fewest unfinished tasks (the first of those tied) and return its
+        handle; the server plans it (errors raise here)."""
+        with self._lock:
+            for handles in self._running:
+                handles[:] = [h for h in handles if not h.done()]
+            index = min(range(len(self.nodes)), key=lambda i: len(self._running[i]))
+            handle = self.nodes[index].submit(task)
+            self._running[index].append(handle)
+        return handle
+
+    def stats(self) -> dict[str, Any]:
+        """Each server's ``stats()`` under ``"servers"``, with their ``"devices"`` in one list and their
+        ``"tasks"`` in one dict (a name two servers both hold gets ``@<server index>`` on the later one)."""
+        servers = [node.stats() for node in self.nodes]
+        tasks: dict[str, Any] = {}
+        for i, s in enumerate(servers):
+            for name, record in s.get("tasks", {}).items():
+                tasks[name if name not in tasks else f"{name}@{i}"] = record
+        return {"servers": servers, "devices": [d for s in servers for d in s.get("devices", [])], "tasks": tasks}
+
+    def close(self) -> None:
+        """Disconnect from every server (each cancels this client's unfinished tasks). Idempotent."""
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> NodePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"NodePool({', '.join(f'pid={n.pid}' for n in self.nodes)})"

@@ -1,0 +1,132 @@
+"""node.spread: one node server per device, a search's tasks dealt out to them (real server processes)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import process_alive
+from reference import max_param_diff, trained
+
+import hydra_tune as ht
+from hydra_tune import node
+
+_PIDS: set[int] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_dir():
+    base = tempfile.mkdtemp(prefix="htp", dir="/tmp")  # short: socket paths are limited to 107 bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYDRA_TUNE_NODE_DIR", base)
+        mp.setenv("HYDRA_TUNE_NODE_LINGER", "3")
+        yield base
+    for pid in _PIDS:
+        if process_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while any(process_alive(p) for p in _PIDS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _spread(*args, **kw) -> node.NodePool:
+    pool = node.spread(*args, **kw)
+    _PIDS.update(n.pid for n in pool.nodes)
+    return pool
+
+
+def _data(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(48, 16, generator=g), torch.randn(48, 4, generator=g)
+    return [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)]
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+
+
+def _task(seed: int, **kw) -> ht.ModelTask:
+    return ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _data(seed), eval_data=_data(99),
+                        loss=lambda out, b: F.mse_loss(out, b[1]), epochs=2, seed=seed, name=f"t{seed}", **kw)
+
+
+def test_tasks_dealt_out_to_one_server_per_device_train_as_in_process():
+    with ht.Runtime(devices=["cpu"]) as rt:
+        expected = [trained(rt.submit(_task(s))) for s in range(4)]
+    with _spread(["cpu", "cpu"]) as pool:
+        assert pool.devices == 2 and len({n.pid for n in pool.nodes}) == 2
+        handles = [pool.submit(_task(s)) for s in range(4)]
+        got = [trained(h) for h in handles]
+        stats = pool.stats()
+    assert [max_param_diff(a, b) for a, b in zip(expected, got)] == [0.0] * 4
+    assert [len(s["devices"]) for s in stats["servers"]] == [1, 1] and len(stats["devices"]) == 2
+    # each server took tasks: the one with fewer unfinished gets the next
+    assert all(any(name.endswith(f"/t{s}") for s in range(4) for name in server["tasks"])
+               for server in stats["servers"])
+    assert sorted(name.split("/")[-1] for name in stats["tasks"]) == ["t0", "t1", "t2", "t3"]
+
+
+def test_spread_joins_its_servers_again_and_they_are_not_connects_server():
+    first = _spread(["cpu", "cpu"])
+    again = _spread(["cpu", "cpu"])
+    alone = node.connect(config=ht.RuntimeConfig(devices=["cpu"]))
+    _PIDS.add(alone.pid)
+    try:
+        assert [n.pid for n in first.nodes] == [n.pid for n in again.nodes]
+        assert alone.pid not in {n.pid for n in first.nodes}
+    finally:
+        for c in (first, again, alone):
+            c.close()
+
+
+def test_cpu_servers_divide_the_cores_between_them():
+    cores = len(os.sched_getaffinity(0))
+    want = int(os.environ["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in os.environ else max(1, cores // 2)
+    with _spread(["cpu", "cpu"]) as pool:
+        # eval_fn runs in the server's process: what its torch uses there
+        task = _task(0, eval_fn=lambda model: {"threads": float(torch.get_num_threads())})
+        assert pool.submit(task).result()["threads"] == min(want, cores)
+
+
+def test_bad_devices_and_settings_fail_before_any_server_starts():
+    before = set(os.listdir(os.environ["HYDRA_TUNE_NODE_DIR"]))
+    with pytest.raises(TypeError, match="non-empty list of device names"):
+        node.spread("cpu")
+    with pytest.raises(TypeError, match="non-empty list of device names"):
+        node.spread([])
+    with pytest.raises(ValueError, match="policy"):
+        node.spread(["cpu", "cpu"], policy="nope")
+    assert set(os.listdir(os.environ["HYDRA_TUNE_NODE_DIR"])) <= before  # no server's socket, log or lock
+
+
+def test_an_optuna_study_runs_its_trials_on_the_pool():
+    optuna = pytest.importorskip("optuna")
+    lrs = {0: 0.01, 1: 0.05, 2: 0.1}
+
+    def objective(trial):
+        lr = lrs[trial.number]
+        task = ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=lr), _data(trial.number),
+                            eval_data=_data(99), loss=lambda out, b: F.mse_loss(out, b[1]), epochs=2,
+                            seed=trial.number)
+        for m in ht.train(task):
+            trial.report(m["eval_loss"], m["epoch"])
+        return m["eval_loss"]
+    with _spread(["cpu", "cpu"]) as pool:
+        study = ht.optuna_study(runtime=pool, direction="minimize")
+        study.optimize(objective, n_trials=3, n_jobs=2)
+        served = {t.number: t.value for t in study.trials}
+        assert sum(len(s["tasks"]) for s in pool.stats()["servers"]) >= 3
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    with ht.Runtime(devices=["cpu"]) as rt:
+        for number, lr in lrs.items():
+            task = ht.ModelTask(_mlp, lambda m, lr=lr: torch.optim.SGD(m.parameters(), lr=lr), _data(number),
+                                eval_data=_data(99), loss=lambda out, b: F.mse_loss(out, b[1]), epochs=2,
+                                seed=number)
+            assert served[number] == rt.submit(task).result()["eval_loss"]
