@@ -309,9 +309,9 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
 
     The runtime's settings: a ``hydra_tune.RuntimeConfig`` (``config=``) or its keywords ``devices``,
     ``device_memory``, ``host_memory``, ``policy``, as for ``hydra_tune.Runtime``; validated before the study is
-    created. ``runtime``: use this runtime (a ``Runtime``, a ``hydra_tune.node.connect(...)`` client or a ``node.spread(...)``
-    pool) instead
-    (the settings are then unused); the study does not close it. ``share``: "process" (an
+    created. ``runtime``: use this runtime (a ``Runtime``, a ``hydra_tune.node.connect(...)`` client or a
+    ``hydra_tune.node.spread(...)`` pool) instead (the settings are then unused); the study does not close it.
+    ``share``: "process" (an
     in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
     the storage is persistent, else "process"); with "node", models of ``hydra_tune.prepare`` (driven by this
     process's loop) train on a runtime in this process made with the same settings, with a RuntimeWarning.
