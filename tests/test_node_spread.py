@@ -16,6 +16,7 @@ from reference import max_param_diff, trained
 
 import hydra_tune as ht
 from hydra_tune import node
+from hydra_tune.errors import RuntimeClosed
 
 _PIDS: set[int] = set()
 
@@ -93,6 +94,31 @@ def test_cpu_servers_divide_the_cores_between_them():
         # eval_fn runs in the server's process: what its torch uses there
         task = _task(0, eval_fn=lambda model: {"threads": float(torch.get_num_threads())})
         assert pool.submit(task).result()["threads"] == min(want, cores)
+
+
+def test_a_killed_server_gets_no_more_tasks_and_the_others_go_on():
+    pool = _spread(["cpu", "cpu"])
+    try:
+        victim, other = pool.nodes
+        os.kill(victim.pid, signal.SIGKILL)
+        assert _wait_dead(victim.pid)
+        handles = [pool.submit(_task(s)) for s in range(3)]  # the first tries the killed one, then the other
+        assert [h.result()["epoch"] for h in handles] == [2, 2, 2]
+        assert {h.server_name.split("/")[0] for h in handles} == {f"c{other.client_id}"}
+        assert all(name in other.stats()["tasks"] for name in (h.server_name for h in handles))
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeClosed, match="every node server of this pool has ended"):
+        pool.submit(_task(0))
+
+
+def _wait_dead(pid: int, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def test_bad_devices_and_settings_fail_before_any_server_starts():

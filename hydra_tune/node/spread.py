@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import RuntimeConfig
-from ..errors import rule_error
+from ..errors import RuntimeClosed, rule_error
 from ..task import ModelTask
 from .client import NodeRuntime, RemoteHandle, join
 from .files import server_files
@@ -63,18 +63,44 @@ class NodePool:
         self.nodes = nodes
         self.devices = sum(node.devices for node in nodes)
         self._lock = threading.Lock()
-        self._running: list[list[RemoteHandle]] = [[] for _ in nodes]
+        self._running: list[list[Any]] = [[] for _ in nodes]  # per server: its unfinished handles (or reservations)
+        self._gone: set[int] = set()  # servers whose connection ended: no more tasks go there
 
     def submit(self, task: ModelTask) -> RemoteHandle:
-        """Ship ``task`` to the server with the fewest unfinished tasks (the first of those tied) and return its
-        handle; the server plans it (errors raise here)."""
+        """Ship ``task`` to the live server with the fewest unfinished tasks (the first of those tied) and return
+        its handle; the server plans it (errors raise here). A server whose connection ended gets no more tasks
+        (its unfinished ones ended with RuntimeClosed); with none left this raises RuntimeClosed."""
+        while True:
+            index, slot = self._reserve()
+            try:
+                handle = self.nodes[index].submit(task)
+            except RuntimeClosed:
+                with self._lock:
+                    self._gone.add(index)
+                    self._running[index].remove(slot)
+                continue
+            except BaseException:
+                with self._lock:
+                    self._running[index].remove(slot)
+                raise
+            with self._lock:  # the reservation becomes the handle (submits to other servers went on meanwhile)
+                running = self._running[index]
+                running[running.index(slot)] = handle
+            return handle
+
+    def _reserve(self) -> tuple[int, object]:
         with self._lock:
-            for handles in self._running:
-                handles[:] = [h for h in handles if not h.done()]
-            index = min(range(len(self.nodes)), key=lambda i: len(self._running[i]))
-            handle = self.nodes[index].submit(task)
-            self._running[index].append(handle)
-        return handle
+            live = [i for i in range(len(self.nodes)) if i not in self._gone]
+            if not live:
+                raise RuntimeClosed("every node server of this pool has ended; see their logs: " +
+                                    ", ".join(node.log for node in self.nodes))
+            for i in live:
+                self._running[i][:] = [h for h in self._running[i] if not isinstance(h, RemoteHandle)
+                                       or not h.done()]
+            index = min(live, key=lambda i: len(self._running[i]))
+            slot = object()
+            self._running[index].append(slot)
+        return index, slot
 
     def stats(self) -> dict[str, Any]:
         """Each server's ``stats()`` under ``"servers"``, with their ``"devices"`` in one list and their
