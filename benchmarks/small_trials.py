@@ -240,10 +240,10 @@ def main() -> int:
     print(f"   search ratio plain/hydra = {plain / hydra:.3f}x (hydra {hydra:.2f} s, plain 2 at a time {plain:.2f} s; "
           f"goal >= 1.0x); mean final accuracy hydra {mean['hydra']:.3f}, plain {mean['plain']:.3f}", flush=True)
     served = statistics.median(runs["servers"])
+    same = "equal" if accs["servers"] == accs["hydra"] else "DIFFER FROM"
     print(f"   through 2 node servers of 1 CPU device each (node.spread; a process each: no shared GIL; connecting, "
           f"{server_start:.2f} s with their start if they were not running, not counted): plain/servers = "
-          f"{plain / served:.3f}x ({served:.2f} s); hydra's accuracies {'equal' if accs['servers'] == accs['hydra'] else 'DIFFER FROM'} the in-process runtime's",
-          flush=True)
+          f"{plain / served:.3f}x ({served:.2f} s); hydra's accuracies {same} the in-process runtime's", flush=True)
     print(f"   CPU seconds, plain/hydra = {cpu_ratio:.3f}x (what each side spent, all threads; compare across runs "
           "when the machine's load differs)", flush=True)
 

@@ -17,6 +17,7 @@ from reference import max_param_diff, trained
 import hydra_tune as ht
 from hydra_tune import node
 from hydra_tune.errors import RuntimeClosed
+from hydra_tune.runtime.progress import status_line
 
 _PIDS: set[int] = set()
 
@@ -67,7 +68,10 @@ def test_tasks_dealt_out_to_one_server_per_device_train_as_in_process():
         got = [trained(h) for h in handles]
         stats = pool.stats()
     assert [max_param_diff(a, b) for a, b in zip(expected, got)] == [0.0] * 4
-    assert [len(s["devices"]) for s in stats["servers"]] == [1, 1] and len(stats["devices"]) == 2
+    assert [len(s["devices"]) for s in stats["servers"]] == [1, 1]
+    assert [d["name"] for d in stats["devices"]] == [f'{s["devices"][0]["name"]}@{i}'
+                                                    for i, s in enumerate(stats["servers"])]
+    assert "devices busy" in status_line(stats, None, 1.0)  # the progress line's input (optuna_study(progress=))
     # each server took tasks: the one with fewer unfinished gets the next
     assert all(any(name.endswith(f"/t{s}") for s in range(4) for name in server["tasks"])
                for server in stats["servers"])

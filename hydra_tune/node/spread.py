@@ -103,14 +103,16 @@ class NodePool:
         return index, slot
 
     def stats(self) -> dict[str, Any]:
-        """Each server's ``stats()`` under ``"servers"``, with their ``"devices"`` in one list and their
-        ``"tasks"`` in one dict (a name two servers both hold gets ``@<server index>`` on the later one)."""
+        """Each server's ``stats()`` under ``"servers"``, with their ``"devices"`` in one list (each named
+        ``<name>@<server index>``: every server's is "cpu:0") and their ``"tasks"`` in one dict (a name two servers
+        both hold gets ``@<server index>`` on the later one); the shape a progress line reads (runtime/progress.py)."""
         servers = [node.stats() for node in self.nodes]
         tasks: dict[str, Any] = {}
         for i, s in enumerate(servers):
             for name, record in s.get("tasks", {}).items():
                 tasks[name if name not in tasks else f"{name}@{i}"] = record
-        return {"servers": servers, "devices": [d for s in servers for d in s.get("devices", [])], "tasks": tasks}
+        devices = [dict(d, name=f"{d['name']}@{i}") for i, s in enumerate(servers) for d in s.get("devices", [])]
+        return {"servers": servers, "devices": devices, "tasks": tasks}
 
     def close(self) -> None:
         """Disconnect from every server (each cancels this client's unfinished tasks). Idempotent."""
