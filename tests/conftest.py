@@ -1,6 +1,7 @@
 """Shared fixtures: tiny real models (transformers GPT-2 with random init) and their data."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -35,6 +36,32 @@ def lm_batches(n: int, batch: int = 4, seq: int = 16, vocab: int = 128, seed: in
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
+
+
+@contextlib.contextmanager
+def node_sandbox(prefix: str, linger: str, pids: list[int] | None = None):
+    """A private directory for a test's node servers (``HYDRA_TUNE_NODE_DIR``, in /tmp: socket paths are limited
+    to 107 bytes) with ``HYDRA_TUNE_NODE_LINGER`` = ``linger``; yields (directory, ``pids``), the list the test
+    adds its servers' pids to. After: each of those still alive gets SIGTERM, all must be gone within 15 s, and
+    the directory goes."""
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    base, pids = tempfile.mkdtemp(prefix=prefix, dir="/tmp"), pids if pids is not None else []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYDRA_TUNE_NODE_DIR", base)
+        mp.setenv("HYDRA_TUNE_NODE_LINGER", linger)
+        yield base, pids
+    for pid in pids:
+        if process_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(base, ignore_errors=True)
+    assert not any(process_alive(p) for p in pids), "a node server outlived the tests"
 
 
 def process_alive(pid: int) -> bool:

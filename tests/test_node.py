@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -16,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import process_alive
+from conftest import node_sandbox, process_alive
 from reference import max_param_diff, trained
 
 import hydra_tune as ht
@@ -84,16 +82,8 @@ def _client_code(body: str) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def node_dir():
-    base = tempfile.mkdtemp(prefix="htn", dir="/tmp")  # short: socket paths are limited to 107 bytes
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HYDRA_TUNE_NODE_DIR", base)
-        mp.setenv("HYDRA_TUNE_NODE_LINGER", "3")
+    with node_sandbox("htn", "3", _PIDS) as (base, _):
         yield base
-    for pid in _PIDS:
-        if process_alive(pid):
-            os.kill(pid, signal.SIGTERM)
-    assert _wait(lambda: not any(process_alive(p) for p in _PIDS)), "a node server outlived the tests"
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _tasks() -> list:

@@ -3,17 +3,12 @@ shadow the package inside the server; one on the server's ``PYTHONPATH`` stops i
 ImportError naming that file and the fix."""
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import process_alive
+from conftest import node_sandbox
 from reference import max_param_diff, plain_train, trained
 
 import hydra_tune as ht
@@ -24,19 +19,9 @@ SHADOW = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\nraise Syst
 
 
 @pytest.fixture()
-def node_dir(monkeypatch):
-    base = tempfile.mkdtemp(prefix="hts", dir="/tmp")  # short: socket paths are limited to 107 bytes
-    monkeypatch.setenv("HYDRA_TUNE_NODE_DIR", base)
-    monkeypatch.setenv("HYDRA_TUNE_NODE_LINGER", "1")
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        if process_alive(pid):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    shutil.rmtree(base, ignore_errors=True)
+def node_dir():
+    with node_sandbox("hts", "1") as (_, pids):
+        yield pids
 
 
 def _task() -> ht.ModelTask:

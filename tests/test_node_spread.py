@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import process_alive
+from conftest import node_sandbox, process_alive
 from reference import max_param_diff, trained
 
 import hydra_tune as ht
@@ -19,28 +17,18 @@ from hydra_tune import node
 from hydra_tune.errors import RuntimeClosed
 from hydra_tune.runtime.progress import status_line
 
-_PIDS: set[int] = set()
+_PIDS: list[int] = []  # every server these tests started: all are gone at the end
 
 
 @pytest.fixture(scope="module", autouse=True)
 def node_dir():
-    base = tempfile.mkdtemp(prefix="htp", dir="/tmp")  # short: socket paths are limited to 107 bytes
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HYDRA_TUNE_NODE_DIR", base)
-        mp.setenv("HYDRA_TUNE_NODE_LINGER", "3")
+    with node_sandbox("htp", "3", _PIDS) as (base, _):
         yield base
-    for pid in _PIDS:
-        if process_alive(pid):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while any(process_alive(p) for p in _PIDS) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _spread(*args, **kw) -> node.NodePool:
     pool = node.spread(*args, **kw)
-    _PIDS.update(n.pid for n in pool.nodes)
+    _PIDS.extend(n.pid for n in pool.nodes)
     return pool
 
 
@@ -82,7 +70,7 @@ def test_spread_joins_its_servers_again_and_they_are_not_connects_server():
     first = _spread(["cpu", "cpu"])
     again = _spread(["cpu", "cpu"])
     alone = node.connect(config=ht.RuntimeConfig(devices=["cpu"]))
-    _PIDS.add(alone.pid)
+    _PIDS.append(alone.pid)
     try:
         assert [n.pid for n in first.nodes] == [n.pid for n in again.nodes]
         assert alone.pid not in {n.pid for n in first.nodes}
