@@ -18,10 +18,15 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
      loop's time, optimizer steps and data included) / units: also the host work and hand-offs between units.
      In microseconds; aim under 200 us on CPU (each side's fastest of 3 runs: the machine's other load inflates
      a run, never deflates it).
-Every side uses one intra-op thread per device (torch.set_num_threads(1)). Prints the numbers, then one JSON line.
+  4. Torch's default intra-op threads (what a script that never calls torch.set_num_threads gets), in a fresh
+     interpreter: one MLP trial of ``--epochs`` epochs on a runtime of 1 CPU device vs the plain loop in the
+     script's thread, and the same runtime with the waiting thread's OpenMP team kept (``release_idle_pool``
+     switched off, as before it existed). The fastest of 3 runs a side.
+Parts 1-3 use one intra-op thread per device (torch.set_num_threads(1)). Prints the numbers, then one JSON line.
 """
 from __future__ import annotations
 
+import json
 import resource
 import statistics
 import sys
@@ -201,6 +206,53 @@ def short_trials(repeats: int) -> dict[str, Any]:
     return {"wall_1dev_s": one, "wall_2dev_s": two, "speedup": one / two, "walls": walls}
 
 
+_DEFAULT_THREADS = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+import hydra_tune as ht
+import hydra_tune.runtime.handle as handle
+from small_trials import digits, plain_trial, trial_task
+epochs, release = int(sys.argv[2]), handle.release_idle_pool
+train, val = digits()   # the script's own torch work: its thread's OpenMP team
+
+def hydra(keep_team):
+    handle.release_idle_pool = (lambda: False) if keep_team else release
+    with ht.Runtime(devices=["cpu"]) as rt:
+        start = time.perf_counter()
+        rt.submit(trial_task(0, train, val, epochs)).result()
+        return time.perf_counter() - start
+
+def plain():
+    start = time.perf_counter()
+    plain_trial(trial_task(0, train, val, epochs))
+    return time.perf_counter() - start
+
+sides = {"plain": plain, "hydra": lambda: hydra(False), "hydra_team_kept": lambda: hydra(True)}
+for fn in sides.values():
+    fn()   # warm-up: imports, first calls
+walls = {name: [] for name in sides}
+for r in range(3):
+    for name in list(sides)[r:] + list(sides)[:r]:
+        walls[name].append(sides[name]())
+print("RESULT", json.dumps({"threads": torch.get_num_threads(), "walls": walls}))
+"""
+
+
+def default_threads(epochs: int) -> dict[str, Any]:
+    """Part 4 (module docstring) in a fresh interpreter, which calls no torch.set_num_threads."""
+    import os
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _DEFAULT_THREADS, here, str(epochs)], capture_output=True,
+                          text=True, check=True)
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    best = {name: min(walls) for name, walls in out["walls"].items()}
+    return {"threads": out["threads"], "best_s": best, "ratio": best["plain"] / best["hydra"],
+            "ratio_team_kept": best["plain"] / best["hydra_team_kept"], "walls": out["walls"]}
+
+
 def main() -> int:
     t_start = time.perf_counter()
 
@@ -256,7 +308,14 @@ def main() -> int:
     over = unit_overhead(train, val, epochs)
     print(f"   {over['units']} units; unit overhead {over['unit_us']:.0f} us/unit, with hand-offs and host work "
           f"{over['gap_us']:.0f} us/unit, plain compute {over['plain_per_unit_us']:.0f} us/unit (aim < 200 us)")
-    emit({"benchmark": "small_trials", "search_ratio": plain / hydra, "search": runs, "search_cpu": cpu,
+    print(f"4. torch's default intra-op threads, 1 CPU device vs the plain loop, one trial of {epochs} epochs "
+          "(a fresh interpreter)", flush=True)
+    dflt = default_threads(epochs)
+    best = dflt["best_s"]
+    print(f"   {dflt['threads']} threads: plain/hydra = {dflt['ratio']:.3f}x (hydra {best['hydra']:.3f} s, plain "
+          f"{best['plain']:.3f} s); with the waiting thread's OpenMP team kept {dflt['ratio_team_kept']:.3f}x "
+          f"({best['hydra_team_kept']:.3f} s)", flush=True)
+    emit({"benchmark": "small_trials", "default_threads": dflt, "search_ratio": plain / hydra, "search": runs, "search_cpu": cpu,
           "servers_ratio": plain / served, "server_start_s": server_start,
           "search_cpu_ratio": cpu_ratio, "mean_accuracy": mean,
           "short": short, "overhead": over, "trials": n, "epochs": epochs, "mlp_params": params}, args, t_start)

@@ -1,19 +1,21 @@
-"""Torch's intra-op thread count for a runtime's CPU devices (the one device-type rule about threads).
+"""Torch's intra-op threads for a runtime's CPU devices (the device-type rules about threads).
 
     set_cpu_threads(devices)        # before the device workers start
     cpu_threads(2) == 1             # on 2 cores: each of 2 CPU devices gets one
+    release_idle_pool()             # a thread about to wait for the devices frees its idle OpenMP workers
 """
 from __future__ import annotations
 
+import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..errors import rule_error
 from .devices import CpuDevice, Device
 
-__all__ = ["CPU_THREADS_ENV", "cpu_threads", "set_cpu_threads"]
+__all__ = ["CPU_THREADS_ENV", "cpu_threads", "release_idle_pool", "set_cpu_threads"]
 
 CPU_THREADS_ENV = "HYDRA_TUNE_CPU_THREADS"
 
@@ -47,3 +49,50 @@ def set_cpu_threads(devices: Sequence[Device]) -> None:
     threads = cpu_threads(sum(isinstance(d, CpuDevice) for d in devices))
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
+
+
+def release_idle_pool() -> bool:
+    """Free the calling thread's idle OpenMP worker threads (GNU libgomp's ``omp_pause_resource_all``), before it
+    waits for the runtime's devices; whether libgomp took the request (False: no libgomp of torch's was found).
+
+        release_idle_pool()          # TaskHandle.wait/watch do it when they are about to block
+
+    Why: every thread that ran a multi-threaded torch op keeps its own team of OpenMP workers, asleep between
+    parallel regions. Once the process holds more OpenMP threads than cores (the user's thread that built the data,
+    plus a device worker's team), libgomp stops spinning between regions, and every parallel op of the device's
+    worker pays a sleep and a wake-up (README, "CPU devices and torch's threads"; benchmarks/small_trials.py, part
+    4). Releasing an idle team changes nothing else: the thread's next parallel op starts a team of the same size,
+    so the same thread count and the same results."""
+    pause = _pause()
+    return pause is not None and pause(1) == 0   # omp_pause_soft: the calling thread's pool only
+
+
+_PAUSE: list[Callable[[int], int] | None] = []   # omp_pause_resource_all of torch's libgomp, once looked up
+
+
+def _pause() -> Callable[[int], int] | None:
+    if not _PAUSE:
+        _PAUSE.append(_find_pause())
+    return _PAUSE[0]
+
+
+def _find_pause() -> Callable[[int], int] | None:
+    """torch's libgomp among the loaded ones (Linux: /proc/self/maps). Other packages bundle copies of their own
+    (scikit-learn's wheels do) whose pools are not torch's; with none in torch's folder (a build that links the
+    system's), the one libgomp loaded. Elsewhere (LLVM's libomp spins by time instead; not measured): None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {fields[5].strip() for fields in (line.split(None, 5) for line in maps)
+                     if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libgomp")}
+    except OSError:
+        return None
+    own = [p for p in paths if p.startswith(os.path.dirname(torch.__file__) + os.sep)]
+    chosen = own if own else sorted(paths) if len(paths) == 1 else []
+    for path in chosen:
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):   # unreadable, or a libgomp older than OpenMP 5.0
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None

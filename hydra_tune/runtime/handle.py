@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..device.threads import release_idle_pool
 from ..errors import rule_error
 from ..training.boundary import Boundary, Snapshot, in_task_work, take_snapshot
 
@@ -153,6 +154,8 @@ class TaskHandle:
         wait without a timeout inside the task's own work (its forward, loss or data: that would never end)."""
         if timeout is None:
             self._not_in_own_work("waiting for its end (result(), wait())")
+        if self._status not in ENDED:
+            release_idle_pool()  # the waiting thread's idle OpenMP team would slow the devices' ops (threads.py)
         with self._cond:
             return self._cond.wait_for(lambda: self._status in ENDED, timeout)
 
@@ -165,6 +168,8 @@ class TaskHandle:
         def changed() -> bool:
             return len(self._metrics) > seen or self._status in ENDED or (status is not None and
                                                                            self._status != status)
+        if not changed():
+            release_idle_pool()
         with self._cond:
             self._cond.wait_for(changed, timeout)
             return Progress(list(self._metrics[seen:]), self._status, self._error)
