@@ -11,7 +11,8 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
      so the devices share no GIL; each task to the server with the fewest unfinished; the servers started once, as
      a node server outlives a search), whose accuracies must equal the in-process runtime's.
   2. Short trials: 4 GPT-2 tasks (4 layers x 128) of 6 minibatches, 1 epoch, on 2 CPU devices vs 1, wall counting
-     submit (runtime start to the last result). Goal >= 1.6x.
+     submit (runtime start to the last result). Goal >= 1.6x. Beside it the same through node servers of one CPU
+     device each, 2 servers vs 1 (each submit to the last result; the servers started once, not counted).
   3. Per-unit runtime overhead: one MLP trial alone on 1 device, traced. ``unit`` = (sum of its units' wall times -
      the plain loop's time in the same computations: forward, loss, backward; eval forward, loss, accuracy) / units:
      what running a unit costs beyond its compute; ``gap`` = (runtime wall from first to last unit - the whole plain
@@ -146,6 +147,8 @@ def start_servers(count: int = 2) -> tuple[Any, float]:
     from hydra_tune import node
 
     os.environ.setdefault("HYDRA_TUNE_NODE_LINGER", "600")  # alive between the runs; gone 10 min after the last
+    # one intra-op thread per server, as in-process (a lone server would take both cores: README, Performance)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     pool = node.spread(["cpu"] * count)
     return pool, time.perf_counter() - start
@@ -197,13 +200,33 @@ def short_trials(repeats: int) -> dict[str, Any]:
                 h.result()
         return time.perf_counter() - start
 
-    run(1)   # warm-up (transformers' import, first model build)
+    pools = {n: start_servers(n)[0] for n in (1, 2)}
+
+    def served(devices: int) -> float:
+        start = time.perf_counter()   # each submit (the build, profile and plan run in the servers) and training
+        handles = [pools[devices].submit(ht.ModelTask(gpt2_factory(SHORT), adamw(1e-3), token_batches(SHORT, seed=i),
+                                                      epochs=1, seed=i, name=f"s{i}")) for i in range(4)]
+        for h in handles:
+            h.result()
+        return time.perf_counter() - start
+
+    run(1)   # warm-up (transformers' import, first model build), here and in each server
+    served(1), served(2)
     walls: dict[int, list[float]] = {1: [], 2: []}
-    for r in range(repeats):
+    served_walls: dict[int, list[float]] = {1: [], 2: []}
+    for r in range(repeats):   # in-process runs first: a server may still be tidying up after its last result
         for devices in ((1, 2) if r % 2 == 0 else (2, 1)):
             walls[devices].append(run(devices))
+    for r in range(repeats):
+        for devices in ((1, 2) if r % 2 == 0 else (2, 1)):
+            served_walls[devices].append(served(devices))
+    for pool in pools.values():
+        pool.close()
     one, two = statistics.median(walls[1]), statistics.median(walls[2])
-    return {"wall_1dev_s": one, "wall_2dev_s": two, "speedup": one / two, "walls": walls}
+    s_one, s_two = statistics.median(served_walls[1]), statistics.median(served_walls[2])
+    return {"wall_1dev_s": one, "wall_2dev_s": two, "speedup": one / two, "walls": walls,
+            "servers_1_s": s_one, "servers_2_s": s_two, "servers_speedup": s_one / s_two,
+            "servers_walls": served_walls}
 
 
 _DEFAULT_THREADS = """
@@ -245,8 +268,10 @@ def default_threads(epochs: int) -> dict[str, Any]:
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items()   # torch's own default: none of the thread settings set here
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYDRA_TUNE_CPU_THREADS")}
     proc = subprocess.run([sys.executable, "-c", _DEFAULT_THREADS, here, str(epochs)], capture_output=True,
-                          text=True, check=True)
+                          text=True, check=True, env=env)
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     best = {name: min(walls) for name, walls in out["walls"].items()}
     return {"threads": out["threads"], "best_s": best, "ratio": best["plain"] / best["hydra"],
@@ -303,6 +328,8 @@ def main() -> int:
     short = short_trials(args.repeats)
     print(f"   2 devices vs 1 = {short['speedup']:.3f}x ({short['wall_1dev_s']:.2f} s vs {short['wall_2dev_s']:.2f} s; "
           "goal >= 1.6x)", flush=True)
+    print(f"   through node servers of 1 CPU device each (node.spread), 2 servers vs 1 = {short['servers_speedup']:.3f}x "
+          f"({short['servers_1_s']:.2f} s vs {short['servers_2_s']:.2f} s)", flush=True)
 
     print("3. per-unit runtime overhead (one MLP trial alone, 1 device, traced)", flush=True)
     over = unit_overhead(train, val, epochs)
