@@ -57,6 +57,25 @@ _SCRIPT = textwrap.dedent("""
             out["after_result"] = settled()
             parallel_op()                              # the team was released: its thread starts again
             out["after_result_op"] = settled()
+    if os.environ["CASE"] == "idle_device":
+        import hydra_tune as ht
+        seen = []
+
+        class Probe(torch.nn.Module):          # a parallel op in the device's unit: its worker's team is alive
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+            def forward(self, x):
+                parallel_op()
+                seen.append(os_threads())
+                return self.lin(x)
+
+        task = ht.ModelTask(Probe, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [(torch.ones(2, 4), None)],
+                            loss=lambda out, b: out.sum(), name="p")
+        threads.release_idle_pool()                  # the caller has no team: only the device's counts below
+        with ht.Runtime(devices=["cpu"]) as rt:
+            rt.submit(task).result()
+            out["in_unit"], out["idle"] = seen[-1], settled()
     out["before"] = before
     print("OUT", json.dumps(out))
 """)
@@ -86,3 +105,12 @@ def test_waiting_for_a_result_releases_the_waiting_threads_team() -> None:
     out = _run("result")
     # without the release in TaskHandle.wait the caller's team outlives the wait: its next op starts no thread
     assert out["after_result_op"] == out["after_result"] + 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp pools are looked up in /proc/self/maps")
+def test_an_idle_device_lets_its_team_go() -> None:
+    out = _run("idle_device")
+    # between the unit and the idle runtime two threads end: the task's host thread and the device worker's OpenMP
+    # worker (without the release in Scheduler.take's wait only the first: the user's own torch ops, run while the
+    # runtime is idle, would pay libgomp's sleeps)
+    assert out["in_unit"] - out["idle"] == 2

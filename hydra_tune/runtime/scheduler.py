@@ -42,6 +42,7 @@ from .picker import AFFINITY, Picker
 # (its host work: optimizer step, next batch), at least 50 ms, at most 1 s; past that it runs other ready tasks
 # (a data iterator that blocks holds no device longer than that).
 KEEP_WAIT = (4.0, 0.05, 1.0)
+IDLE_AFTER = 0.01  # seconds a device waits in take() before it counts as idle (on_idle)
 
 
 EndHook = Callable[[Admitted, str, "BaseException | None"], None]
@@ -185,12 +186,18 @@ class Scheduler(Openings):
         return stuck
 
     # -- devices asking for work ----------------------------------------------------------------------------
-    def take(self, index: int) -> Admitted | None:
-        """Block until a task is ready for device ``index`` (its next segment open); None once closed."""
+    def take(self, index: int, on_idle: Callable[[], object] | None = None) -> Admitted | None:
+        """Block until a task is ready for device ``index`` (its next segment open); None once closed.
+        ``on_idle()`` runs once, outside the board's lock, when nothing came for ``IDLE_AFTER`` seconds."""
+        def ready() -> bool:
+            return self._closed or bool(self._ready) and not self._picker.defers(index, self._ready, self._idle)
         with self.cond:
             self._idle.add(index)
-            self.cond.wait_for(lambda: self._closed
-                               or self._ready and not self._picker.defers(index, self._ready, self._idle))
+            came = self.cond.wait_for(ready, IDLE_AFTER if on_idle is not None else None)
+        if not came and on_idle is not None:
+            on_idle()
+        with self.cond:
+            self.cond.wait_for(ready)
             self._idle.discard(index)
             self.cond.notify_all()  # a device that deferred to this one decides again
             if self._closed:

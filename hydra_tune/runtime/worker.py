@@ -29,6 +29,7 @@ from typing import Any
 
 from ..device.devices import Device
 from ..device.quiet import UnroutedDraw
+from ..device.threads import release_idle_pool
 from ..errors import TaskCancelled
 from ..training.replan import is_oom, replan
 from ..training.residency import ShardCache
@@ -117,7 +118,8 @@ class DeviceWorker:
                 if kept:  # the policy kept the device on this task: its host thread is opening the next segment
                     task = self.board.take_kept(self.index, task)  # type: ignore[arg-type]
                 if task is None:  # waiting holds no task (a done task's model, an error's frames)
-                    task = self.board.take(self.index)
+                    # an idle device's OpenMP team would slow other threads' torch ops (threads.py): let it go
+                    task = self.board.take(self.index, on_idle=release_idle_pool)
             except BaseException as exc:  # a fault of the board or policy: fail the tasks, never leave them waiting
                 self._board_failed(exc)
                 task, kept = None, False
