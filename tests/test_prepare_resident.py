@@ -85,15 +85,31 @@ def test_two_prepared_trials_in_threads_evict_each_other_and_stay_resident_and_e
     """One device holds one task's state at a time: each step runs where its state is, moved back in after the
     other task evicted it (each trial thread with its own random stream: prepare/streams.py)."""
     import threading
+    import types
 
     from hydra_tune.prepare.streams import trial_stream
 
     want, want_history, _ = loop()
     results: dict[int, tuple] = {}
+    both_stepped = threading.Barrier(2, timeout=60)   # so the trials overlap, whatever the machine's load
+
+    def prepare_and_meet(rt, m, o):
+        model, opt = ht.prepare(m, o, runtime=rt)
+        step, met = opt.step, []
+
+        def first_step_then_meet(self, *args, **kwargs):
+            out = step(*args, **kwargs)
+            if not met:   # after its first step each task holds its state: the other's next step evicts it
+                met.append(True)
+                both_stepped.wait()
+            return out
+        opt.step = types.MethodType(first_step_then_meet, opt)  # a method: the LR scheduler wraps it
+        return model, opt
+
     with ht.Runtime(devices=["cpu"], device_memory=90_000) as rt:
         def trial(i: int) -> None:
             with trial_stream():
-                results[i] = loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+                results[i] = loop(lambda m, o: prepare_and_meet(rt, m, o))
 
         threads = [threading.Thread(target=trial, args=(i,)) for i in range(2)]
         for t in threads:
