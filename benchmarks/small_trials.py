@@ -22,7 +22,8 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
   4. Torch's default intra-op threads (what a script that never calls torch.set_num_threads gets), in a fresh
      interpreter: one MLP trial of ``--epochs`` epochs on a runtime of 1 CPU device vs the plain loop in the
      script's thread, and the same runtime with the waiting thread's OpenMP team kept (``release_idle_pool``
-     switched off, as before it existed). The fastest of 3 runs a side.
+     switched off, as before it existed); and the plain loop while a runtime of 1 CPU device idles in the same
+     process, with and without the idle device releasing its team. The fastest of 3 runs a side.
 Parts 1-3 use one intra-op thread per device (torch.set_num_threads(1)). Prints the numbers, then one JSON line.
 """
 from __future__ import annotations
@@ -235,12 +236,13 @@ sys.path.insert(0, sys.argv[1])
 import torch
 import hydra_tune as ht
 import hydra_tune.runtime.handle as handle
+import hydra_tune.runtime.worker as worker
 from small_trials import digits, plain_trial, trial_task
 epochs, release = int(sys.argv[2]), handle.release_idle_pool
 train, val = digits()   # the script's own torch work: its thread's OpenMP team
 
 def hydra(keep_team):
-    handle.release_idle_pool = (lambda: False) if keep_team else release
+    handle.release_idle_pool = worker.release_idle_pool = (lambda: False) if keep_team else release
     with ht.Runtime(devices=["cpu"]) as rt:
         start = time.perf_counter()
         rt.submit(trial_task(0, train, val, epochs)).result()
@@ -251,7 +253,14 @@ def plain():
     plain_trial(trial_task(0, train, val, epochs))
     return time.perf_counter() - start
 
-sides = {"plain": plain, "hydra": lambda: hydra(False), "hydra_team_kept": lambda: hydra(True)}
+def plain_beside(keep_team):   # the plain loop while a runtime of one CPU device idles in the same process
+    handle.release_idle_pool = worker.release_idle_pool = (lambda: False) if keep_team else release
+    with ht.Runtime(devices=["cpu"]) as rt:
+        rt.submit(trial_task(0, train, val, 1)).result()
+        return plain()
+
+sides = {"plain": plain, "hydra": lambda: hydra(False), "hydra_team_kept": lambda: hydra(True),
+         "plain_beside_idle": lambda: plain_beside(False), "plain_beside_idle_team_kept": lambda: plain_beside(True)}
 for fn in sides.values():
     fn()   # warm-up: imports, first calls
 walls = {name: [] for name in sides}
@@ -275,7 +284,9 @@ def default_threads(epochs: int) -> dict[str, Any]:
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     best = {name: min(walls) for name, walls in out["walls"].items()}
     return {"threads": out["threads"], "best_s": best, "ratio": best["plain"] / best["hydra"],
-            "ratio_team_kept": best["plain"] / best["hydra_team_kept"], "walls": out["walls"]}
+            "ratio_team_kept": best["plain"] / best["hydra_team_kept"], "walls": out["walls"],
+            "beside_idle": best["plain"] / best["plain_beside_idle"],
+            "beside_idle_team_kept": best["plain"] / best["plain_beside_idle_team_kept"]}
 
 
 def main() -> int:
@@ -342,6 +353,9 @@ def main() -> int:
     print(f"   {dflt['threads']} threads: plain/hydra = {dflt['ratio']:.3f}x (hydra {best['hydra']:.3f} s, plain "
           f"{best['plain']:.3f} s); with the waiting thread's OpenMP team kept {dflt['ratio_team_kept']:.3f}x "
           f"({best['hydra_team_kept']:.3f} s)", flush=True)
+    print(f"   the plain loop beside an idle runtime of 1 CPU device: {best['plain_beside_idle']:.3f} s "
+          f"({dflt['beside_idle']:.3f}x of alone; with the idle device's team kept {best['plain_beside_idle_team_kept']:.3f} s, "
+          f"{dflt['beside_idle_team_kept']:.3f}x)", flush=True)
     emit({"benchmark": "small_trials", "default_threads": dflt, "search_ratio": plain / hydra, "search": runs, "search_cpu": cpu,
           "servers_ratio": plain / served, "server_start_s": server_start,
           "search_cpu_ratio": cpu_ratio, "mean_accuracy": mean,
