@@ -55,14 +55,15 @@ def release_idle_pool() -> bool:
     """Free the calling thread's idle OpenMP worker threads (GNU libgomp's ``omp_pause_resource_all``), before it
     waits for the runtime's devices; whether libgomp took the request (False: no libgomp of torch's was found).
 
-        release_idle_pool()          # TaskHandle.wait/watch do it when they are about to block
+        release_idle_pool()          # TaskHandle.wait/watch do it when they are about to block, and a device
+                                     # worker with nothing to run (Scheduler.take's on_idle)
 
     Why: every thread that ran a multi-threaded torch op keeps its own team of OpenMP workers, asleep between
     parallel regions. Once the process holds more OpenMP threads than cores (the user's thread that built the data,
-    plus a device worker's team), libgomp stops spinning between regions, and every parallel op of the device's
-    worker pays a sleep and a wake-up (README, "CPU devices and torch's threads"; benchmarks/small_trials.py, part
-    4). Releasing an idle team changes nothing else: the thread's next parallel op starts a team of the same size,
-    so the same thread count and the same results."""
+    plus a device worker's team), libgomp stops spinning between regions, and every parallel op of the threads
+    still working pays a sleep and a wake-up (README: the Threads bullet, and "CPU devices at torch's default
+    threads" under Performance; benchmarks/small_trials.py, part 4). Releasing an idle team changes nothing else:
+    the thread's next parallel op starts a team of the same size, so the same thread count and the same results."""
     pause = _pause()
     return pause is not None and pause(1) == 0   # omp_pause_soft: the calling thread's pool only
 
