@@ -339,8 +339,8 @@ def main() -> int:
     short = short_trials(args.repeats)
     print(f"   2 devices vs 1 = {short['speedup']:.3f}x ({short['wall_1dev_s']:.2f} s vs {short['wall_2dev_s']:.2f} s; "
           "goal >= 1.6x)", flush=True)
-    print(f"   through node servers of 1 CPU device each (node.spread), 2 servers vs 1 = {short['servers_speedup']:.3f}x "
-          f"({short['servers_1_s']:.2f} s vs {short['servers_2_s']:.2f} s)", flush=True)
+    print(f"   through node servers of 1 CPU device each (node.spread), 2 servers vs 1 = "
+          f"{short['servers_speedup']:.3f}x ({short['servers_1_s']:.2f} s vs {short['servers_2_s']:.2f} s)", flush=True)
 
     print("3. per-unit runtime overhead (one MLP trial alone, 1 device, traced)", flush=True)
     over = unit_overhead(train, val, epochs)
@@ -354,9 +354,10 @@ def main() -> int:
           f"{best['plain']:.3f} s); with the waiting thread's OpenMP team kept {dflt['ratio_team_kept']:.3f}x "
           f"({best['hydra_team_kept']:.3f} s)", flush=True)
     print(f"   the plain loop beside an idle runtime of 1 CPU device: {best['plain_beside_idle']:.3f} s "
-          f"({dflt['beside_idle']:.3f}x of alone; with the idle device's team kept {best['plain_beside_idle_team_kept']:.3f} s, "
-          f"{dflt['beside_idle_team_kept']:.3f}x)", flush=True)
-    emit({"benchmark": "small_trials", "default_threads": dflt, "search_ratio": plain / hydra, "search": runs, "search_cpu": cpu,
+          f"({dflt['beside_idle']:.3f}x of alone; with the idle device's team kept "
+          f"{best['plain_beside_idle_team_kept']:.3f} s, {dflt['beside_idle_team_kept']:.3f}x)", flush=True)
+    emit({"benchmark": "small_trials", "default_threads": dflt, "search_ratio": plain / hydra, "search": runs,
+          "search_cpu": cpu,
           "servers_ratio": plain / served, "server_start_s": server_start,
           "search_cpu_ratio": cpu_ratio, "mean_accuracy": mean,
           "short": short, "overhead": over, "trials": n, "epochs": epochs, "mlp_params": params}, args, t_start)
