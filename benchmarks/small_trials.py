@@ -191,12 +191,16 @@ def unit_overhead(train: list[Batch], val: list[Batch], epochs: int) -> dict[str
             "plain_per_unit_us": best[0] / n * 1e6}
 
 
+def short_tasks() -> list[ht.ModelTask]:
+    return [ht.ModelTask(gpt2_factory(SHORT), adamw(1e-3), token_batches(SHORT, seed=i), epochs=1, seed=i,
+                         name=f"s{i}") for i in range(4)]
+
+
 def short_trials(repeats: int) -> dict[str, Any]:
     def run(devices: int) -> float:
         start = time.perf_counter()   # runtime start, each build/profile/plan (submit) and training
         with ht.Runtime(devices=["cpu"] * devices) as rt:
-            handles = [rt.submit(ht.ModelTask(gpt2_factory(SHORT), adamw(1e-3), token_batches(SHORT, seed=i),
-                                              epochs=1, seed=i, name=f"s{i}")) for i in range(4)]
+            handles = [rt.submit(t) for t in short_tasks()]
             for h in handles:
                 h.result()
         return time.perf_counter() - start
@@ -205,8 +209,7 @@ def short_trials(repeats: int) -> dict[str, Any]:
 
     def served(devices: int) -> float:
         start = time.perf_counter()   # each submit (the build, profile and plan run in the servers) and training
-        handles = [pools[devices].submit(ht.ModelTask(gpt2_factory(SHORT), adamw(1e-3), token_batches(SHORT, seed=i),
-                                                      epochs=1, seed=i, name=f"s{i}")) for i in range(4)]
+        handles = [pools[devices].submit(t) for t in short_tasks()]
         for h in handles:
             h.result()
         return time.perf_counter() - start
@@ -241,8 +244,11 @@ from small_trials import digits, plain_trial, trial_task
 epochs, release = int(sys.argv[2]), handle.release_idle_pool
 train, val = digits()   # the script's own torch work: its thread's OpenMP team
 
-def hydra(keep_team):
+def releasing(keep_team):   # our two call sites: the waiting caller's, the idle device's
     handle.release_idle_pool = worker.release_idle_pool = (lambda: False) if keep_team else release
+
+def hydra(keep_team):
+    releasing(keep_team)
     with ht.Runtime(devices=["cpu"]) as rt:
         start = time.perf_counter()
         rt.submit(trial_task(0, train, val, epochs)).result()
@@ -254,7 +260,7 @@ def plain():
     return time.perf_counter() - start
 
 def plain_beside(keep_team):   # the plain loop while a runtime of one CPU device idles in the same process
-    handle.release_idle_pool = worker.release_idle_pool = (lambda: False) if keep_team else release
+    releasing(keep_team)
     with ht.Runtime(devices=["cpu"]) as rt:
         rt.submit(trial_task(0, train, val, 1)).result()
         return plain()

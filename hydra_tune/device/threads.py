@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -68,17 +69,9 @@ def release_idle_pool() -> bool:
     return pause is not None and pause(1) == 0   # omp_pause_soft: the calling thread's pool only
 
 
-_PAUSE: list[Callable[[int], int] | None] = []   # omp_pause_resource_all of torch's libgomp, once looked up
-
-
+@functools.cache   # looked up once per process
 def _pause() -> Callable[[int], int] | None:
-    if not _PAUSE:
-        _PAUSE.append(_find_pause())
-    return _PAUSE[0]
-
-
-def _find_pause() -> Callable[[int], int] | None:
-    """torch's libgomp among the loaded ones (Linux: /proc/self/maps). Other packages bundle copies of their own
+    """``omp_pause_resource_all`` of torch's libgomp among the loaded ones (Linux: /proc/self/maps). Other packages bundle copies of their own
     (scikit-learn's wheels do) whose pools are not torch's; with none in torch's folder (a build that links the
     system's), the one libgomp loaded. Elsewhere (LLVM's libomp spins by time instead; not measured): None."""
     try:
@@ -88,7 +81,7 @@ def _find_pause() -> Callable[[int], int] | None:
     except OSError:
         return None
     own = [p for p in paths if p.startswith(os.path.dirname(torch.__file__) + os.sep)]
-    chosen = own if own else sorted(paths) if len(paths) == 1 else []
+    chosen = own if own else list(paths) if len(paths) == 1 else []
     for path in chosen:
         try:
             fn = ctypes.CDLL(path).omp_pause_resource_all

@@ -194,18 +194,21 @@ class Scheduler(Openings):
         with self.cond:
             self._idle.add(index)
             came = self.cond.wait_for(ready, IDLE_AFTER if on_idle is not None else None)
-        if not came and on_idle is not None:
+            task = self._took(index) if came else None
+        if not came and on_idle is not None:  # (without on_idle the wait has no timeout: it came)
             on_idle()
-        with self.cond:
-            self.cond.wait_for(ready)
-            self._idle.discard(index)
-            self.cond.notify_all()  # a device that deferred to this one decides again
-            if self._closed:
-                return None
-            task = self._choose(index)
+            with self.cond:
+                self.cond.wait_for(ready)
+                task = self._took(index)
         if task is not None:
             task.handle.started()
         return task
+
+    def _took(self, index: int) -> Admitted | None:
+        """Under the lock, once ``take``'s wait ended: device ``index``'s task (None once closed)."""
+        self._idle.discard(index)
+        self.cond.notify_all()  # a device that deferred to this one decides again
+        return None if self._closed else self._choose(index)
 
     def take_kept(self, index: int, task: Admitted) -> Admitted | None:
         """Wait for the next segment of ``task``, which the policy kept device ``index`` on (``ran(..., keep=True)``)
