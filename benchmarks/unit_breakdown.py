@@ -1,4 +1,4 @@
-"""Usage: .venv/bin/python benchmarks/unit_breakdown.py [--epochs N] [--runs N] [--json out.json]
+"""Usage: .venv/bin/python benchmarks/unit_breakdown.py [--epochs N] [--runs N] [--json out.json] [--calls]
 
 Where a small trial's time goes on a CPU device, minibatch by minibatch (issue 15): one trial of small_trials.py's
 MLP (117k parameters, 8x8 digits, batch 64, accuracy every epoch) alone on a runtime of one CPU device, and the same
@@ -16,6 +16,11 @@ loop's parts are summed the same way (its eval forwards in its forward). The fas
 
 A name in ``SITES`` that the code no longer has fails the script at once (a renamed function would otherwise
 drop out of the breakdown and read as time saved).
+
+``--calls`` counts Python function calls instead (``sys.setprofile`` in every thread), which the machine's load
+does not change: per training minibatch in the steady state (the difference between a run of ``--epochs`` and one
+of a third as many, divided by the minibatches between them), hydra against the plain loop (small_trials.py's
+``plain_trial``), the functions that differ most, and the calls per task that do not grow with its length.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import argparse
 import collections
 import inspect
 import json
+import os
 import sys
 import threading
 import time
@@ -30,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from small_trials import digits, trial_task
+from small_trials import digits, plain_trial, trial_task
 
 import hydra_tune as ht
 from hydra_tune.device import devices, quiet, streams
@@ -144,15 +150,83 @@ def plain_parts(task: ht.ModelTask) -> dict[str, float]:
     return {**{k: sum(v) / mb / 1e3 for k, v in parts.items()}, "whole": (clock() - start) / mb / 1e3}
 
 
+Site = tuple[str, str, int]  # a function: file, name, first line
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CallCounter:
+    """Python function calls per function, in every thread, while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: collections.Counter[Site] = collections.Counter()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if self.on and event == "call":
+            code = frame.f_code
+            self.calls[(code.co_filename.rsplit("site-packages/", 1)[-1], code.co_name, code.co_firstlineno)] += 1
+
+    def count(self, run: Any) -> collections.Counter[Site]:
+        self.calls = collections.Counter()
+        sys.setprofile(self)
+        self.on = True
+        try:
+            run()
+        finally:
+            self.on = False
+            sys.setprofile(None)
+        return self.calls
+
+
+def count_calls(train: list[Any], val: list[Any], epochs: int, top: int) -> dict[str, float]:
+    """``--calls``: Python calls per steady minibatch, hydra and plain, and hydra's per task."""
+    short = max(epochs // 3, 1)
+    if short == epochs:
+        raise SystemExit("unit_breakdown --calls: --epochs must be at least 2")
+    counter = CallCounter()
+    plain_trial(trial_task(0, train, val, 1))
+    plain = {n: counter.count(lambda n=n: plain_trial(trial_task(0, train, val, n))) for n in (short, epochs)}
+    threading.setprofile(counter)  # (the runtime's threads start after this)
+    try:
+        with ht.Runtime(devices=["cpu"]) as rt:
+            rt.submit(trial_task(0, train, val, 1)).result()
+            hydra = {n: counter.count(lambda n=n: rt.submit(trial_task(0, train, val, n)).result())
+                     for n in (short, epochs)}
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    mb = (epochs - short) * len(train)
+
+    def steady(runs: dict[int, collections.Counter[Site]]) -> dict[Site, float]:
+        return {k: (runs[epochs][k] - runs[short].get(k, 0)) / mb for k in runs[epochs]}
+    h, p = steady(hydra), steady(plain)
+    per_task = sum(hydra[short].values()) - short * len(train) * sum(h.values())
+    print(f"Python calls per training minibatch (steady, eval share included): hydra {sum(h.values()):.0f}, "
+          f"plain loop {sum(p.values()):.0f}; hydra per task, not per minibatch: {per_task:.0f}")
+    diff = {k: h.get(k, 0.0) - p.get(k, 0.0) for k in set(h) | set(p)}
+    for (f, name, line), v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]:
+        print(f"  {v:7.2f}  {os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line} {name}")
+    out = {"benchmark": "unit_breakdown_calls", "hydra_calls": sum(h.values()), "plain_calls": sum(p.values()),
+           "hydra_calls_per_task": per_task}
+    print(json.dumps(out))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--top", type=int, default=25, help="runtime pairs to print")
+    p.add_argument("--top", type=int, default=25, help="runtime pairs (or functions, with --calls) to print")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--calls", action="store_true", help="count Python calls instead of timing")
     args = p.parse_args()
     torch.set_num_threads(1)
     train, val = digits()
+    if args.calls:
+        line = count_calls(train, val, args.epochs, args.top)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(json.dumps(line) + "\n")
+        return
     plain_parts(trial_task(0, train, val, 1))   # torch's one-time costs, outside the timed runs
     probe = Probe()
     probe.install()

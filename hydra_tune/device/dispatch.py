@@ -42,12 +42,11 @@ class _Tracked(weakref.ref):
     a (bytes, reference) tuple and a closure per storage, ~0.3 KiB each; a task resident on a CPU stand-in keeps
     ~150 counted storages)."""
 
+    # Made by weakref's own constructor, then its slots set (``_Tracked(storage, callback)``): a Python
+    # ``__init__`` would cost a call per counted storage, and a training step makes a gradient per parameter.
     __slots__ = ("key", "nbytes")
-
-    def __init__(self, storage: torch.UntypedStorage, callback: Callable[[Any], None], *, key: int,
-                 nbytes: int) -> None:
-        super().__init__(storage, callback)
-        self.key, self.nbytes = key, nbytes
+    key: int
+    nbytes: int
 
 
 class MemoryAccount:
@@ -79,7 +78,8 @@ class MemoryAccount:
                                              f"with {self.current} in use would pass the limit of {self.limit}")
             # A weak reference whose callback runs when the storage is freed (cheaper than weakref.finalize,
             # which this path pays once per new storage of every counted op)
-            self._live[key] = _Tracked(storage, self._release, key=key, nbytes=nbytes)
+            ref = self._live[key] = _Tracked(storage, self._release)
+            ref.key, ref.nbytes = key, nbytes
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
@@ -94,7 +94,8 @@ class MemoryAccount:
                 nbytes = storage.nbytes()
                 if nbytes == 0:
                     continue
-                live[key] = _Tracked(storage, self._release, key=key, nbytes=nbytes)
+                ref = live[key] = _Tracked(storage, self._release)
+                ref.key, ref.nbytes = key, nbytes
                 self.current += nbytes
             self.peak = max(self.peak, self.current)
 

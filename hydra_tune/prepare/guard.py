@@ -91,7 +91,9 @@ class PendingGuard:
 
     def __init__(self, flush: Callable[[], None]) -> None:
         self._flush = flush
-        self._marked: dict[int, list[nn.Parameter]] = {}  # shard -> its parameters marked
+        # shard -> its parameters marked (an attribute WatchedState reads at every lookup of the optimizer's state:
+        # the optimizer's own step makes one per parameter)
+        self.by_shard: dict[int, list[nn.Parameter]] = {}
         self._loop: int | None = None  # the thread that called optimizer.step()
         self.reads = 0  # reads that applied the pending updates early
 
@@ -108,16 +110,16 @@ class PendingGuard:
         for p in params:
             _OWNERS[id(p)] = self
             p.__class__ = PendingParameter
-        self._marked[shard] = params
+        self.by_shard[shard] = params
 
     def marked(self) -> list[int]:
-        return list(self._marked)
+        return list(self.by_shard)
 
     def unmark(self, shards: Iterable[int]) -> dict[int, list[nn.Parameter]]:
         """These shards' parameters are plain again (their updates are being applied); returns them by shard."""
         taken = {}
         for shard in shards:
-            params = self._marked.pop(shard, None)
+            params = self.by_shard.pop(shard, None)
             if params is None:
                 continue
             for p in params:
@@ -127,11 +129,11 @@ class PendingGuard:
         return taken
 
     def pending(self) -> bool:
-        return bool(self._marked)
+        return bool(self.by_shard)
 
     def read(self, what: str) -> None:
         """A read of a pending parameter (or of the optimizer's state) outside the runtime's own code."""
-        if not self._marked:
+        if not self.by_shard:
             return
         if threading.get_ident() != self._loop:
             if _runtime_thread():
@@ -142,7 +144,7 @@ class PendingGuard:
                              thread=threading.current_thread().name)
         self.reads += 1
         self._flush()
-        if self._marked:  # the task ended before its update could be applied (it failed): the values are stale
+        if self.by_shard:  # the task ended before its update could be applied (it failed): the values are stale
             self.unmark(self.marked())
             raise rule_error("a prepared model's pending update is applied before its weights are read", "the "
                              "model's task ended (see its error); prepare the model again", kind=RuntimeError,
@@ -162,19 +164,23 @@ class WatchedState(defaultdict):
         self._guard = guard
 
     def _check(self) -> None:
-        if not is_direct() and self._guard.pending():
+        if self._guard.by_shard and not is_direct():
             self._guard.read("optimizer.state")
 
+    # the lookups an optimizer's step makes per parameter check inline (nothing pending: no call at all)
     def __getitem__(self, key: Any) -> Any:
-        self._check()
+        if self._guard.by_shard:
+            self._check()
         return super().__getitem__(key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        self._check()
+        if self._guard.by_shard:
+            self._check()
         return super().get(key, default)
 
     def __contains__(self, key: Any) -> bool:
-        self._check()
+        if self._guard.by_shard:
+            self._check()
         return super().__contains__(key)
 
     def __iter__(self) -> Iterator[Any]:

@@ -99,6 +99,7 @@ class _Holder(NamedTuple):
     prefix: str
     mapping: Any
     skip: frozenset[str]
+    owner: Any = None  # the object whose ``__dict__`` ``mapping`` is (None: a closure cell)
 
 
 def _plain_object(value: Any) -> bool:
@@ -115,31 +116,32 @@ def _holders(named: Iterable[tuple[str, Any]], opaque: frozenset[int] = frozense
     seen: set[int] = set()
 
     def add(name: str, module: str, prefix: str, mapping: Any, skip: frozenset[str] = frozenset(),
-            nested: bool = True) -> None:
+            nested: bool = True, owner: Any = None) -> None:
         key = id(mapping.cell) if isinstance(mapping, _Cell) else id(mapping)
         if key in seen:
             return
         seen.add(key)
-        out.append(_Holder(name, module, prefix, mapping, skip))
+        out.append(_Holder(name, module, prefix, mapping, skip, owner))
         if nested:
             for k, v in _items(mapping, skip):
                 if type(v) not in _SCALARS and _plain_object(v) and id(v) not in opaque:
-                    add(f"{name}.{k}", module, f"{prefix}{k}.", vars(v), nested=False)
+                    add(f"{name}.{k}", module, f"{prefix}{k}.", vars(v), nested=False, owner=v)
 
     for label, m in named:
         mname = type(m).__name__
-        add(mname, label, "", m.__dict__, _own_keys(m))
+        add(mname, label, "", m.__dict__, _own_keys(m), owner=m)
         for dict_name in _HOOK_DICTS:
             for i, hook in enumerate(getattr(m, dict_name, {}).values()):
                 at = f"{dict_name}[{i}]."
                 fn = hook.__func__ if isinstance(hook, types.MethodType) else hook
                 if isinstance(hook, types.MethodType) and not isinstance(hook.__self__, nn.Module):
-                    add(f"{mname} hook {type(hook.__self__).__name__}", label, at, vars(hook.__self__))
+                    add(f"{mname} hook {type(hook.__self__).__name__}", label, at, vars(hook.__self__),
+                        owner=hook.__self__)
                 if isinstance(fn, types.FunctionType):
                     for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                         add(f"{mname} hook {fn.__name__}", label, at, _Cell(cell, var))
                 elif hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):
-                    add(f"{mname} hook {type(fn).__name__}", label, at, vars(fn))
+                    add(f"{mname} hook {type(fn).__name__}", label, at, vars(fn), owner=fn)
     del add  # a recursive closure is a cycle holding ``out`` (the modules' dicts) until Python's collector runs
     return out
 
@@ -252,12 +254,13 @@ class ModuleState:
     """The Python state of some modules at one moment (see the module docstring for what counts)."""
 
     def __init__(self, entries: list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]],
-                 named: list[tuple[str, Any]] | None = None) -> None:
+                 named: list[tuple[str, Any]] | None = None, layout: Any = None) -> None:
         # (holder, {key: value}, {key: contents} for the values that have any, else None): a task keeps its
         # model's as-built state for its whole life (checkpoint.py), so no per-key tuple is spent on scalars
         self._entries = entries
         self._named = named or []  # of_model, of_objects: the (label, object) pairs taken
         self._hooks = _hook_counts(self._named)  # (path, hook dict) -> hooks there then, where any (~90 KiB saved)
+        self._layout = layout  # pystate_layout.Layout: the places of state as taken, for a quick ``changed``
 
     @classmethod
     def take(cls, modules: Iterable[nn.Module]) -> ModuleState:
@@ -311,8 +314,14 @@ class ModuleState:
                     yield _Diff(holder, k, "added", None)
 
     def changed(self) -> bool:
-        """Whether anything differs from the snapshot now."""
+        """Whether anything differs from the snapshot now (taken through a Layout: first by identity, which finds
+        nothing changed without a Python step per attribute; anything it cannot rule out is looked at in full)."""
+        if self._layout is not None and self._layout.unchanged() and self._same_contents():
+            return False
         return next(iter(self._changes()), None) is not None
+
+    def _same_contents(self) -> bool:
+        return all(_same_contents(c, values[k]) for _, values, kept in self._entries if kept for k, c in kept.items())
 
     def changed_names(self) -> list[str]:
         """``Holder.attr`` of every attribute that differs now from the snapshot, sorted."""

@@ -44,6 +44,7 @@ from .direct import DirectPath
 from .loss import LossFn, model_loss
 from .names import shared_name
 from .pystate import inert_modules
+from .pystate_layout import Snapshots
 from .residency import Kept, ShardCache, offloading
 from .shard_state import ShardPythonState
 from .store import HostStore
@@ -85,6 +86,7 @@ class ShardExec(ShardPythonState):
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
         self._inert = inert_modules(self.modules)
+        self._snapshots = Snapshots(self.modules)  # their Python state before a unit (when not all inert)
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
         self.direct = DirectPath(self)  # the light path of a resident only shard (direct.py)
         # B units through their forward's kept (or offloaded) graph: no recompute; of them, with no refill either

@@ -18,18 +18,21 @@ from typing import Any
 from ..device.devices import Device
 from ..errors import rule_error
 from .pystate import ModuleState, still_inert
+from .pystate_layout import Snapshots
 from .store import HostStore
 
 _NOTHING = contextlib.nullcontext()
 
 
 class ShardPythonState:
-    """Mixed into ShardExec, whose ``index``, ``modules``, ``names`` and ``_inert`` it reads."""
+    """Mixed into ShardExec, whose ``index``, ``modules``, ``names``, ``_inert`` and ``_snapshots`` (a
+    pystate_layout.Snapshots of its modules) it reads."""
 
     index: int
     modules: list[Any]
     names: tuple[str, ...]
     _inert: Any
+    _snapshots: Snapshots
 
     def python_state(self, device: Device, store: HostStore,
                      replay: bool = False) -> contextlib.AbstractContextManager[None]:
@@ -41,7 +44,7 @@ class ShardPythonState:
 
     @contextlib.contextmanager
     def _snapshot(self, device: Device, store: HostStore, replay: bool) -> Iterator[None]:
-        before = ModuleState.take(self.modules)
+        before = self._snapshots.take()
         try:
             yield
         finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
@@ -64,7 +67,7 @@ class ShardPythonState:
     def _replaying(self, kept: tuple[ModuleState, list[str]] | None) -> Iterator[None]:
         """A recompute runs from the Python state its F unit started from (``kept``: that state and what F changed)
         and must change the same attributes; the state after F is put back."""
-        now = ModuleState.take(self.modules)
+        now = self._snapshots.take()
         before, by_forward = kept if kept is not None else (now, [])
         if kept is not None:
             before.restore()
