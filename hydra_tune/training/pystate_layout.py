@@ -30,22 +30,24 @@ import torch.nn as nn
 from .pystate import _BIG, _HOOK_DICTS, _MISSING, _SCALARS, ModuleState, _Cell, _contents, _holders, _items
 
 _is = operator.is_
+_EMPTY: dict = {}  # never written: a snapshot's values are read only
 
 
 class Layout:
     """The places of state of some modules as found once, with the values bound there then."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
+        self._modules = modules  # (the caller's list, not copied)
         self._holders = _holders((type(m).__name__, m) for m in modules)
-        # per holder: its values then (the same dicts every snapshot of this layout keeps: never changed) and the
-        # keys whose values have contents to take anew (containers, tensors; () for none)
-        self._values = [dict(_items(h.mapping, h.skip)) for h in self._holders]
+        # per holder: its values then (the same dicts every snapshot of this layout keeps: never changed; one
+        # shared empty dict for the holders with none) and the keys whose values have contents to take anew
+        # (containers, tensors; () for none)
+        self._values = [dict(_items(h.mapping, h.skip)) or _EMPTY for h in self._holders]
         self._content_keys = [tuple(k for k, v in values.items() if type(v) not in _SCALARS
                                     and _contents(v, _BIG) is not None) for values in self._values]
-        # what ``unchanged`` compares besides the values: each ``__dict__``'s size and owner, the hook dicts
+        # what ``unchanged`` compares besides the values: each ``__dict__``'s size and owner, the hooks
         self._sizes = [len(h.mapping) if not isinstance(h.mapping, _Cell) else -1 for h in self._holders]
-        self._hook_dicts = [getattr(m, d, {}) for m in modules for d in _HOOK_DICTS]
-        hooks = [tuple(d.values()) for d in self._hook_dicts]
+        hooks = [tuple(getattr(m, d, {}).values()) for m in modules for d in _HOOK_DICTS]
         self._hooks = hooks if any(hooks) else None  # (None: there were none, the common case)
 
     def take(self) -> ModuleState:
@@ -68,9 +70,10 @@ class Layout:
                   or holder.owner is not None and holder.owner.__dict__ is not mapping):
                 return False
         if self._hooks is None:
-            return not any(map(len, self._hook_dicts))
-        return all(len(d) == len(then) and all(map(_is, d.values(), then))
-                   for d, then in zip(self._hook_dicts, self._hooks))
+            return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                           for m in self._modules)
+        now = [getattr(m, d, {}) for m in self._modules for d in _HOOK_DICTS]
+        return all(len(d) == len(then) and all(map(_is, d.values(), then)) for d, then in zip(now, self._hooks))
 
 
 class Snapshots:
@@ -83,5 +86,6 @@ class Snapshots:
     def take(self) -> ModuleState:
         layout = self._layout
         if layout is None or not layout.unchanged():
+            self._layout = None  # (let the old one go first: its values are not needed to find the new places)
             layout = self._layout = Layout(self._modules)
         return layout.take()
