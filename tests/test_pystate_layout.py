@@ -91,3 +91,19 @@ def test_changes_after_a_reused_snapshot_are_found_and_put_back():
     before.restore()
     assert block.schedule is old_schedule and old_schedule.step == 0 and block.seen == []
     assert not hasattr(block, "new_attribute")
+
+
+def test_a_layout_shares_the_values_of_a_kept_snapshot_where_they_are_unchanged():
+    """A shard's layout reuses the task's as-built snapshot's values (kept for checkpoints) for the places still
+    bound the same: no second copy of them; a place changed since gets its own, and snapshots stay exact."""
+    model = nn.Sequential(Block(), nn.Linear(4, 4))
+    known = ModuleState.of_model(model)
+    model[0].calls = 5  # changed since the as-built snapshot
+    modules = list(model.modules())
+    snaps = Snapshots(modules, known)
+    reused = snaps.take()
+    shared = {id(v) for v in known.values_by_place().values()}
+    by_name = {h.name: values for h, values, _ in reused._entries}
+    assert id(by_name["Block.schedule"]) in shared and id(by_name["Linear"]) in shared
+    assert id(by_name["Block"]) not in shared and by_name["Block"]["calls"] == 5
+    assert _view(reused) == _view(ModuleState.take(modules))

@@ -313,6 +313,11 @@ class ModuleState:
                 if k not in keys and k not in holder.skip:
                     yield _Diff(holder, k, "added", None)
 
+    def values_by_place(self) -> dict[int, dict[str, Any]]:
+        """Each place's values as taken, by the identity of its mapping (a ``__dict__``; closure cells left out):
+        a Layout reuses those still bound the same (pystate_layout.py), the as-built snapshot being kept anyway."""
+        return {id(h.mapping): values for h, values, _ in self._entries if not isinstance(h.mapping, _Cell)}
+
     def changed(self) -> bool:
         """Whether anything differs from the snapshot now (taken through a Layout: first by identity, which finds
         nothing changed without a Python step per attribute; anything it cannot rule out is looked at in full)."""

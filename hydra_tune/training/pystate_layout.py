@@ -36,13 +36,15 @@ _EMPTY: dict = {}  # never written: a snapshot's values are read only
 class Layout:
     """The places of state of some modules as found once, with the values bound there then."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], known: ModuleState | None = None) -> None:
         self._modules = modules  # (the caller's list, not copied)
         self._holders = _holders((type(m).__name__, m) for m in modules)
         # per holder: its values then (the same dicts every snapshot of this layout keeps: never changed; one
-        # shared empty dict for the holders with none) and the keys whose values have contents to take anew
+        # shared empty dict for the holders with none; ``known``'s own dict where it took the same values: the
+        # task keeps its as-built snapshot for checkpoints) and the keys whose values have contents to take anew
         # (containers, tensors; () for none)
-        self._values = [dict(_items(h.mapping, h.skip)) or _EMPTY for h in self._holders]
+        then = known.values_by_place() if known is not None else {}
+        self._values = [_same_or(then.get(id(h.mapping)), dict(_items(h.mapping, h.skip))) for h in self._holders]
         self._content_keys = [tuple(k for k, v in values.items() if type(v) not in _SCALARS
                                     and _contents(v, _BIG) is not None) for values in self._values]
         # what ``unchanged`` compares besides the values: each ``__dict__``'s size and owner, the hooks
@@ -76,16 +78,25 @@ class Layout:
         return all(len(d) == len(then) and all(map(_is, d.values(), then)) for d, then in zip(now, self._hooks))
 
 
-class Snapshots:
-    """``ModuleState.take(modules)`` for one fixed list of modules, through a Layout while it holds."""
+def _same_or(then: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]:
+    """``then`` when it holds the same keys bound to the same objects as ``now``, else ``now`` (``_EMPTY`` for none)."""
+    if then is not None and then.keys() == now.keys() and all(map(_is, map(then.get, now), now.values())):
+        return then
+    return now or _EMPTY
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+
+class Snapshots:
+    """``ModuleState.take(modules)`` for one fixed list of modules, through a Layout while it holds; ``known``: a
+    snapshot kept anyway (the task's as-built one) whose values a layout shares where they are the same."""
+
+    def __init__(self, modules: list[nn.Module], known: ModuleState | None = None) -> None:
         self._modules = modules  # (the caller's list, not copied)
+        self._known = known
         self._layout: Layout | None = None
 
     def take(self) -> ModuleState:
         layout = self._layout
         if layout is None or not layout.unchanged():
             self._layout = None  # (let the old one go first: its values are not needed to find the new places)
-            layout = self._layout = Layout(self._modules)
+            layout = self._layout = Layout(self._modules, self._known)
         return layout.take()

@@ -34,6 +34,11 @@ class ShardPythonState:
     _inert: Any
     _snapshots: Snapshots
 
+    def snapshot_against(self, known: ModuleState) -> None:
+        """Snapshots before units share ``known``'s values where they are the same (the task's as-built snapshot of
+        its model, kept for checkpoints: most of a model's places never change)."""
+        self._snapshots = Snapshots(self.modules, known)
+
     def python_state(self, device: Device, store: HostStore,
                      replay: bool = False) -> contextlib.AbstractContextManager[None]:
         """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo, and

@@ -202,6 +202,8 @@ class TaskState:
 
     def _execs(self, plan: Plan) -> list[ShardExec]:
         execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast, self.home) for s in plan.shards]
+        for ex in execs:
+            ex.snapshot_against(self.as_built.python["model"])
         if self._pool is not None and self.shares is not None:
             for ex in execs:
                 ex.use_pool(self._pool, self.shares.keys())
