@@ -30,6 +30,7 @@ import torch.nn as nn
 from .pystate import _BIG, _HOOK_DICTS, _MISSING, _SCALARS, ModuleState, _Cell, _contents, _holders, _items
 
 _is = operator.is_
+_HOOK_DICTS_OF = operator.attrgetter(*_HOOK_DICTS)  # a module's hook dicts, as a tuple
 _EMPTY: dict = {}  # never written: a snapshot's values are read only
 
 
@@ -71,9 +72,8 @@ class Layout:
                   or not all(map(_is, map(mapping.get, values, repeat(_MISSING)), values.values()))
                   or holder.owner is not None and holder.owner.__dict__ is not mapping):
                 return False
-        if self._hooks is None:
-            return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                           for m in self._modules)
+        if self._hooks is None:  # (C-level calls only: a generator here cost a Python step per module)
+            return not any(map(any, map(_HOOK_DICTS_OF, self._modules)))
         now = [getattr(m, d, {}) for m in self._modules for d in _HOOK_DICTS]
         return all(len(d) == len(then) and all(map(_is, d.values(), then)) for d, then in zip(now, self._hooks))
 
