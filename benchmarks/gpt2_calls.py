@@ -30,16 +30,20 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """The user's loop (the same for a plain and a prepared model)."""
+    for b in lm_batches(steps):
+        loss = model(**b).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        loss.item()
+
+
 def plain(layers: int, steps: int) -> None:
     torch.manual_seed(0)
     model = make_gpt2(n_layer=layers)
-    opt = adamw(model)
-    for b in lm_batches(steps):
-        loss = model(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss.item()
+    train(model, adamw(model), steps)
 
 
 def as_task(rt: ht.Runtime, layers: int, steps: int) -> None:
@@ -51,11 +55,7 @@ def prepared(rt: ht.Runtime, layers: int, steps: int) -> None:
     torch.manual_seed(0)
     model = make_gpt2(n_layer=layers)
     model, opt = ht.prepare(model, adamw(model), seed=0, runtime=rt, name=f"prepared-{steps}")
-    for b in lm_batches(steps):
-        loss = model(**b).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train(model, opt, steps)
     model.release()
 
 
