@@ -107,3 +107,22 @@ def test_a_layout_shares_the_values_of_a_kept_snapshot_where_they_are_unchanged(
     assert id(by_name["Block.schedule"]) in shared and id(by_name["Linear"]) in shared
     assert id(by_name["Block"]) not in shared and by_name["Block"]["calls"] == 5
     assert _view(reused) == _view(ModuleState.take(modules))
+
+
+def test_places_that_change_at_every_unit_get_plain_snapshots_for_a_while_and_stay_exact():
+    """A forward that rebinds an attribute every time makes every layout out of date at the next take: after two
+    such takes in a row the shard takes plain snapshots (RETRY_AFTER of them) before it tries a layout again."""
+    from hydra_tune.training import pystate_layout
+
+    model = nn.Sequential(Block())
+    modules = list(model.modules())
+    snaps = Snapshots(modules)
+    held = []
+    for _ in range(pystate_layout.RETRY_AFTER + 4):
+        model[0].calls += 1  # what the last unit's forward did
+        assert _view(snaps.take()) == _view(ModuleState.take(modules))
+        held.append(snaps.holds_layout())
+    after = 2 + pystate_layout.RETRY_AFTER  # the take that tries a layout again
+    assert held[:2] == [True, True] and not any(held[2:after]) and held[after]
+    for _ in range(3):  # nothing changes any more: the layout holds
+        assert _view(snaps.take()) == _view(ModuleState.take(modules)) and snaps.holds_layout()

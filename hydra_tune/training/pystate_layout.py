@@ -85,6 +85,12 @@ def _same_or(then: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]
     return now or _EMPTY
 
 
+# A shard whose places of state changed at two takes in a row (a forward that rebinds an attribute every time)
+# takes this many plain snapshots before it tries a layout again: rebuilding one at every take cost a third more
+# than a plain snapshot.
+RETRY_AFTER = 16
+
+
 class Snapshots:
     """``ModuleState.take(modules)`` for one fixed list of modules, through a Layout while it holds; ``known``: a
     snapshot kept anyway (the task's as-built one) whose values a layout shares where they are the same."""
@@ -93,10 +99,25 @@ class Snapshots:
         self._modules = modules  # (the caller's list, not copied)
         self._known = known
         self._layout: Layout | None = None
+        self._misses = 0  # takes in a row that found the layout out of date
+        self._plain = 0   # plain snapshots still to take before a layout is tried again
 
     def take(self) -> ModuleState:
+        if self._plain:
+            self._plain -= 1
+            return ModuleState.take(self._modules)
         layout = self._layout
-        if layout is None or not layout.unchanged():
-            self._layout = None  # (let the old one go first: its values are not needed to find the new places)
-            layout = self._layout = Layout(self._modules, self._known)
+        if layout is not None and layout.unchanged():
+            self._misses = 0
+            return layout.take()
+        self._layout = None  # (let the old one go first: its values are not needed to find the new places)
+        self._misses += layout is not None
+        if self._misses >= 2:
+            self._misses, self._plain = 0, RETRY_AFTER - 1
+            return ModuleState.take(self._modules)
+        layout = self._layout = Layout(self._modules, self._known)
         return layout.take()
+
+    def holds_layout(self) -> bool:
+        """Whether a layout is kept now (not while the places keep changing)."""
+        return self._layout is not None
