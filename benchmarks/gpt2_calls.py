@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 import torch
-from unit_breakdown import ROOT, CallCounter
+from unit_breakdown import ROOT, CallCounter, print_differences, steady_calls
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from conftest import lm_batches, make_gpt2  # noqa: E402
@@ -83,14 +83,11 @@ def main() -> None:
             runs["prepared"] = {n: counter.count(lambda n=n: prepared(rt, args.layers, n)) for n in (short, long)}
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
-    steady = {k: {f: (r[long][f] - r[short].get(f, 0)) / (long - short) for f in r[long]} for k, r in runs.items()}
+    steady = {k: steady_calls(r, short, long, long - short) for k, r in runs.items()}
     totals = {k: round(sum(v.values())) for k, v in steady.items()}
     print(f"GPT-2 {args.layers} layers, Python calls per step (steady): plain loop {totals['plain']}, ModelTask "
           f"{totals['task']}, prepared {totals['prepared']}")
-    side = steady["prepared" if args.prepared else "task"]
-    diff = {f: side.get(f, 0.0) - steady["plain"].get(f, 0.0) for f in set(side) | set(steady["plain"])}
-    for (f, name, line), v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
-        print(f"  {v:8.1f}  {os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line} {name}")
+    print_differences(steady["prepared" if args.prepared else "task"], steady["plain"], args.top)
     print(json.dumps({"benchmark": "gpt2_calls", "layers": args.layers, "calls_per_step": totals}))
 
 

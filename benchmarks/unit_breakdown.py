@@ -178,6 +178,20 @@ class CallCounter:
         return self.calls
 
 
+def steady_calls(runs: dict[int, collections.Counter[Site]], short: int, long: int,
+                 per: int) -> dict[Site, float]:
+    """Calls per minibatch (or step) in the steady state: the run of ``long`` less the run of ``short``, over
+    ``per`` minibatches between them."""
+    return {k: (runs[long][k] - runs[short].get(k, 0)) / per for k in runs[long]}
+
+
+def print_differences(side: dict[Site, float], plain: dict[Site, float], top: int) -> None:
+    """The ``top`` functions whose steady calls differ most between ``side`` and the plain loop."""
+    diff = {k: side.get(k, 0.0) - plain.get(k, 0.0) for k in set(side) | set(plain)}
+    for (f, name, line), v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]:
+        print(f"  {v:8.2f}  {os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line} {name}")
+
+
 def count_calls(train: list[Any], val: list[Any], epochs: int, top: int) -> dict[str, float]:
     """``--calls``: Python calls per steady minibatch, hydra and plain, and hydra's per task."""
     short = max(epochs // 3, 1)
@@ -195,16 +209,11 @@ def count_calls(train: list[Any], val: list[Any], epochs: int, top: int) -> dict
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
     mb = (epochs - short) * len(train)
-
-    def steady(runs: dict[int, collections.Counter[Site]]) -> dict[Site, float]:
-        return {k: (runs[epochs][k] - runs[short].get(k, 0)) / mb for k in runs[epochs]}
-    h, p = steady(hydra), steady(plain)
+    h, p = steady_calls(hydra, short, epochs, mb), steady_calls(plain, short, epochs, mb)
     per_task = sum(hydra[short].values()) - short * len(train) * sum(h.values())
     print(f"Python calls per training minibatch (steady, eval share included): hydra {sum(h.values()):.0f}, "
           f"plain loop {sum(p.values()):.0f}; hydra per task, not per minibatch: {per_task:.0f}")
-    diff = {k: h.get(k, 0.0) - p.get(k, 0.0) for k in set(h) | set(p)}
-    for (f, name, line), v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]:
-        print(f"  {v:7.2f}  {os.path.relpath(f, ROOT) if f.startswith(ROOT) else f}:{line} {name}")
+    print_differences(h, p, top)
     out = {"benchmark": "unit_breakdown_calls", "hydra_calls": sum(h.values()), "plain_calls": sum(p.values()),
            "hydra_calls_per_task": per_task}
     print(json.dumps(out))

@@ -321,11 +321,11 @@ class ModuleState:
     def changed(self) -> bool:
         """Whether anything differs from the snapshot now (taken through a Layout: first by identity, which finds
         nothing changed without a Python step per attribute; anything it cannot rule out is looked at in full)."""
-        if self._layout is not None and self._layout.unchanged() and self._same_contents():
+        if self._layout is not None and self._layout.unchanged() and self._contents_unchanged():
             return False
         return next(iter(self._changes()), None) is not None
 
-    def _same_contents(self) -> bool:
+    def _contents_unchanged(self) -> bool:
         return all(_same_contents(c, values[k]) for _, values, kept in self._entries if kept for k, c in kept.items())
 
     def changed_names(self) -> list[str]:

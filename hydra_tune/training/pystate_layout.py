@@ -25,13 +25,15 @@ import operator
 from itertools import repeat
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-from .pystate import _BIG, _HOOK_DICTS, _MISSING, _SCALARS, ModuleState, _Cell, _contents, _holders, _items
+from .pystate import _BIG, _CONTAINERS, _HOOK_DICTS, _MISSING, ModuleState, _Cell, _contents, _holders, _items
 
 _is = operator.is_
 _HOOK_DICTS_OF = operator.attrgetter(*_HOOK_DICTS)  # a module's hook dicts, as a tuple
 _EMPTY: dict = {}  # never written: a snapshot's values are read only
+_HAS_CONTENTS = (torch.Tensor, *_CONTAINERS)  # the values pystate._contents takes anything of
 
 
 class Layout:
@@ -46,8 +48,8 @@ class Layout:
         # (containers, tensors; () for none)
         then = known.values_by_place() if known is not None else {}
         self._values = [_same_or(then.get(id(h.mapping)), dict(_items(h.mapping, h.skip))) for h in self._holders]
-        self._content_keys = [tuple(k for k, v in values.items() if type(v) not in _SCALARS
-                                    and _contents(v, _BIG) is not None) for values in self._values]
+        self._content_keys = [tuple(k for k, v in values.items() if isinstance(v, _HAS_CONTENTS))
+                              for values in self._values]
         # what ``unchanged`` compares besides the values: each ``__dict__``'s size and owner, the hooks
         self._sizes = [len(h.mapping) if not isinstance(h.mapping, _Cell) else -1 for h in self._holders]
         hooks = [tuple(getattr(m, d, {}).values()) for m in modules for d in _HOOK_DICTS]
