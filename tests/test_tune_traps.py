@@ -71,6 +71,18 @@ def test_trial_error_keeps_the_tasks_own_type(local_ray, tmp_path):
     assert "(it does not pickle, so raised as RuntimeError): Unpicklable: holds a lock" in str(lock)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node where a CUDA runtime cannot start")
+def test_a_runtime_actor_that_cannot_start_fails_the_search_with_its_error(local_ray, tmp_path):
+    """The callback does not wait for the runtime actors in ``setup`` (they start while Tune starts the trials):
+    one that fails to start still fails ``fit`` with the runtime's own message, not only its trials."""
+    ht.HydraExecutor(devices=["cpu"]).shutdown()   # no runtime actor left from an earlier test (it keeps its settings)
+    ex = ht.HydraExecutor(devices=["cuda:0"])
+    with pytest.raises(Exception, match="a CUDA device is available"):
+        tune.Tuner(ex.wrap(ok_fn), param_space={"x": tune.grid_search([1, 2])},
+                   run_config=tune.RunConfig(callbacks=[ex], storage_path=str(tmp_path), name="no-start",
+                                             verbose=0)).fit()
+
+
 def test_trial_error_rebuilds_the_exception_with_the_runtime_traceback_as_a_note():
     try:
         raise NonFiniteLoss("loss=nan")

@@ -24,10 +24,15 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 
+_NULL = contextlib.nullcontext()
+
+
 def plain_thread() -> contextlib.AbstractContextManager[None] | None:
     """A scope with a worker thread's torch state, or None when this thread's state cannot be set aside here."""
     if torch.is_autocast_enabled("cpu") or _get_current_function_mode_stack():
         return None
+    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not torch._C._len_torch_dispatch_stack():
+        return _NULL  # a training forward's call: the thread is in a worker's state already (no scope to enter)
     return _plain()
 
 

@@ -250,7 +250,8 @@ class Driver:
         store, rng = state.store, state.rng
         if train:
             return [("F", ex, lambda d, ex=ex: self._train_forward(d, ex)) for ex in state.execs]
-        return [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False)) for ex in state.execs]
+        light = len(state.execs) == 1  # the only shard's eval forward may take the light path (direct.py)
+        return [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False, light=light)) for ex in state.execs]
 
     def _train_forward(self, device: Device, ex: Any) -> None:
         """F of one shard as the plan says; the last shard's keeps its graph for the backward call when the device
@@ -265,7 +266,7 @@ class Driver:
         nbytes = plan.shards[index].kept_bytes
         if (index == len(state.execs) - 1 and plan.may_keep() and cache is not None
                 and cache.room_for_graph(nbytes)):
-            ex.forward(device, store, rng, keep=True, droppable=True)
+            ex.forward(device, store, rng, keep=True, droppable=True, light=index == 0)
             cache.hold_graph(store, index, nbytes)
             return
         ex.forward(device, store, rng, keep=plan.keeps(index), offload=plan.offloads(index))

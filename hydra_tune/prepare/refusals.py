@@ -23,6 +23,7 @@ Why each is refused rather than run:
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -60,6 +61,10 @@ def refuse_hooks(found: list[str], when: str) -> Exception:
                       hooks=found[:6])
 
 
+_GRAD_HOOKS = operator.attrgetter("_backward_hooks")
+_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
 class HookCheck:
     """The model's hooks: none at prepare, none registered since (checked at every forward)."""
 
@@ -79,8 +84,9 @@ class HookCheck:
                          if hasattr(torch_module, k)]
 
     def check(self) -> None:
-        if not (any(self._dicts) or any(self._globals)
-                or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in self._params)):
+        # (C-level reads of each parameter's two hook slots: a generator would be a Python frame per parameter)
+        if not (any(self._dicts) or any(self._globals) or any(map(_GRAD_HOOKS, self._params))
+                or any(map(_ACCUMULATE_HOOKS, self._params))):
             return
         found = _hooks(self.model)  # names them; also a hook on a module or parameter added after prepare
         if found:

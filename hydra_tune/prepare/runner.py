@@ -116,10 +116,13 @@ class Runner:
             self.hooks.check()
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
-        leaves = tree_flatten(batch)[0]
+        # most calls pass one tensor (model(x)): torch's general tree walk costs more than the rest of this
+        lone = type(batch) is tuple and len(batch) == 1 and type(batch[0]) is torch.Tensor
+        leaves = list(batch) if lone else tree_flatten(batch)[0]
         check_inputs(leaves)
         device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        host = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, batch)
+        host = (batch[0].detach().cpu(),) if lone else \
+            tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, batch)
         train = torch.is_grad_enabled()
         if self.driver.handle is None:
             self._submit(host)
@@ -158,6 +161,8 @@ class Runner:
             self._at_forward = ([m.training for m in self._modules],
                                 [p._version for _, p in self._named])  # torch's in-place counter
             out = self._join(out, driver.forwards)
+        if type(out) is torch.Tensor:
+            return out if out.device == device else out.to(device)
         return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -173,7 +178,8 @@ class Runner:
 
     def _join(self, out: Any, number: int) -> Any:
         """The output's float tensors through the bridge: they require grad, and their backward runs B units."""
-        leaves, spec = tree_flatten(out)
+        lone = type(out) is torch.Tensor
+        leaves, spec = ([out], None) if lone else tree_flatten(out)
         where = [i for i, t in enumerate(leaves) if float_leaf(t)]
         if not where:
             return out
@@ -183,6 +189,8 @@ class Runner:
             self._backward(number, n, dict(zip(where, grads)))
 
         joined = Bridge.apply(backward_fn, token(), *[leaves[i] for i in where])
+        if lone:
+            return joined[0]
         for i, t in zip(where, joined):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
@@ -208,9 +216,9 @@ class Runner:
         def after() -> None:
             state = driver.state
             home = state.home
-            with home.locked():  # the gradients land in .grad, added as AccumulateGrad adds them
-                state.store.flush_grads()
-                state.store.clear()
+            # the gradients land in .grad, added as AccumulateGrad adds them; a backward made only them on the device:
+            # they are counted now, the rest of the state at the next step as after a ModelTask's minibatch
+            home.land_grads(state.store, step_follows=True)
             if home.cache is None:
                 home.settle()
             else:  # the user's loop reads and clips them now, then steps: evictions wait for that (state_cache.py)

@@ -4,6 +4,8 @@ stages over the model's own parameters, and gradients accumulate into ``.grad`` 
     path = DirectPath(ex)                              # ShardExec makes one for itself, and its L and E units
     if path.applies(device):                           # ask it first, every time
         value = path.forward_loss_backward(device, store, rng, loss_fn, scale)
+    path.forward(device, store, rng, keep=True)        # a prepared loop's F: the graph kept for its B
+    path.backward(device, store, rng, kept.out)        # its B, when ``applies(device)`` holds then too
 
 Why: while a shard's state is resident, its parameters' device tensors are the model's own; the general path
 still binds new leaves over them into every stage (``Bound``), collects each leaf's gradient into the store and
@@ -19,6 +21,13 @@ gradient yet (the first minibatch of a step), so a unit that fails half way (out
 unrouted draw) is undone by setting them back to None, as the general path adds nothing then; the segment is not
 one the device measures op by op. A forward that replaces a parameter slot (``self.weight = ...``) is refused (the
 model's own parameter would not train); parameters with gradient hooks are refused at submit (training/build.py).
+
+A prepared loop (prepare/driver.py) calls the forward and the backward separately: its F unit keeps the graph
+over the model's own parameters (``forward``, ``Kept.direct``), saving what a recompute needs as the general
+path's droppable F does, and its B unit backpropagates through it into ``.grad`` (``backward``) when the rules
+above hold then (the shard still resident there, no gradient yet: the loop zeroed them since the last step).
+Otherwise (gradients accumulated over minibatches, the state moved, the graph dropped for room) B recomputes on
+the general path from what F saved: exact either way.
 """
 from __future__ import annotations
 
@@ -28,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..device.devices import Device
-from ..device.dispatch import plain_call
+from ..device.dispatch import paused_accounting, plain_call
 from ..device.rng import TaskRNG
 from ..errors import rule_error
 from .loss import LossFn, model_loss
+from .residency import Kept
 from .store import HostStore
-from .trees import map_tensors
+from .trees import map_tensors, tensor_leaves
 
 if TYPE_CHECKING:
     from .shard import ShardExec
@@ -99,6 +109,39 @@ class DirectPath:
             raise
         store.grads_landed()  # its flush and step are due: evictions wait for them (state_cache.py)
         return value
+
+    def forward(self, device: Device, store: HostStore, rng: TaskRNG, keep: bool) -> None:
+        """A prepared loop's F (``keep``: the graph stays on the device for B) or E (no autograd) of the only shard
+        (``applies(device, train=False)``; for F the caller took the RNG and Python state a recompute needs): the
+        output to host memory."""
+        ex = self.ex
+        self.units += 1
+        with device.unit_scope(rng) as mode, torch.enable_grad() if keep else torch.no_grad():
+            carry = ex.to_device(device, store.carries[0], "batches")
+            out = self._run(ex, device, carry)
+            with paused_accounting(mode):
+                store.carries[1] = map_tensors(lambda t: device.copier.to_host(t.detach()), out)
+        if keep:
+            store.kept[0] = Kept(out, [], {}, filled=True, device=device, droppable=True, direct=True)
+
+    def backward(self, device: Device, store: HostStore, rng: TaskRNG, out: Any) -> None:
+        """B through a graph ``forward`` kept (``applies(device)`` holds): the output's gradients into the
+        parameters' ``.grad``, which were None."""
+        ex = self.ex
+        self.units += 1
+        grads = store.out_grads.pop(ex.index)
+        pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        try:
+            with device.unit_scope(rng):
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs],
+                                            [plain_call(device.copier.to_device, g) for _, g in pairs])
+        except BaseException:
+            for p in self._trainable:  # an attempt that failed adds nothing (its retry runs the forward again)
+                p.grad = None
+            raise
+        store.grads_landed()
 
     def evaluate(self, device: Device, store: HostStore, rng: TaskRNG, loss_fn: LossFn | None,
                  measure: Any = None) -> float:

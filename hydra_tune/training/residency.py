@@ -45,6 +45,8 @@ class Kept:
     # (its backward, the loop's next call, then needs no refill: a second copy in); released when another task's
     # segment begins there (HeldGraphs.unload), after which ``refill`` gives them back
     loaded: list[torch.Tensor] = field(default_factory=list)
+    # a graph over the model's own parameters (the light path's, direct.py): its backward adds into their ``.grad``
+    direct: bool = False
 
 
 class ShardCache:

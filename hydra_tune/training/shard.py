@@ -202,16 +202,20 @@ class ShardExec(ShardPythonState):
 
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
-                offload: bool = False, droppable: bool = False) -> None:
+                offload: bool = False, droppable: bool = False, light: bool = False) -> None:
         """F: the output carry becomes the next shard's input in host memory. Plain: no autograd (B recomputes).
         ``keep``: the graph stays on the device, parameter bytes released until B refills them; ``droppable``:
         what a recompute needs is saved too, so the graph may be dropped before B, and its parameter bytes stay
         until another task runs there (residency.Kept ``loaded``: B, next, needs no refill). ``offload``:
         as ``keep``, but the saved activations are moved to host memory as they are made (B brings them back).
-        ``train=False``: an eval forward (E)."""
+        ``train=False``: an eval forward (E). ``light``: the task's only shard, whose output is the model's: a
+        prepared loop's droppable F or its E takes the light path when it applies (direct.py)."""
         if train:
             store.rng[self.index] = rng.snapshot()
         with self.python_state(device, store, replay=train and (droppable or not (keep or offload))):
+            if light and (droppable or not train) and self.direct.applies(device, train=False):
+                self.direct.forward(device, store, rng, keep=train)
+                return
             if keep or offload:
                 self._forward_keep(device, store, rng, offload, droppable)
                 return
@@ -317,6 +321,8 @@ class ShardExec(ShardPythonState):
         kept = store.kept.pop(self.index, None)
         if kept is not None and kept.droppable and kept.device is not device:
             kept = None  # its graph is on another device: dropped, recomputed here (its F saved what that needs)
+        if kept is not None and kept.direct and not self.direct.applies(device):
+            kept = None  # over the model's own parameters, but gradients are there already or the state moved
         snap = store.rng.pop(self.index)
         with self.python_state(device, store):  # backward hooks may keep state too
             if kept is not None:
@@ -324,6 +330,9 @@ class ShardExec(ShardPythonState):
                 self.loaded_backwards += bool(kept.loaded)  # its parameter copies still in (residency.Kept)
                 store.buffers.pop(self.index, None)  # (a droppable one's recompute inputs: not needed now)
                 store.states.pop(self.index, None)
+                if kept.direct:
+                    self.direct.backward(device, store, rng, kept.out)
+                    return
                 with device.unit_scope(rng) as mode:
                     self.refill(device, kept)
                     self._backward_from(device, store, kept.out, kept.copies, kept.leaves, mode)
