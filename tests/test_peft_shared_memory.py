@@ -50,10 +50,15 @@ def test_admission_charges_lora_trials_their_own_part_not_the_frozen_base_again(
 def test_a_cpu_device_that_cannot_keep_a_copy_reads_the_pooled_base_in_place():
     """Before: a CPU device whose budget share could not keep a pooled tensor's copy made a new one for every
     unit of every trial (host memory and time); now it reads the pooled host tensor itself, bit-exact."""
-    tasks = [task(f"t{r}", r=r, epochs=2) for r in (2, 4)]
+    # both trials run before either ends: a trial that ended before the other's submit returned (a loaded machine)
+    # let its device copies go with it, by design, and the second trial then copied the base once more
+    go = threading.Event()
+    tasks = [task(f"t{r}", r=r, data=Gated(batches(3), go), epochs=2) for r in (2, 4)]
     base = distinct_bytes(lora_bert()())
     with ht.Runtime(devices=["cpu"], device_memory=BUDGET) as rt:
-        models = [trained(h) for h in [rt.submit(t) for t in tasks]]
+        handles = [rt.submit(t) for t in tasks]
+        go.set()
+        models = [trained(h) for h in handles]
         pool = rt.stats()["shared_frozen"]
     copied, aliased = pool["copied_bytes"].get("cpu:0", 0), pool.get("aliased_bytes", {}).get("cpu:0", 0)
     assert copied <= base, pool  # each pooled tensor copied at most once (those its budget share keeps)
