@@ -31,9 +31,12 @@ def plain_thread() -> contextlib.AbstractContextManager[None] | None:
     """A scope with a worker thread's torch state, or None when this thread's state cannot be set aside here."""
     if torch.is_autocast_enabled("cpu") or _get_current_function_mode_stack():
         return None
-    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not torch._C._len_torch_dispatch_stack():
-        return _NULL  # a training forward's call: the thread is in a worker's state already (no scope to enter)
-    return _plain()
+    inference, modes = torch.is_inference_mode_enabled(), torch._C._len_torch_dispatch_stack()
+    if inference or modes:
+        return _plain()
+    # the common calls: a training forward (the thread is in a worker's state already: nothing to enter) and a
+    # backward (autograd runs it with grad mode off: only that to set)
+    return _NULL if torch.is_grad_enabled() else torch.enable_grad()
 
 
 @contextlib.contextmanager
