@@ -8,8 +8,9 @@ ModelTasks submitted at once and waited for, vs N threads each running the plain
 counts everything from the first submit / thread start to the last task's end (set-up included: build, measure,
 plan). Prints samples/s of each and the ratio prepared / ModelTask (the goal: >= 0.95), and beside it the
 steady-state ratio: set-up and the first quarter of the steps excluded (from the moment every task has handed out
-its warm-up batches to the last task's end, the batches handed out in that window). One run's ratios, on a shared
-machine: read them, not the absolute times.
+its warm-up batches to the last task's end, the batches handed out in that window). ``--runs`` runs of both sides
+(default 3; one run's ratio swung 0.77-1.00x on a quiet 2-core machine): each run's ratios, then their medians and
+ranges. Read the ratios, not the absolute times.
 
 Where the difference comes from: a prepared loop hands each forward and backward to the runtime and waits (two
 calls per minibatch, run in the loop's own thread on a lent device or through the task's host thread, and the loss
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -137,6 +139,71 @@ def as_prepared(args: argparse.Namespace) -> tuple[float, tuple[int, float], tup
     return end - t0, steady(stamps, end, args.steps), work
 
 
+def alone(args: argparse.Namespace) -> None:
+    """``--alone``: one task by itself on one device (no other task to share it with, nor the two cores): the
+    microseconds a step costs, plain loop / ModelTask / prepared, each the fastest of 3 differences between a run
+    of ``--steps`` + 50 steps and one of 50 (set-up and warm-up cancel out)."""
+    make, _, loss_of, call = setup(args.model, 1, 0)
+
+    def plain(n: int) -> None:
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for b in setup(args.model, n, 0)[1]:
+            loss = loss_of(call(model, b), b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def task(rt: ht.Runtime, n: int) -> None:
+        rt.submit(ht.ModelTask(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), setup(args.model, n, 0)[1],
+                               loss=loss_of, epochs=1, seed=0, name=f"alone-task-{time.perf_counter_ns()}")).result()
+
+    def prepared(rt: ht.Runtime, n: int) -> None:
+        model = make()
+        model, opt = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), seed=0, runtime=rt,
+                                name=f"alone-prepared-{time.perf_counter_ns()}")
+        for b in setup(args.model, n, 0)[1]:
+            loss = loss_of(call(model, b), b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.release()
+
+    def per_step(run) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run(50)
+            t1 = time.perf_counter()
+            run(50 + args.steps)
+            best = min(best, (time.perf_counter() - t1 - (t1 - t0)) / args.steps)
+        return best * 1e6
+
+    with ht.Runtime(devices=args.devices[:1], device_memory=args.device_memory) as rt:
+        for run in (plain, lambda n: task(rt, n), lambda n: prepared(rt, n)):
+            run(5)  # the process's first calls of each
+        us = [per_step(plain), per_step(lambda n: task(rt, n)), per_step(lambda n: prepared(rt, n))]
+    print(f"one {args.model} task alone on {args.devices[0]}, us per step: plain loop {us[0]:.0f}, ModelTask "
+          f"{us[1]:.0f}, prepared {us[2]:.0f} (prepared / ModelTask throughput {us[1] / us[2]:.2f}x)")
+
+
+def one_run(args: argparse.Namespace) -> tuple[float, float]:
+    """Both sides once, ModelTasks first; prints them and returns (ratio with set-up, steady ratio)."""
+    samples = args.tasks * args.steps * (4 if args.model == "gpt2" else 64)
+    per_batch = samples // (args.tasks * args.steps)
+    tasks_s, (tasks_n, tasks_w), (tasks_busy, tasks_units) = as_model_tasks(args)
+    prepared_s, (prep_n, prep_w), (prep_busy, prep_units) = as_prepared(args)
+    tasks_ss, prep_ss = tasks_n * per_batch / tasks_w, prep_n * per_batch / prep_w
+    print(f"  ModelTask: {tasks_s:.2f} s ({samples / tasks_s:.0f} samples/s with set-up; steady "
+          f"{tasks_ss:.0f} samples/s over {tasks_n} batches)")
+    print(f"  prepared:  {prepared_s:.2f} s ({samples / prepared_s:.0f} samples/s with set-up; steady "
+          f"{prep_ss:.0f} samples/s over {prep_n} batches)")
+    print(f"  device work: ModelTask {tasks_busy:.2f} busy s in {tasks_units} units, prepared {prep_busy:.2f} busy s "
+          f"in {prep_units} units")
+    print(f"  ratio prepared / ModelTask: {tasks_s / prepared_s:.2f}x with set-up, {prep_ss / tasks_ss:.2f}x steady")
+    return tasks_s / prepared_s, prep_ss / tasks_ss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
@@ -145,25 +212,26 @@ def main() -> None:
     ap.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
     ap.add_argument("--device-memory", default="1536KiB")
     ap.add_argument("--warmup", type=int, default=20, help="steps each side runs untimed first (0: none)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of both sides; the medians are the result")
+    ap.add_argument("--alone", action="store_true", help="only one task alone on one device: us per step")
     args = ap.parse_args()
+    if args.alone:
+        torch.set_num_threads(1)
+        alone(args)
+        return
     if args.warmup:
         warm = argparse.Namespace(**{**vars(args), "steps": args.warmup})
         as_model_tasks(warm)
         as_prepared(warm)
-    samples = args.tasks * args.steps * (4 if args.model == "gpt2" else 64)
-    per_batch = samples // (args.tasks * args.steps)
-    tasks_s, (tasks_n, tasks_w), (tasks_busy, tasks_units) = as_model_tasks(args)
-    prepared_s, (prep_n, prep_w), (prep_busy, prep_units) = as_prepared(args)
-    tasks_ss, prep_ss = tasks_n * per_batch / tasks_w, prep_n * per_batch / prep_w
     print(f"{args.tasks} {args.model} tasks x {args.steps} steps on {args.devices} ({args.device_memory}):")
-    print(f"  ModelTask: {tasks_s:.2f} s ({samples / tasks_s:.0f} samples/s with set-up; steady "
-          f"{tasks_ss:.0f} samples/s over {tasks_n} batches)")
-    print(f"  prepared:  {prepared_s:.2f} s ({samples / prepared_s:.0f} samples/s with set-up; steady "
-          f"{prep_ss:.0f} samples/s over {prep_n} batches)")
-    print(f"  device work: ModelTask {tasks_busy:.2f} busy s in {tasks_units} units, prepared {prep_busy:.2f} busy s "
-          f"in {prep_units} units")
-    print(f"throughput ratio prepared / ModelTask: {tasks_s / prepared_s:.2f}x with set-up, "
-          f"{prep_ss / tasks_ss:.2f}x steady (goal >= 0.95x)")
+    ratios = []
+    for i in range(args.runs):
+        print(f" run {i + 1}:")
+        ratios.append(one_run(args))
+    setup_r, steady_r = (statistics.median(r[k] for r in ratios) for k in (0, 1))
+    print(f"throughput ratio prepared / ModelTask, median of {args.runs}: {setup_r:.2f}x with set-up "
+          f"({min(r[0] for r in ratios):.2f}-{max(r[0] for r in ratios):.2f}), {steady_r:.2f}x steady "
+          f"({min(r[1] for r in ratios):.2f}-{max(r[1] for r in ratios):.2f}) (goal >= 0.95x)")
 
 
 if __name__ == "__main__":
