@@ -71,3 +71,34 @@ def test_a_sharded_prepared_task_takes_no_light_path(budget):
     got, history, stats = _prepared(1, budget)
     assert len(stats["shards"]) > 1 and stats["light_units"] == 0
     assert _diff(want, got) == 0.0 and history == want_history
+
+
+def test_gpt2_with_tied_weights_dropout_and_its_own_loss_takes_the_light_path_bit_identical():
+    """transformers' GPT-2 (tied embeddings, dropout 0.1, the loss from ``labels=``), AdamW, clipping, an eval loss."""
+    from conftest import lm_batches, make_gpt2
+
+    def loop(prepare=None):
+        torch.manual_seed(0)
+        model = make_gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if prepare is not None:
+            model, opt = prepare(model, opt)
+        losses = []
+        for b in lm_batches(6):
+            opt.zero_grad()
+            out = model(**b)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(out.loss.item())
+        model.eval()
+        with torch.no_grad():
+            losses.append(model(**lm_batches(1, seed=5)[0]).loss.item())
+        return {k: v.clone() for k, v in model.state_dict().items()}, losses, model
+
+    want, want_losses, _ = loop()
+    with ht.Runtime(devices=["cpu"]) as rt:
+        got, losses, model = loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+        stats = rt.stats()["tasks"][model.task.name]
+    assert len(stats["shards"]) == 1 and stats["light_units"] == 6 + 6 + 1 - 3, stats["light_units"]
+    assert _diff(want, got) == 0.0 and losses == want_losses
