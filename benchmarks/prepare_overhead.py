@@ -1,6 +1,7 @@
 """Throughput of prepared loops (the user's own loop after ``hydra_tune.prepare``) vs the same tasks as ModelTasks.
 
     nice -n 5 python benchmarks/prepare_overhead.py                       # 4 MLP tasks, 2 CPU devices
+    nice -n 5 python benchmarks/prepare_overhead.py --device-memory 64MiB # their state resident: the light path
     nice -n 5 python benchmarks/prepare_overhead.py --model gpt2 --tasks 3 --steps 20 --device-memory 600KiB
 
 Both sides train the same tasks on one fresh runtime each (same devices and budget, so the same shard plans): N
