@@ -62,6 +62,15 @@ def setup(model: str, steps: int, seed: int):
     return make_mlp, mlp_batches(steps, seed), (lambda out, b: F.cross_entropy(out, b[1])), (lambda m, b: m(b[0]))
 
 
+def user_loop(model: nn.Module, opt: torch.optim.Optimizer, batches, loss_of, call) -> None:
+    """The user's training loop, the same for a plain and a prepared model."""
+    for b in batches:
+        loss = loss_of(call(model, b), b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 class Stamped:
     """The batches, each hand-out time noted in ``stamps`` (a ModelTask's data, or the prepared loop's)."""
 
@@ -117,11 +126,7 @@ def as_prepared(args: argparse.Namespace) -> tuple[float, tuple[int, float], tup
             model = make()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             model, opt = ht.prepare(model, opt, seed=i, runtime=rt, name=f"prepared-{i}")
-            for b in Stamped(batches, stamps[i]):
-                loss = loss_of(call(model, b), b)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+            user_loop(model, opt, Stamped(batches, stamps[i]), loss_of, call)
             model.release()
         except BaseException as exc:  # noqa: BLE001  (reported after the run)
             errors.append(exc)
@@ -148,12 +153,7 @@ def alone(args: argparse.Namespace) -> None:
 
     def plain(n: int) -> None:
         model = make()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for b in setup(args.model, n, 0)[1]:
-            loss = loss_of(call(model, b), b)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        user_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-3), setup(args.model, n, 0)[1], loss_of, call)
 
     def task(rt: ht.Runtime, n: int) -> None:
         rt.submit(ht.ModelTask(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), setup(args.model, n, 0)[1],
@@ -163,11 +163,7 @@ def alone(args: argparse.Namespace) -> None:
         model = make()
         model, opt = ht.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), seed=0, runtime=rt,
                                 name=f"alone-prepared-{time.perf_counter_ns()}")
-        for b in setup(args.model, n, 0)[1]:
-            loss = loss_of(call(model, b), b)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        user_loop(model, opt, setup(args.model, n, 0)[1], loss_of, call)
         model.release()
 
     def per_step(run) -> float:

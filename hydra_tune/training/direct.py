@@ -31,6 +31,7 @@ the general path from what F saved: exact either way.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,18 @@ from .trees import map_tensors, tensor_leaves
 
 if TYPE_CHECKING:
     from .shard import ShardExec
+
+
+_NULL = contextlib.nullcontext()
+
+
+def backward_outputs(device: Device, out: Any, grads: list[Any]) -> None:
+    """Backpropagate the host gradients ``grads`` (None: that output is unused) from the outputs ``out`` on
+    ``device``: the B unit's backward, here and on the general path (shard.py)."""
+    pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads)
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [plain_call(device.copier.to_device, g) for _, g in pairs])
 
 
 class DirectPath:
@@ -116,7 +129,7 @@ class DirectPath:
         output to host memory."""
         ex = self.ex
         self.units += 1
-        with device.unit_scope(rng) as mode, torch.enable_grad() if keep else torch.no_grad():
+        with device.unit_scope(rng) as mode, _NULL if keep else torch.no_grad():  # (units run with grad mode on)
             carry = ex.to_device(device, store.carries[0], "batches")
             out = self._run(ex, device, carry)
             with paused_accounting(mode):
@@ -130,13 +143,9 @@ class DirectPath:
         ex = self.ex
         self.units += 1
         grads = store.out_grads.pop(ex.index)
-        pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads)
-                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         try:
             with device.unit_scope(rng):
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs],
-                                            [plain_call(device.copier.to_device, g) for _, g in pairs])
+                backward_outputs(device, out, grads)
         except BaseException:
             for p in self._trainable:  # an attempt that failed adds nothing (its retry runs the forward again)
                 p.grad = None

@@ -40,7 +40,7 @@ from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
 from .bind import Bound
-from .direct import DirectPath
+from .direct import DirectPath, backward_outputs
 from .loss import LossFn, model_loss
 from .names import shared_name
 from .pystate import inert_modules
@@ -348,12 +348,7 @@ class ShardExec(ShardPythonState):
 
     def _backward_from(self, device: Device, store: HostStore, out: Any, copies: dict[int, torch.Tensor],
                        leaves: list[Any], mode: Any) -> None:
-        grads = store.out_grads.pop(self.index)
-        pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads)
-                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        if pairs:
-            g_dev = [device.copier.to_device(g) for _, g in pairs]
-            torch.autograd.backward([o for o, _ in pairs], g_dev)
+        backward_outputs(device, out, store.out_grads.pop(self.index))
         self._grads_out(device, store, copies, leaves, mode)
 
     def prefetch(self, device: Device, store: HostStore, kind: str) -> int:
