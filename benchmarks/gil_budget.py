@@ -1,7 +1,7 @@
 """Usage: .venv/bin/python benchmarks/gil_budget.py [--trials 10] [--epochs 3] [--repeats 3] [--json out.json]
 
 What Python work per step costs a search whose two CPU devices share one interpreter (issue 15): small_trials.py's
-digits-MLP trials as plain loops, two threads (as its plain side), with X microseconds of pure-Python work added
+digits-MLP trials as plain loops, two threads (its ``plain_search``), with X microseconds of pure-Python work added
 after every step and every eval batch (a busy loop that holds the GIL, as the runtime's bookkeeping does). Prints
 the wall time for each X with one thread and with two, and each two-thread time against X = 0's: the ratio a
 runtime would reach at most if X were all it added. Beside it, hydra's own excess: one trial alone on a runtime of
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 import torch
-import torch.nn.functional as F
 from _common import write_line
 from small_trials import digits, hydra_search, plain_search, trial_task
 
@@ -31,40 +29,6 @@ def _spin(us: float) -> None:
     end = time.perf_counter() + us * 1e-6
     while time.perf_counter() < end:
         pass
-
-
-def _trial(task: ht.ModelTask, extra_us: float) -> None:
-    """small_trials.plain_trial's loop with ``extra_us`` of Python after each step and each eval batch."""
-    torch.manual_seed(task.seed)
-    model = task.model()
-    opt = task.optimizer(model)
-    for _ in range(task.epochs):
-        model.train()
-        for x, y in task.train_data:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            _spin(extra_us)
-        model.eval()
-        with torch.no_grad():
-            for x, y in task.eval_data:
-                out = model(x)
-                F.cross_entropy(out, y).item()
-                (out.argmax(-1) == y).sum().item()
-                _spin(extra_us)
-
-
-def _search(tasks: list[ht.ModelTask], extra_us: float, threads: int) -> float:
-    def work(idx: list[int]) -> None:
-        for i in idx:
-            _trial(tasks[i], extra_us)
-    pool = [threading.Thread(target=work, args=(list(range(t, len(tasks), threads)),)) for t in range(threads)]
-    start = time.perf_counter()
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    return time.perf_counter() - start
 
 
 def main() -> int:
@@ -80,11 +44,13 @@ def main() -> int:
 
     def tasks(n: int, epochs: int) -> list[ht.ModelTask]:
         return [trial_task(i, train, val, epochs) for i in range(n)]
-    _search(tasks(1, 1), 0, 1)   # warm-up: imports, allocator
+    def plain(x: int, threads: int) -> float:
+        return plain_search(tasks(args.trials, args.epochs), threads, after_unit=lambda: _spin(x))[0]
+    plain(0, 1)   # warm-up: imports, allocator
     runs: dict[tuple[int, int], list[float]] = {(x, th): [] for x in EXTRA_US for th in (1, 2)}
     for _ in range(args.repeats):   # every setting once a round: the machine's drift reaches each alike
         for key in runs:
-            runs[key].append(_search(tasks(args.trials, args.epochs), *key))
+            runs[key].append(plain(*key))
     walls = {key: min(w) for key, w in runs.items()}
     print(f"{args.trials} trials x {args.epochs} epochs of small_trials.py's MLP ({units} units), plain loops, "
           f"fastest of {args.repeats}:")
@@ -94,8 +60,10 @@ def main() -> int:
               f"{walls[(0, 2)] / walls[(x, 2)]:.2f}x)", flush=True)
     hydra_search(tasks(1, 1), 1)
     one = tasks(1, args.epochs * 4)
-    sides = {"hydra": lambda: hydra_search(one, 1)[0], "plain": lambda: plain_search(one, 1)[0]}
-    alone = {side: min(run() for run in [sides[side]] * args.repeats) for side in sides}
+    alone: dict[str, float] = {"hydra": float("inf"), "plain": float("inf")}
+    for _ in range(args.repeats):   # the two sides in turn, as the table's settings
+        alone["hydra"] = min(alone["hydra"], hydra_search(one, 1)[0])
+        alone["plain"] = min(alone["plain"], plain_search(one, 1)[0])
     per_unit = (alone["hydra"] - alone["plain"]) / (args.epochs * 4 * (len(train) + len(val))) * 1e6
     print(f"hydra's excess, one trial of {args.epochs * 4} epochs alone on 1 CPU device: {per_unit:.0f} us a unit "
           f"(hydra {alone['hydra']:.3f} s, plain {alone['plain']:.3f} s, set-up included)")

@@ -34,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,10 +80,12 @@ def trial_task(i: int, train: list[Batch], val: list[Batch], epochs: int) -> ht.
                         epochs=epochs, seed=i, name=f"t{i}")
 
 
-def plain_trial(task: ht.ModelTask, compute: list[float] | None = None) -> float:
+def plain_trial(task: ht.ModelTask, compute: list[float] | None = None,
+                after_unit: Callable[[], None] | None = None) -> float:
     """The user's loop: train, then accuracy over the eval set after every epoch; returns the last accuracy.
     ``compute`` (a one-item list) adds up the seconds of what hydra's units run: forward, loss, backward (train)
-    and forward, loss, accuracy (eval); not the optimizer step or the data."""
+    and forward, loss, accuracy (eval); not the optimizer step or the data. ``after_unit()`` runs after every step
+    and every eval batch (gil_budget.py's added Python work)."""
     clock = time.perf_counter
     torch.manual_seed(task.seed)
     model = task.model()
@@ -97,6 +100,8 @@ def plain_trial(task: ht.ModelTask, compute: list[float] | None = None) -> float
                 compute[0] += clock() - t0
             opt.step()
             opt.zero_grad()
+            if after_unit is not None:
+                after_unit()
         model.eval()
         correct = total = 0
         with torch.no_grad():
@@ -108,16 +113,19 @@ def plain_trial(task: ht.ModelTask, compute: list[float] | None = None) -> float
                 if compute is not None:
                     compute[0] += clock() - t0
                 total += y.numel()
+                if after_unit is not None:
+                    after_unit()
         acc = correct / total
     return acc
 
 
-def plain_search(tasks: list[ht.ModelTask], threads: int = 2) -> tuple[float, list[float]]:
+def plain_search(tasks: list[ht.ModelTask], threads: int = 2,
+                 after_unit: Callable[[], None] | None = None) -> tuple[float, list[float]]:
     accs = [0.0] * len(tasks)
 
     def work(idx: list[int]) -> None:
         for i in idx:
-            accs[i] = plain_trial(tasks[i])
+            accs[i] = plain_trial(tasks[i], after_unit=after_unit)
     start = time.perf_counter()
     pool = [threading.Thread(target=work, args=(list(range(t, len(tasks), threads)),)) for t in range(threads)]
     for th in pool:
