@@ -121,6 +121,11 @@ class Device:
         counted op by op, so the limit applies to all of them."""
         self.account.limit = nbytes
 
+    def would_measure(self, key: Any) -> bool:
+        """Whether ``measure(key)`` would say so now, without its effects (a unit run outside a segment:
+        training/light_run.py). CUDA: never."""
+        return False
+
     def measure(self, key: Any) -> bool:
         """Whether the segment about to run (``key``: task and input shapes) must be measured op by op; the
         caller sets ``measuring`` to the answer. CUDA measures itself: never."""
@@ -191,6 +196,11 @@ class CpuDevice(Device):
         ``torch.OutOfMemoryError``, as CUDA does when memory runs out (None: no limit). Every segment is then
         counted op by op, so the limit applies to all of them."""
         self.account.limit = nbytes
+
+    def would_measure(self, key: Any) -> bool:
+        task = key[0] if isinstance(key, tuple) else key
+        return (key not in self._measured.get(task, ()) or task in self._unrouted
+                or self.account.limit is not None)
 
     def measure(self, key: Any) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier

@@ -48,13 +48,17 @@ class Openings:
     # (and Scheduler's end() and _push())
 
     # -- the host threads' work -------------------------------------------------------------------------------
-    def _open(self, task: Admitted, here: int | None = None) -> Admitted | None:
+    def _open(self, task: Admitted, here: int | None = None,
+              spent: Callable[[], float] | None = None) -> Admitted | None:
         """In ``task``'s host thread: advance its chain to the next segment (the host work before it), then put
         it in the ready queue or hand it to the device waiting for it; end it when its chain is done or failed.
         A task that ended meanwhile is let go here. ``here``: the device kept on the task opens it itself
-        (``Scheduler.open_here``), in the same hold of the lock: ``task`` when it got its segment, else None."""
+        (``Scheduler.open_here``), in the same hold of the lock: ``task`` when it got its segment, else None.
+        ``spent()``: seconds of the opening that were units, not host work (training/light_run.py)."""
         t0 = time.perf_counter()
         segment, status, error = self._advance(task)
+        if spent is not None:
+            t0 += spent()
         nxt = None
         with self._lock:
             live, free = self._opened(task, t0, segment, status, here is not None)

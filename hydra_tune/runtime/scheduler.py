@@ -268,7 +268,15 @@ class Scheduler(Openings):
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
 
-    def open_here(self, task: Admitted, index: int) -> Admitted | None:
+    def keeps(self, task: Admitted, index: int) -> bool:
+        """Whether device ``index``, opening ``task``'s next segment itself (``open_here``), goes on with it now:
+        its policy turn holds there, no other device waits for work, it is not cancelled and the board is open (a
+        kept light task's next minibatch in the device's thread: training/light_run.py)."""
+        with self._lock:
+            return (not self._closed and self._tasks.get(task.name) is task and not task.handle.cancel_requested
+                    and self._picker.holds(task, index, self._idle))
+
+    def open_here(self, task: Admitted, index: int, spent: Callable[[], float] | None = None) -> Admitted | None:
         """As ``ran(task, index, keep=True)`` followed by ``take_kept``, with the host work run in the calling
         device thread (``TaskState.light_host_work``: a short step over list data), which saves the two thread
         hand-offs a segment costs otherwise: ``task`` with its next segment open, or None when it ended, was
@@ -279,7 +287,7 @@ class Scheduler(Openings):
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
         if not opening:
             return None
-        return self._open(task, here=index)  # as its host thread would: kept_by set, handed back here, not queued
+        return self._open(task, here=index, spent=spent)  # as its host thread would: kept_by set, handed back here
 
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless
@@ -294,6 +302,16 @@ class Scheduler(Openings):
         with self._lock:
             self._picker.estimator.observe(task.name, kind, seconds)
             task.units += 1
+
+    def observe_many(self, task: Admitted, kind: str, seconds: list[float]) -> None:
+        """``observe`` for each of ``seconds`` (a light run's units: runtime/worker.py), unless ``task`` ended
+        meanwhile (its estimates are gone with it)."""
+        with self._lock:
+            if self._tasks.get(task.name) is task:
+                for s in seconds:
+                    self._picker.estimator.observe(task.name, kind, s)
+            task.units += len(seconds)
+            task.inline_minibatches += len(seconds)
 
     def replanned(self, task: Admitted) -> None:
         """``task``'s units changed (a re-plan): its measured unit times no longer apply."""

@@ -31,6 +31,7 @@ from ..device.devices import Device
 from ..device.quiet import UnroutedDraw
 from ..device.threads import release_idle_pool
 from ..errors import TaskCancelled
+from ..training.light_run import LightRun, RunHooks, Span
 from ..training.replan import is_oom, replan
 from ..training.residency import ShardCache
 from ..training.segments import Unit
@@ -152,7 +153,7 @@ class DeviceWorker:
             return self._after_failure(task, *failure, following), False
         keep = bool(following) and following[0][0] is task
         if keep and self._inline(task):  # its short host work runs here: no hand-off to its host thread and back
-            return self.board.open_here(task, self.index), False
+            return self._open_here(task), False
         self.board.ran(task, self.index, keep)  # its host thread opens its next segment from now
         nxt = self._following(following)
         return (task, True) if keep else (nxt, False)
@@ -185,6 +186,27 @@ class DeviceWorker:
                 self.board.end(task, "cancelled" if isinstance(exc, TaskCancelled) else "failed", exc)
                 return False
             segment, task.segment = task.segment, None  # the same minibatch again, here
+
+    def _open_here(self, task: Admitted) -> Admitted | None:
+        """Open kept ``task``'s next segment in this thread; its loop first trains here the minibatches it may,
+        while the policy keeps the device on it (training/light_run.py)."""
+        scope = _LightScope(self, task)
+        light = LightRun(self.device, lambda: self.board.keeps(task, self.index), RunHooks(scope.begin, scope.end))
+        try:
+            with task.state.inline(light):
+                return self.board.open_here(task, self.index, spent=lambda: light.seconds)
+        finally:
+            light.finish()
+
+    def ran_light(self, task: Admitted, spans: list[Span]) -> None:
+        """A light run's units (``_LightScope.end``): into the trace, the unit times and this device's counts."""
+        for segment, t0, t1, nbytes in spans:
+            self._recorder.add(self.index, task.name, 0, "L", t0, t1, nbytes, segment=segment)
+        busy = [t1 - t0 for _, t0, t1, _ in spans]
+        self.board.observe_many(task, "L", busy)
+        with self._lock:
+            self._stats["units"] += len(spans)
+            self._stats["busy_seconds"] += sum(busy)
 
     @staticmethod
     def _inline(task: Admitted) -> bool:
@@ -341,3 +363,30 @@ class DeviceWorker:
             with self._lock:
                 self._stats["prefetches"] += 1
                 self._stats["prefetched_bytes"] += nbytes
+
+
+class _LightScope:
+    """A light run's scope on its worker's device (training/light_run.py ``RunHooks``): from its first unit on, the
+    device's state cache runs the task (as ``_run_open`` for a segment) and this thread's copies count for it."""
+
+    def __init__(self, worker: DeviceWorker, task: Admitted) -> None:
+        self.worker, self.task = worker, task
+        self.home: Any = None
+        self.charged: Any = None
+
+    def begin(self) -> None:
+        device, state = self.worker.device, self.task.state
+        self.home = state.home
+        self.charged = device.copier.charged_to(self.home.counts)
+        self.charged.__enter__()
+        if device.states is not None:
+            device.states.begin(self.home, state.plan.peak)
+
+    def end(self, spans: list[Span]) -> None:
+        try:
+            states = self.worker.device.states
+            if states is not None:
+                states.end(self.home)
+        finally:
+            self.charged.__exit__(None, None, None)
+        self.worker.ran_light(self.task, spans)

@@ -123,6 +123,12 @@ class DirectPath:
         store.grads_landed()  # its flush and step are due: evictions wait for them (state_cache.py)
         return value
 
+    def undo(self) -> None:
+        """Forget the gradients an L unit of this path gave (a light run that gives its minibatch back,
+        light_run.py): the trainable parameters' ``.grad`` back to None, as before it."""
+        for p in self._trainable:
+            p.grad = None
+
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, keep: bool) -> None:
         """A prepared loop's F (``keep``: the graph stays on the device for B) or E (no autograd) of the only shard
         (``applies(device, train=False)``; for F the caller took the RNG and Python state a recompute needs): the

@@ -125,6 +125,20 @@ class HomeSteps:
         self.step_why = (f"its whole state is on {device.name}" if device is not None else self._host_why())
         self._stepped()
 
+    def resident_steps(self, device: Device, steps: int) -> None:
+        """A light run (light_run.py) took ``steps`` whole steps on ``device`` since: counted as ``step_ended``
+        counts each, the memory they hold counted once."""
+        with self.lock:
+            if steps:
+                self.steps_on_device += steps
+                self.step_path, self.step_why = "resident", f"its whole state is on {device.name}"
+                self._stepped()
+            self.hold_now()
+
+    def has_pending(self) -> bool:
+        """Whether a per-shard update of the last begun step is not applied yet (lazy.py)."""
+        return self.lazy is not None and self.lazy.pending_any()
+
     def _host_why(self) -> str:
         if self.lazy is not None and not self.lazy.verdict.lazy:
             return f"one whole step in host memory: {self.lazy.verdict.reason}"

@@ -52,6 +52,7 @@ from .segments import Segment, Unit, segment_key
 from .shard import ShardExec
 
 if TYPE_CHECKING:
+    from .light_run import LightRun
     from .state import TaskState
 
 _END = object()
@@ -77,6 +78,8 @@ class TrainingLoop:
         self._start = 0.0
         self._reported: dict[str, Any] | None = None  # the last metrics emitted, and at which step count
         self._reported_at: int | None = None
+        # while a device opens this chain in its own thread (runtime/worker.py): it trains minibatches here
+        self.inline: LightRun | None = None
 
     def segments(self, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
         """The task's training as segments of units; host work (step, data) runs while advancing. However it
@@ -172,32 +175,37 @@ class TrainingLoop:
                     if task.max_steps is not None and state.steps >= task.max_steps:
                         break  # checkpointed at its last step: the task only ends its epoch, as it did then
                 continue
-            yield self._train_segment(batch, run.losses)
-            if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
-                self._skipping = False
-                with state.home.locked():
-                    state.home.flush()
-                    state.store.clear()
-                    state.optimizer.zero_grad()
-                state.home.settle()
-                run.pending, run.skipped = 0, run.skipped + 1
-                continue
-            step_now = run.pending + 1 >= task.grad_accumulation
-            # the gradients may be on a device: no eviction while they are added
-            state.home.land_grads(state.store, step_follows=step_now and state.home.steps_here())
+            # trained and stepped in the device's thread that opens this chain now, or a segment (light_run.py)
+            here = self.inline is not None and self.inline.train(self, batch, run.losses)
+            if not here:
+                yield self._train_segment(batch, run.losses)
+                if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
+                    self._skipping = False
+                    with state.home.locked():
+                        state.home.flush()
+                        state.store.clear()
+                        state.optimizer.zero_grad()
+                    state.home.settle()
+                    run.pending, run.skipped = 0, run.skipped + 1
+                    continue
+                step_now = run.pending + 1 >= task.grad_accumulation
+                # the gradients may be on a device: no eviction while they are added
+                state.home.land_grads(state.store, step_follows=step_now and state.home.steps_here())
             run.samples += (size := batch_size(batch))
             state.samples_trained += size
             run.pending += 1
             if run.pending < task.grad_accumulation:
                 state.home.settle()  # no step due: its gradients are in, evictions may go on (state_cache.py)
             else:
-                self._step()
+                if not here:
+                    self._step()
                 run.pending = 0
                 yield from self._report_due(epoch, run)  # before the boundary: a checkpoint there follows it
-                state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
-                                              list(run.losses), epoch_rng, *rng.snapshot(), skipped=run.skipped,
-                                              data_rng=self._data_rng, data_python=self._data_py),
-                                     epoch_end=False)
+                if not here or state.requests_waiting():  # (trained here: no one waits at it, light_run.py)
+                    state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
+                                                  list(run.losses), epoch_rng, *rng.snapshot(), skipped=run.skipped,
+                                                  data_rng=self._data_rng, data_python=self._data_py),
+                                         epoch_end=False)
                 if task.max_steps is not None and state.steps >= task.max_steps:
                     break
         state.train_batches = state.batch_in_epoch if epoch == 1 else state.train_batches
@@ -299,19 +307,45 @@ class TrainingLoop:
                        train, segment_key(train, self.state.store.batch))
 
     def _begin(self, batch: Any, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
+        self._hold(batch)
+        return self._attempted(losses, rebuild)
+
+    def _hold(self, batch: Any) -> None:
         store = self.state.store
         store.batch = batch
         store.carries[0] = self.state.cut.prepare(batch)
+
+    def _attempted(self, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
         self._attempt = Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
         return rebuild()
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:
+        self.start_minibatch(batch)
+        return self._attempted(losses, lambda: self._train_units(losses))
+
+    def start_minibatch(self, batch: Any) -> None:
+        """A training minibatch is handed out: the boundary left, the batch checked (and the loss scaled), the
+        batch and its prepared input in the host store."""
         state = self.state
         state.leave_boundary()  # before anything of this minibatch (the loss scaler's scale() included)
         check_batch(batch, state.task.name, "train_data", state.batch_in_epoch)
         if state.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
             state.store.loss_scale = state.scaler.scale(torch.ones((), dtype=torch.float32))
-        return self._begin(batch, losses, lambda: self._train_units(losses))
+        self._hold(batch)
+
+    def next_segment(self) -> int:
+        """The number of a minibatch trained with no segment (light_run.py), counted as segments are."""
+        self.made += 1
+        return self.made
+
+    def steps_quietly(self) -> bool:
+        """Whether the task's optimizer step is known to draw no random numbers (``OptimizerStep``)."""
+        return self._optimizer_step.draws is False
+
+    def update_here(self, device: Device) -> None:
+        """A light run's step (light_run.py): the whole update where the state is, on ``device``."""
+        self._optimizer_step.update_here(device)
+
 
     def _train_units(self, losses: list[float]) -> Segment:
         state = self.state

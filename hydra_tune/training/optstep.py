@@ -25,6 +25,7 @@ from .lazy import LazySteps
 from .step import check_lazy
 
 if TYPE_CHECKING:
+    from ..device.devices import Device
     from .state import TaskState
 
 
@@ -52,6 +53,21 @@ class OptimizerStep:
             with home.stepping():
                 self._whole(state)
         state.steps += 1
+
+    @property
+    def draws(self) -> bool | None:
+        """Whether the step draws random numbers (None: no step ran yet)."""
+        return self._draws
+
+    def update_here(self, device: Device) -> None:
+        """A light run's step (light_run.py): the whole update over the task's state on ``device``, where it is
+        resident with nothing pending, by an optimizer that draws nothing; counted, with the state's accounting,
+        when the run ends (``HomeSteps.resident_steps``)."""
+        state = self.state
+        with state.home.lock, device.step_scope():
+            self._update()
+        state.steps += 1
+        state.home.settle()
 
     def _whole(self, state: TaskState) -> None:
         state.measure_held_bytes()  # in this thread, before the step changes the tensors it reads

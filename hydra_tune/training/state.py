@@ -12,6 +12,7 @@ asked from any thread and served by the loop at a step boundary (boundary.py).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +32,7 @@ from .boundary import Boundary, BoundaryRequest, BoundaryRequests
 from .build import AUTOCAST_DTYPES, build_part, check_model, check_optimizer, check_scheduler
 from .checkpoint import AsBuilt, Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
+from .light_run import LightRun
 from .loop import TrainingLoop
 from .metrics import check_metrics_run
 from .profile import measure_costs
@@ -160,6 +162,24 @@ class TaskState:
                 and isinstance(self.train_iterable, (list, tuple))
                 and (self.eval_iterable is None or isinstance(self.eval_iterable, (list, tuple)))
                 and not self._requests.waiting())
+
+    @contextlib.contextmanager
+    def inline(self, light: LightRun) -> Iterator[None]:
+        """Inside, the device opening this task's next segment in its own thread (runtime/worker.py) trains the
+        minibatches it may there (``light``, light_run.py) before the loop hands out a segment."""
+        loop = self._loop
+        if loop is None:
+            yield
+            return
+        loop.inline = light
+        try:
+            yield
+        finally:
+            loop.inline = None
+
+    def requests_waiting(self) -> bool:
+        """Whether a checkpoint or snapshot is asked and not yet served (a hint: read without the lock)."""
+        return self._requests.waiting()
 
     def retry(self, plan: Plan, replanned: bool = True) -> Segment:
         """Start the segment in flight over with ``plan`` (after a device out-of-memory): the task's RNG, the

@@ -1,0 +1,141 @@
+"""A kept light task's minibatches trained and stepped in its device's thread, one after another, no segment made.
+
+    run = LightRun(device, keeps, hooks)                # runtime/worker.py, opening a kept task's next segment
+    with state.inline(run): board.open_here(task, i)    # itself: the task's loop, advanced there, trains each next
+    run.finish()                                        # minibatch with ``run.train`` while the rules below hold
+
+Why: a small model's minibatch costs the runtime far more around its unit than in it (benchmarks/light_floor.py:
+~450 us a unit against ~20 us for what a runtime must do: the task's stream, the guard, the batch copy, the loss
+read). While the policy keeps a device on a task whose host work that device runs itself anyway (light host work,
+worker.py ``_inline``), each minibatch made a segment and its unit, went back to the worker, the board and the
+policy, took the general step (locks, lazy-step checks, the state home's accounting pass) and stood at a step
+boundary. Here the loop runs the same unit and the same optimizer update directly, and what does not change from
+one minibatch to the next is done once per run (``finish``): the state cache's begin and end, the accounting pass
+over the task's tensors, the step counts, the trace's and the estimates' records.
+
+Rules (otherwise the minibatch goes the general way, as a segment, from its start, as it always did):
+- the unit is the light path's (direct.py: the task's only shard, resident on this device, no gradient yet), its
+  whole step runs on this device with nothing pending (no lazy update), the optimizer draws no random numbers,
+  no loss scaler, ``grad_accumulation`` 1, the task is not resuming and no checkpoint or snapshot waits;
+- the policy keeps the device on the task now (its turn holds, no other device waits for work, not cancelled:
+  ``keeps``), and the device would not measure this segment op by op (``Device.would_measure``);
+- a unit that ran out of memory or drew from torch's global generator (device/quiet.py), or whose loss is not
+  finite, leaves the minibatch as it found it (the task's stream, host buffers and Python state, no gradient) and
+  the general path trains it (the worker's re-plan or rerun, the task's non-finite policy); any other error is the
+  task's, as from a segment;
+- the values are the general light path's: the same unit (``DirectPath.forward_loss_backward``) and the same
+  update (``OptimizerStep.update_here``: clipping, step, per-step scheduler, ``zero_grad``);
+- what a run defers: gradients are not counted as device memory between a backward and its step (the device's
+  peak was measured on the segment's first run, whose allocations these repeat), the state's accounting pass and
+  the step counts come at ``finish``;
+- a minibatch trained here reaches its step boundary only when a checkpoint or snapshot waits there (a request
+  that comes later waits for the next boundary, as one a few microseconds later would).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..device.devices import Device
+from ..device.quiet import UnroutedDraw
+from .boundary import task_work
+from .replan import is_oom
+from .segments import segment_key
+
+if TYPE_CHECKING:
+    from .loop import TrainingLoop
+
+Span = tuple[int, float, float, int]  # (segment number, start, end, bytes copied)
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What a run asks of its device's worker: ``begin()`` before its first unit (the state cache's begin, copies
+    counted for the task from then on), ``end(spans)`` once it is over (the state cache's end; each unit into the
+    trace, the unit times and the device's counts)."""
+
+    begin: Callable[[], None]
+    end: Callable[[list[Span]], None]
+
+
+class LightRun:
+    """One device opening's run of a kept light task's minibatches (see the module docstring)."""
+
+    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "seconds")
+
+    def __init__(self, device: Device, keeps: Callable[[], bool], hooks: RunHooks) -> None:
+        self.device, self._keeps, self._hooks = device, keeps, hooks
+        self._spans: list[Span] = []
+        self._steps = 0  # optimizer steps taken here, not yet counted in the task's state home
+        self._loop: TrainingLoop | None = None  # set at the first minibatch trained here
+        self.seconds = 0.0  # spent in units and steps: not the opening's host work
+
+    def train(self, loop: TrainingLoop, batch: Any, losses: list[float]) -> bool:
+        """Train and step ``batch`` here (its loss to ``losses``); False: nothing was done, the general path trains
+        it."""
+        state, device = loop.state, self.device
+        if (state.task.grad_accumulation != 1 or state.scaler is not None or len(state.execs) != 1
+                or state.resume is not None or state.requests_waiting()):
+            return False
+        ex, home = state.execs[0], state.home
+        if (not ex.direct.applies(device) or home.step_device() is not device or home.has_pending()
+                or not loop.steps_quietly() or not self._keeps()):
+            return False
+        key = (state.task.name, segment_key(True, batch))
+        if device.would_measure(key):
+            return False
+        t0 = time.perf_counter()
+        try:
+            return self._train(loop, ex, key, batch, losses)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _train(self, loop: TrainingLoop, ex: Any, key: Any, batch: Any, losses: list[float]) -> bool:
+        state, device = loop.state, self.device
+        store, rng = state.store, state.rng
+        if self._loop is None:
+            self._loop = loop
+            self._hooks.begin()
+        loop.start_minibatch(batch)
+        snap = rng.snapshot()
+        device.measuring = device.measure(key)  # False (would_measure said so): the key its quiet units use
+        moved, t0 = device.copier.moved(), time.perf_counter()
+        try:
+            with task_work(state.task.name):
+                value = ex.direct.forward_loss_backward(device, store, rng, state.task.loss, 1)
+        except Exception as exc:
+            if not (isinstance(exc, UnroutedDraw) or is_oom(exc)):
+                raise
+            exc.__traceback__ = None  # its frames hold the unit's device tensors
+            self._undo(loop, ex, snap)  # (the light path set the gradients back to None)
+            return False
+        t1 = time.perf_counter()
+        self._spans.append((loop.next_segment(), t0, t1, device.copier.moved() - moved))
+        if not math.isfinite(value):  # the task's policy, on the general path: the same minibatch again
+            self._undo(loop, ex, snap)
+            return False
+        losses.append(value)
+        store.clear()  # (its gradients are in .grad already: nothing to land)
+        loop.update_here(device)
+        self._steps += 1
+        return True
+
+    @staticmethod
+    def _undo(loop: TrainingLoop, ex: Any, snap: Any) -> None:
+        ex.direct.undo()
+        loop.state.rng.restore(snap)
+        loop.state.store.reset_attempt()
+
+    def finish(self) -> None:
+        """The run is over (its opening handed out a segment or ended): what it deferred, done once."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        spans, self._spans, steps, self._steps = self._spans, [], self._steps, 0
+        try:
+            loop.state.home.resident_steps(self.device, steps)
+        finally:
+            self._hooks.end(spans)
