@@ -61,8 +61,9 @@ def test_a_kept_light_task_trains_in_runs_and_stays_exact() -> None:
     [model], stats, units = _run(task)
     assert max_param_diff(model, plain_train(task)[0]) == 0.0
     record = stats["tasks"]["t"]
-    # every training minibatch after its turn's first (a segment): most of them, here
-    assert record["inline_minibatches"] >= 18, record
+    # every unit after its turn's first (a segment): most of them, here, eval units too
+    assert record["inline_units"] >= 27, record
+    assert sum(u.kind == "E" for u in units) == 9
     assert record["steps"] == 36 and record["residency"]["steps_on_device"] == 36
     # each minibatch trained in a run is one L unit in the trace and the unit counts, as a segment's
     assert sum(u.kind == "L" for u in units) == 36
@@ -74,7 +75,7 @@ def test_runs_on_two_devices_stay_exact() -> None:
     models, stats, _ = _run(*tasks, devices=2)
     for task, model in zip(tasks, models):
         assert max_param_diff(model, plain_train(task)[0]) == 0.0, task.name
-    assert sum(stats["tasks"][t.name]["inline_minibatches"] for t in tasks) > 0
+    assert sum(stats["tasks"][t.name]["inline_units"] for t in tasks) > 0
 
 
 class LateNoise(nn.Module):
@@ -99,14 +100,14 @@ def test_a_draw_in_a_run_gives_its_minibatch_back_and_stays_exact() -> None:
     task = _task(LateNoise, eval_data=None)
     [model], stats, _ = _run(task)
     assert stats["devices"][0]["unrouted"]["reruns"] == 1
-    assert stats["tasks"]["t"]["inline_minibatches"] > 0
+    assert stats["tasks"]["t"]["inline_units"] > 0
     assert max_param_diff(model, plain_train(task)[0]) == 0.0
 
 
 def test_a_nonfinite_loss_in_a_run_takes_the_tasks_policy() -> None:
     task = _task(train_data=_batches(nan_at=9), eval_data=None, nonfinite_loss="skip_step")
     [model], stats, _ = _run(task)
-    assert stats["tasks"]["t"]["inline_minibatches"] > 0
+    assert stats["tasks"]["t"]["inline_units"] > 0
     assert stats["tasks"]["t"]["steps"] == 33  # the NaN batch skipped in each of 3 epochs
     assert max_param_diff(model, plain_train(task)[0]) == 0.0
     with pytest.raises(Exception, match="finite"):
@@ -115,7 +116,7 @@ def test_a_nonfinite_loss_in_a_run_takes_the_tasks_policy() -> None:
 
 def _once_running_inline(rt: ht.Runtime, name: str) -> None:
     deadline = time.monotonic() + 30
-    while rt.stats()["tasks"][name]["inline_minibatches"] == 0:
+    while rt.stats()["tasks"][name]["inline_units"] == 0:
         assert time.monotonic() < deadline, "no light run started"
         time.sleep(0.001)
 

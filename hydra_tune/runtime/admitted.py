@@ -46,7 +46,7 @@ class Admitted:
         self.lent_by: int | None = None  # that thread's ident
         self.lent_waiters = 0       # threads waiting for that segment's end (the device's worker, end())
         self.lent_segments = 0      # segments its caller's thread ran on a lent device
-        self.inline_minibatches = 0  # minibatches a device trained in its own thread, no segment (light_run.py)
+        self.inline_units = 0       # units a device ran in its own thread, no segment (light_run.py)
         self.follows = 0.0          # until when its next segment completes its last one (Segment.follows; 0: not)
         self.follow_waits = 0       # times a device stayed for that segment past its turn or other work (stats)
         self.lent_picks = 0         # lent segments out of its turn that the policy, asked then, gave it (stats)
@@ -68,7 +68,7 @@ class Admitted:
                 "epoch": st.epoch, "units": self.units, "lent_segments": self.lent_segments,
                 "follow_waits": self.follow_waits, "lent_picks": self.lent_picks,
                 "light_units": sum(ex.direct.units for ex in st.execs),
-                "inline_minibatches": self.inline_minibatches,
+                "inline_units": self.inline_units,
                 "kept_backwards": sum(ex.kept_backwards for ex in st.execs),
                 "loaded_backwards": sum(ex.loaded_backwards for ex in st.execs),
                 "host_bytes": st.held_bytes, "replans": st.replans,

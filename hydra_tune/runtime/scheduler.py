@@ -303,15 +303,15 @@ class Scheduler(Openings):
             self._picker.estimator.observe(task.name, kind, seconds)
             task.units += 1
 
-    def observe_many(self, task: Admitted, kind: str, seconds: list[float]) -> None:
-        """``observe`` for each of ``seconds`` (a light run's units: runtime/worker.py), unless ``task`` ended
-        meanwhile (its estimates are gone with it)."""
+    def observe_many(self, task: Admitted, units: list[tuple[str, float]]) -> None:
+        """``observe`` for each (kind, seconds) of ``units`` (a light run's: runtime/worker.py), unless ``task``
+        ended meanwhile (its estimates are gone with it)."""
         with self._lock:
             if self._tasks.get(task.name) is task:
-                for s in seconds:
-                    self._picker.estimator.observe(task.name, kind, s)
-            task.units += len(seconds)
-            task.inline_minibatches += len(seconds)
+                for kind, seconds in units:
+                    self._picker.estimator.observe(task.name, kind, seconds)
+            task.units += len(units)
+            task.inline_units += len(units)
 
     def replanned(self, task: Admitted) -> None:
         """``task``'s units changed (a re-plan): its measured unit times no longer apply."""

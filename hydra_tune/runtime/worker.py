@@ -200,13 +200,13 @@ class DeviceWorker:
 
     def ran_light(self, task: Admitted, spans: list[Span]) -> None:
         """A light run's units (``_LightScope.end``): into the trace, the unit times and this device's counts."""
-        for segment, t0, t1, nbytes in spans:
-            self._recorder.add(self.index, task.name, 0, "L", t0, t1, nbytes, segment=segment)
-        busy = [t1 - t0 for _, t0, t1, _ in spans]
-        self.board.observe_many(task, "L", busy)
+        for kind, segment, t0, t1, nbytes in spans:
+            self._recorder.add(self.index, task.name, 0, kind, t0, t1, nbytes, segment=segment)
+        busy = [(kind, t1 - t0) for kind, _, t0, t1, _ in spans]
+        self.board.observe_many(task, busy)
         with self._lock:
             self._stats["units"] += len(spans)
-            self._stats["busy_seconds"] += sum(busy)
+            self._stats["busy_seconds"] += sum(b for _, b in busy)
 
     @staticmethod
     def _inline(task: Admitted) -> bool:

@@ -48,7 +48,7 @@ from .segments import segment_key
 if TYPE_CHECKING:
     from .loop import TrainingLoop
 
-Span = tuple[int, float, float, int]  # (segment number, start, end, bytes copied)
+Span = tuple[str, int, float, float, int]  # (unit kind, segment number, start, end, bytes copied)
 
 
 @dataclass(frozen=True)
@@ -95,37 +95,70 @@ class LightRun:
 
     def _train(self, loop: TrainingLoop, ex: Any, key: Any, batch: Any, losses: list[float]) -> bool:
         state, device = loop.state, self.device
-        store, rng = state.store, state.rng
-        if self._loop is None:
-            self._loop = loop
-            self._hooks.begin()
         loop.start_minibatch(batch)
-        snap = rng.snapshot()
-        device.measuring = device.measure(key)  # False (would_measure said so): the key its quiet units use
-        moved, t0 = device.copier.moved(), time.perf_counter()
-        try:
-            with task_work(state.task.name):
-                value = ex.direct.forward_loss_backward(device, store, rng, state.task.loss, 1)
-        except Exception as exc:
-            if not (isinstance(exc, UnroutedDraw) or is_oom(exc)):
-                raise
-            exc.__traceback__ = None  # its frames hold the unit's device tensors
-            self._undo(loop, ex, snap)  # (the light path set the gradients back to None)
+        snap = state.rng.snapshot()
+        value = self._unit(loop, ex, key, "L", snap, lambda: ex.direct.forward_loss_backward(
+            device, state.store, state.rng, state.task.loss, 1))
+        if value is None:
             return False
-        t1 = time.perf_counter()
-        self._spans.append((loop.next_segment(), t0, t1, device.copier.moved() - moved))
         if not math.isfinite(value):  # the task's policy, on the general path: the same minibatch again
             self._undo(loop, ex, snap)
             return False
         losses.append(value)
-        store.clear()  # (its gradients are in .grad already: nothing to land)
+        state.store.clear()  # (its gradients are in .grad already: nothing to land)
         loop.update_here(device)
         self._steps += 1
         return True
 
+    def evaluate(self, loop: TrainingLoop, batch: Any, losses: list[float], measured: list[Any]) -> bool:
+        """Run eval ``batch``'s unit here (its loss to ``losses``, its metrics to ``measured``) when the rules
+        hold; False: nothing was done, the general path runs it."""
+        state, device = loop.state, self.device
+        if len(state.execs) != 1 or state.requests_waiting():
+            return False
+        ex = state.execs[0]
+        if not ex.direct.applies(device, train=False) or not self._keeps():
+            return False
+        key = (state.task.name, segment_key(False, batch))
+        if device.would_measure(key):
+            return False
+        t0 = time.perf_counter()
+        try:
+            loop.hold(batch)
+            value = self._unit(loop, ex, key, "E", state.rng.snapshot(), lambda: ex.direct.evaluate(
+                device, state.store, state.rng, state.task.loss, loop.measuring(measured)))
+            if value is None:
+                return False
+            losses.append(value)
+            return True
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _unit(self, loop: TrainingLoop, ex: Any, key: Any, kind: str, snap: Any,
+              run: Callable[[], float]) -> float | None:
+        """The unit ``run`` as its segment would run it; None: it drew or ran out of memory, undone."""
+        device = self.device
+        if self._loop is None:
+            self._loop = loop
+            self._hooks.begin()
+        device.measuring = device.measure(key)  # False (would_measure said so): the key its quiet units use
+        moved, t0 = device.copier.moved(), time.perf_counter()
+        try:
+            with task_work(loop.state.task.name):
+                value = run()
+        except Exception as exc:
+            if not (isinstance(exc, UnroutedDraw) or is_oom(exc)):
+                raise
+            exc.__traceback__ = None  # its frames hold the unit's device tensors
+            self._undo(loop, ex, snap, kind)  # (an L unit of the light path set its gradients back to None)
+            return None
+        self._spans.append((kind, loop.next_segment(), t0, time.perf_counter(), device.copier.moved() - moved))
+        return value
+
     @staticmethod
-    def _undo(loop: TrainingLoop, ex: Any, snap: Any) -> None:
-        ex.direct.undo()
+    def _undo(loop: TrainingLoop, ex: Any, snap: Any, kind: str = "L") -> None:
+        if kind == "L":
+            ex.direct.undo()
         loop.state.rng.restore(snap)
         loop.state.store.reset_attempt()
 

@@ -307,10 +307,11 @@ class TrainingLoop:
                        train, segment_key(train, self.state.store.batch))
 
     def _begin(self, batch: Any, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
-        self._hold(batch)
+        self.hold(batch)
         return self._attempted(losses, rebuild)
 
-    def _hold(self, batch: Any) -> None:
+    def hold(self, batch: Any) -> None:
+        """The minibatch in flight and its prepared input into the host store."""
         store = self.state.store
         store.batch = batch
         store.carries[0] = self.state.cut.prepare(batch)
@@ -331,7 +332,7 @@ class TrainingLoop:
         check_batch(batch, state.task.name, "train_data", state.batch_in_epoch)
         if state.scaler is not None:  # scale() also initialises the scaler's state, as in the plain loop
             state.store.loss_scale = state.scaler.scale(torch.ones((), dtype=torch.float32))
-        self._hold(batch)
+        self.hold(batch)
 
     def next_segment(self) -> int:
         """The number of a minibatch trained with no segment (light_run.py), counted as segments are."""
@@ -398,7 +399,8 @@ class TrainingLoop:
                 state.eval_in_epoch += 1
                 state.leave_boundary()  # an evaluation forward may change what the model holds, too
                 measured: list[dict[str, Any]] = []  # a retried segment's measures are replaced, not added
-                yield self._begin(batch, losses, lambda: self._eval_units(losses, measured))
+                if self.inline is None or not self.inline.evaluate(self, batch, losses, measured):
+                    yield self._begin(batch, losses, lambda: self._eval_units(losses, measured))
                 state.home.settle()
                 for m in measured[-1:]:
                     sums.add(m)
@@ -409,18 +411,26 @@ class TrainingLoop:
         state.eval_batches = n
         return {"eval_loss": sum(losses) / max(len(losses), 1), **sums.values()}
 
+    def measuring(self, measured: list[dict[str, Any]]) -> Callable[[Any, Any], None] | None:
+        """An eval unit's ``measure(outputs, batch)``: the task's metrics of the eval batch in flight into
+        ``measured`` (on the device, inside the unit: metrics.py); None without metrics."""
+        state, fns = self.state, self.state.task.metrics
+        if not fns:
+            return None
+
+        def on_outputs(out: Any, batch: Any) -> None:
+            measured.append(measure(fns, out, batch, task=state.task.name, step=state.steps, epoch=state.epoch,
+                                    eval_batch=state.eval_in_epoch))
+        return on_outputs
+
     def _eval_units(self, losses: list[float], measured: list[dict[str, Any]]) -> Segment:
         state = self.state
         store, rng, last, loss_fn = state.store, state.rng, state.execs[-1], state.task.loss
-        fns = state.task.metrics
         units: list[UnitSpec] = [("E", ex, lambda d, ex=ex: ex.forward(d, store, rng, train=False),
                                   lambda d, ex=ex: ex.prefetch(d, store, "E")) for ex in state.execs[:-1]]
 
         def run_last(d: Device) -> None:
-            def on_outputs(out: Any, batch: Any) -> None:  # on the device, inside the unit (metrics.py)
-                measured.append(measure(fns, out, batch, task=state.task.name, step=state.steps,
-                                        epoch=state.epoch, eval_batch=state.eval_in_epoch))
-            losses.append(last.evaluate(d, store, rng, loss_fn, on_outputs if fns else None))
+            losses.append(last.evaluate(d, store, rng, loss_fn, self.measuring(measured)))
 
         units.append(("E", last, run_last, lambda d: last.prefetch(d, store, "E")))
         return self._segment(units, False)
