@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -125,6 +126,12 @@ def test_lrtf_starts_the_longest_task_first():
         tasks = [_task(0, batches=2), _task(1, batches=2), _task(2, batches=12)]
         with ht.Runtime(devices=["cpu"], device_memory=None, policy=policy) as rt:
             handles = [rt.submit(blocker)] + [rt.submit(t) for t in tasks]
+            # each task's host thread has opened its first segment: the policy's first pick is among all three (a
+            # task still opening is no candidate; a light run then keeps the device on the first one for its turn)
+            deadline = time.monotonic() + 30
+            while sum(a.segment is not None for a in rt.scheduler.ready() if a.name != "blocker") < 3:
+                assert time.monotonic() < deadline, "the tasks' first segments never opened"
+                time.sleep(0.001)
             gate.set()
             for h in handles:
                 h.result()
