@@ -20,8 +20,6 @@ an in-process runtime of two CPU devices can reach against plain loops two at a 
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -67,8 +65,9 @@ def _guarded(unit: Callable[[], float]) -> float:
     return value
 
 
-def floor_trial(task: ht.ModelTask) -> float:
-    """The plain loop with the runtime's per-minibatch obligations (module docstring); the last accuracy."""
+def floor_trial(task: ht.ModelTask, after_unit: Callable[[], None] | None = None) -> float:
+    """The plain loop with the runtime's per-minibatch obligations (module docstring); the last accuracy.
+    ``after_unit()`` runs after every step and eval batch, as in small_trials' ``plain_trial``."""
     model, gen = _build(task)
     assert isinstance(model, nn.Sequential), "light_floor runs small_trials' Sequential MLP"
     opt = task.optimizer(model)
@@ -86,6 +85,8 @@ def floor_trial(task: ht.ModelTask) -> float:
             opt.step()
             opt.zero_grad()
             gen.get_state()  # the step boundary's checkpoint position
+            if after_unit is not None:
+                after_unit()
         model.eval()
         correct = total = 0
         with torch.no_grad():
@@ -98,23 +99,10 @@ def floor_trial(task: ht.ModelTask) -> float:
                     return F.cross_entropy(out, yd).item()
                 _guarded(eval_unit)
                 total += y.numel()
+                if after_unit is not None:
+                    after_unit()
         acc = correct / total
     return acc
-
-
-def floor_search(tasks: list[ht.ModelTask], threads: int) -> tuple[float, list[float]]:
-    accs = [0.0] * len(tasks)
-
-    def work(idx: list[int]) -> None:
-        for i in idx:
-            accs[i] = floor_trial(tasks[i])
-    start = time.perf_counter()
-    pool = [threading.Thread(target=work, args=(list(range(t, len(tasks), threads)),)) for t in range(threads)]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    return time.perf_counter() - start, accs
 
 
 def main() -> int:
@@ -133,7 +121,7 @@ def main() -> int:
     def tasks() -> list[ht.ModelTask]:
         return [trial_task(i, train, val, args.epochs) for i in range(args.trials)]
     sides: dict[str, Callable[[int], tuple[float, list[float]]]] = {
-        "plain": lambda n: plain_search(tasks(), n), "floor": lambda n: floor_search(tasks(), n),
+        "plain": lambda n: plain_search(tasks(), n), "floor": lambda n: plain_search(tasks(), n, trial=floor_trial),
         "hydra": lambda n: hydra_search(tasks(), n)}
     for side in sides.values():  # warm-up: imports, first calls, the allocator
         side(1)

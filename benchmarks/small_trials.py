@@ -119,13 +119,14 @@ def plain_trial(task: ht.ModelTask, compute: list[float] | None = None,
     return acc
 
 
-def plain_search(tasks: list[ht.ModelTask], threads: int = 2,
-                 after_unit: Callable[[], None] | None = None) -> tuple[float, list[float]]:
+def plain_search(tasks: list[ht.ModelTask], threads: int = 2, after_unit: Callable[[], None] | None = None,
+                 trial: Callable[..., float] = plain_trial) -> tuple[float, list[float]]:
+    """The tasks as ``trial`` loops (the plain one by default), ``threads`` at a time; (wall, accuracies)."""
     accs = [0.0] * len(tasks)
 
     def work(idx: list[int]) -> None:
         for i in idx:
-            accs[i] = plain_trial(tasks[i], after_unit=after_unit)
+            accs[i] = trial(tasks[i], after_unit=after_unit)
     start = time.perf_counter()
     pool = [threading.Thread(target=work, args=(list(range(t, len(tasks), threads)),)) for t in range(threads)]
     for th in pool:

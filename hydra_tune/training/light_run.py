@@ -85,11 +85,16 @@ class LightRun:
                 or not loop.steps_quietly() or not self._keeps()):
             return False
         key = (state.task.name, segment_key(True, batch))
-        if device.would_measure(key):
+        return self._timed(key, lambda: self._train(loop, ex, key, batch, losses))
+
+    def _timed(self, key: Any, run: Callable[[], bool]) -> bool:
+        """``run()`` unless the device would measure segment ``key`` op by op (the general path does), its time
+        counted in ``seconds``."""
+        if self.device.would_measure(key):
             return False
         t0 = time.perf_counter()
         try:
-            return self._train(loop, ex, key, batch, losses)
+            return run()
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -120,19 +125,15 @@ class LightRun:
         if not ex.direct.applies(device, train=False) or not self._keeps():
             return False
         key = (state.task.name, segment_key(False, batch))
-        if device.would_measure(key):
-            return False
-        t0 = time.perf_counter()
-        try:
+
+        def run() -> bool:
             loop.hold(batch)
             value = self._unit(loop, ex, key, "E", state.rng.snapshot(), lambda: ex.direct.evaluate(
                 device, state.store, state.rng, state.task.loss, loop.measuring(measured)))
-            if value is None:
-                return False
-            losses.append(value)
-            return True
-        finally:
-            self.seconds += time.perf_counter() - t0
+            if value is not None:
+                losses.append(value)
+            return value is not None
+        return self._timed(key, run)
 
     def _unit(self, loop: TrainingLoop, ex: Any, key: Any, kind: str, snap: Any,
               run: Callable[[], float]) -> float | None:
