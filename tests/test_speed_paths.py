@@ -108,7 +108,7 @@ def test_lrtf_starts_the_longest_task_first():
     import threading
 
     def order(policy: str) -> list[str]:
-        gate, calls = threading.Event(), [0]
+        gate, blocked, calls = threading.Event(), threading.Event(), [0]
 
         class Blocker(nn.Module):
             def __init__(self) -> None:
@@ -118,6 +118,7 @@ def test_lrtf_starts_the_longest_task_first():
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 calls[0] += x.device.type != "meta"  # the host-footprint estimate's passes (meta tensors) run freely
                 if calls[0] > 2:  # the profile's two passes run freely; the first unit waits for the gate
+                    blocked.set()
                     gate.wait(60)
                 return self.lin(x)
 
@@ -125,9 +126,12 @@ def test_lrtf_starts_the_longest_task_first():
                                loss=lambda out, b: F.mse_loss(out, b[1]), name="blocker")
         tasks = [_task(0, batches=2), _task(1, batches=2), _task(2, batches=12)]
         with ht.Runtime(devices=["cpu"], device_memory=None, policy=policy) as rt:
-            handles = [rt.submit(blocker)] + [rt.submit(t) for t in tasks]
-            # each task's host thread has opened its first segment: the policy's first pick is among all three (a
-            # task still opening is no candidate; a light run then keeps the device on the first one for its turn)
+            handles = [rt.submit(blocker)]
+            # The tasks come once the blocker's unit waits (the device picked its next task as that unit began:
+            # none), and the gate opens once each has opened its first segment: the policy's first pick is among
+            # all three (a task still opening is no candidate; a light run keeps the device on a pick for its turn)
+            assert blocked.wait(30), "the blocker's unit never started"
+            handles += [rt.submit(t) for t in tasks]
             deadline = time.monotonic() + 30
             while sum(a.segment is not None for a in rt.scheduler.ready() if a.name != "blocker") < 3:
                 assert time.monotonic() < deadline, "the tasks' first segments never opened"
