@@ -207,13 +207,11 @@ class CpuDevice(Device):
         # one with the same task and input shapes exactly, so each distinct one is counted once: the device's
         # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
         # whose measured units drew random numbers the light router does not know keeps the full mode.
+        counted = self.would_measure(key)
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
         self.quiet.begin_segment()
-        seen = self._measured.setdefault(self._task, set())
-        if key in seen and self._task not in self._unrouted and self.account.limit is None:
-            return False
-        seen.add(key)
-        return True
+        self._measured.setdefault(self._task, set()).add(key)
+        return counted
 
     def sync(self) -> None:
         """Wait for the work queued on this device (a CPU stand-in's is done)."""

@@ -290,7 +290,6 @@ class TrainingLoop(LoopData):
         """A light run's step (light_run.py): the whole update where the state is, on ``device``."""
         self._optimizer_step.update_here(device)
 
-
     def _train_units(self, losses: list[float]) -> Segment:
         state = self.state
         store, rng, plan, task, execs = state.store, state.rng, state.plan, state.task, state.execs
