@@ -78,6 +78,27 @@ def test_runs_on_two_devices_stay_exact() -> None:
     assert sum(stats["tasks"][t.name]["inline_units"] for t in tasks) > 0
 
 
+def test_a_lone_task_on_two_devices_trains_in_runs_and_its_stats_keep_up() -> None:
+    # Another device idling for want of work does not end a task's turn (runtime/picker.py ``holds``): a lone
+    # trial, as at the end of every search, trains in runs on a runtime of two devices (before: no run at all, a
+    # segment every minibatch). The policy keeps giving it the device, so its run outlasts its turns, catching up on
+    # what it deferred as it goes (light_run.py REFRESH): its unit counts move while it runs.
+    task = _task(grad_clip_norm=0.5)
+    [model], stats, _ = _run(task, devices=2)
+    assert max_param_diff(model, plain_train(task)[0]) == 0.0
+    assert stats["tasks"]["t"]["inline_units"] >= 27, stats["tasks"]["t"]
+    with ht.Runtime(devices=["cpu", "cpu"]) as rt:
+        long = rt.submit(_task(name="long", epochs=None, eval_data=None))
+        _once_running_inline(rt, "long")
+        seen = rt.stats()["tasks"]["long"]["inline_units"]
+        deadline = time.monotonic() + 30
+        while rt.stats()["tasks"]["long"]["inline_units"] < seen + 100:
+            assert time.monotonic() < deadline, "a run's units were not counted while it ran"
+            time.sleep(0.005)
+        long.cancel()
+        assert long.wait(5.0) and long.status == "cancelled"
+
+
 class LateNoise(nn.Module):
     """Draws nothing on its first ``quiet`` forwards, then adds noise on every other one (by its call count, Python
     state): the first unit that draws is in a light run (after the first epoch's), drawing from torch's global

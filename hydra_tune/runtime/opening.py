@@ -1,7 +1,8 @@
 """The board's openings: a task's next segment opened by its host thread, by the device kept on it
-(``Scheduler.open_here``), or by its caller's thread on a lent device (lend.py).
+(``open_here``, whose light runs go on while ``keeps`` says so), or by its caller's thread on a lent device (lend.py).
 
     board._open(task)                 # in the task's host thread (host.py): the chain advanced, the task queued
+    board.open_here(task, 0)          # in device 0's thread, kept on the task (worker.py); board.keeps(task, 0)
     run = board.borrow(task)          # a caller-driven task: the device kept on it, lent for one segment, or None
     board.give_back(task, ran)
 
@@ -45,7 +46,7 @@ class Openings:
     _idle: set[int]
     _seq: int
 
-    # (and Scheduler's end() and _push())
+    # (and Scheduler's end(), _push() and _off_device())
 
     # -- the host threads' work -------------------------------------------------------------------------------
     def _open(self, task: Admitted, here: int | None = None,
@@ -128,6 +129,32 @@ class Openings:
                 return None
             task.lent, task.lent_by = index, threading.get_ident()
             return self._lenders[index]
+
+    def keeps(self, task: Admitted, index: int) -> bool:
+        """Whether device ``index``, opening ``task``'s next segment itself (``open_here``), goes on with it now (a
+        kept light task's next minibatch in the device's thread: training/light_run.py): it is not cancelled, the
+        board is open, and its policy turn holds there (``Picker.holds``) or, that turn over, the policy asked now
+        as at a segment's end picks it again (its turn starts anew: no segment just to hand the device back)."""
+        with self._lock:
+            if self._closed or self._tasks.get(task.name) is not task or task.handle.cancel_requested:
+                return False
+            if self._picker.holds(task, index, self._idle, bool(self._ready)):
+                return True
+            state = task.state
+            return state is not None and any(state.remaining().values()) and self._picks(task, index)
+
+    def open_here(self, task: Admitted, index: int, spent: Callable[[], float] | None = None) -> Admitted | None:
+        """As ``ran(task, index, keep=True)`` followed by ``take_kept``, with the host work run in the calling
+        device thread (``TaskState.light_host_work``: a short step over list data), which saves the two thread
+        hand-offs a segment costs otherwise: ``task`` with its next segment open, or None when it ended, was
+        cancelled or the board closed. Two holds of the lock, not four: a segment each."""
+        with self._lock:
+            opening, cancelled = self._off_device(task, index, index)
+        if cancelled:
+            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
+        if not opening:
+            return None
+        return self._open(task, here=index, spent=spent)  # as its host thread would: kept_by set, handed back here
 
     def give_back(self, task: Admitted, ran: bool, follows: bool = False) -> None:
         """The lent segment of ``task`` ended (``ran``: it ran whole; ``follows``: its next completes it, see

@@ -5,7 +5,7 @@
     pos = picker.pick(picker.records(0, cands, current=None), 0, idle=[1])
     picker.defers(0, ready, idle={1})              # device 0 leaves every ready task to device 1
     picker.local(0, floor, ready)                  # the entry picked among the tasks that last ran on device 0
-    picker.picked(task, 0); picker.holds(task, 0, idle={0})   # its turn on device 0 (LRTF: TURN seconds)
+    picker.picked(task, 0); picker.holds(task, 0, idle={0}, ready=True)   # its turn on device 0 (LRTF: TURN seconds)
 
 Rules: every method runs with the board's lock (``Scheduler.cond``) held and only reads the tasks it is given,
 except that an estimate and a Ready record are cached on the task (``Admitted.left``, ``Admitted.record``) while
@@ -44,11 +44,14 @@ class Picker:
         if self.turn:
             task.turn = (index, time.perf_counter() + self.turn)
 
-    def holds(self, task: Admitted, index: int, idle: set[int]) -> bool:
+    def holds(self, task: Admitted, index: int, idle: set[int], ready: bool) -> bool:
         """Whether ``task``, finishing a segment on device ``index``, is within its turn there with work left and no
-        other device waiting for work (``idle``): the device goes on with it without a pick."""
+        other device waiting for work while some is ready (``idle``; ``ready``: the ready queue is not empty): the
+        device goes on with it without a pick. With nothing ready, a pick could only give ``task`` back to this
+        device, so another device idling for want of work does not end the turn (a lone trial on a runtime of
+        several devices: the end of every search)."""
         state = task.state
-        return (self.in_turn(task, index) and idle <= {index} and state is not None
+        return (self.in_turn(task, index) and (not ready or idle <= {index}) and state is not None
                 and any(state.remaining().values()))
 
     @staticmethod

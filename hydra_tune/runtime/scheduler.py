@@ -250,7 +250,7 @@ class Scheduler(Openings):
         with self._lock:
             current.follows = self.follow_until() if follows else 0.0
             if not self._closed and self._tasks.get(current.name) is current and (
-                    self._picker.holds(current, index, self._idle) or follows and self._stays(current, index)):
+                    self._picker.holds(current, index, self._idle, bool(self._ready)) or follows and self._stays(current, index)):
                 return current  # within the turn the policy's last pick gave it, or completing its segment
             task = None if self._closed else self._choose(index, current)
         if task is not None and task is not current:
@@ -267,27 +267,6 @@ class Scheduler(Openings):
                 task.host.request()
         if cancelled:
             self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
-
-    def keeps(self, task: Admitted, index: int) -> bool:
-        """Whether device ``index``, opening ``task``'s next segment itself (``open_here``), goes on with it now:
-        its policy turn holds there, no other device waits for work, it is not cancelled and the board is open (a
-        kept light task's next minibatch in the device's thread: training/light_run.py)."""
-        with self._lock:
-            return (not self._closed and self._tasks.get(task.name) is task and not task.handle.cancel_requested
-                    and self._picker.holds(task, index, self._idle))
-
-    def open_here(self, task: Admitted, index: int, spent: Callable[[], float] | None = None) -> Admitted | None:
-        """As ``ran(task, index, keep=True)`` followed by ``take_kept``, with the host work run in the calling
-        device thread (``TaskState.light_host_work``: a short step over list data), which saves the two thread
-        hand-offs a segment costs otherwise: ``task`` with its next segment open, or None when it ended, was
-        cancelled or the board closed. Two holds of the lock, not four: a segment each."""
-        with self._lock:
-            opening, cancelled = self._off_device(task, index, index)
-        if cancelled:
-            self.end(task, "cancelled", TaskCancelled(f"task {task.name!r} was cancelled"))
-        if not opening:
-            return None
-        return self._open(task, here=index, spent=spent)  # as its host thread would: kept_by set, handed back here
 
     def requeue(self, task: Admitted) -> None:
         """``task`` is ready again with its segment open (a re-planned task the device had to pass on), unless

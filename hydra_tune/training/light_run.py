@@ -17,8 +17,8 @@ Rules (otherwise the minibatch goes the general way, as a segment, from its star
 - the unit is the light path's (direct.py: the task's only shard, resident on this device, no gradient yet), its
   whole step runs on this device with nothing pending (no lazy update), the optimizer draws no random numbers,
   no loss scaler, ``grad_accumulation`` 1, the task is not resuming and no checkpoint or snapshot waits;
-- the policy keeps the device on the task now (its turn holds, no other device waits for work, not cancelled:
-  ``keeps``), and the device would not measure this segment op by op (``Device.would_measure``);
+- the policy keeps the device on the task now (not cancelled; its turn holds, or the policy asked at its end
+  picks it again: ``keeps``), and the device would not measure this segment op by op (``Device.would_measure``);
 - a unit that ran out of memory or drew from torch's global generator (device/quiet.py), or whose loss is not
   finite, leaves the minibatch as it found it (the task's stream, host buffers and Python state, no gradient) and
   the general path trains it (the worker's re-plan or rerun, the task's non-finite policy); any other error is the
@@ -29,7 +29,9 @@ Rules (otherwise the minibatch goes the general way, as a segment, from its star
   peak was measured on the segment's first run, whose allocations these repeat), the state's accounting pass and
   the step counts come at ``finish``;
 - a minibatch trained here reaches its step boundary only when a checkpoint or snapshot waits there (a request
-  that comes later waits for the next boundary, as one a few microseconds later would).
+  that comes later waits for the next boundary, as one a few microseconds later would);
+- a run lasts as long as the policy keeps picking the task (a lone trial: to its end), so what it deferred is done
+  every ``REFRESH`` seconds too: the stats, the trace, the step counts and the estimates lag a run by no more.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ if TYPE_CHECKING:
 
 Span = tuple[str, int, float, float, int]  # (unit kind, segment number, start, end, bytes copied)
 
+# Seconds between a long run's catch-ups on what it deferred: as often as a policy turn (runtime/picker.py TURN)
+# ended every run before a turn's end could give the run a new one.
+REFRESH = 0.02
+
 
 @dataclass(frozen=True)
 class RunHooks:
@@ -64,13 +70,14 @@ class RunHooks:
 class LightRun:
     """One device opening's run of a kept light task's minibatches (see the module docstring)."""
 
-    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "seconds")
+    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "_began", "seconds")
 
     def __init__(self, device: Device, keeps: Callable[[], bool], hooks: RunHooks) -> None:
         self.device, self._keeps, self._hooks = device, keeps, hooks
         self._spans: list[Span] = []
         self._steps = 0  # optimizer steps taken here, not yet counted in the task's state home
         self._loop: TrainingLoop | None = None  # set at the first minibatch trained here
+        self._began = 0.0  # when the deferred records began (the first unit, or the last catch-up)
         self.seconds = 0.0  # spent in units and steps: not the opening's host work
 
     def train(self, loop: TrainingLoop, batch: Any, losses: list[float]) -> bool:
@@ -139,8 +146,10 @@ class LightRun:
               run: Callable[[], float]) -> float | None:
         """The unit ``run`` as its segment would run it; None: it drew or ran out of memory, undone."""
         device = self.device
+        if self._loop is not None and time.perf_counter() - self._began >= REFRESH:
+            self.finish()  # a long run catches up on what it deferred, then goes on (module docstring)
         if self._loop is None:
-            self._loop = loop
+            self._loop, self._began = loop, time.perf_counter()
             self._hooks.begin()
         device.measuring = device.measure(key)  # False (would_measure said so): the key its quiet units use
         moved, t0 = device.copier.moved(), time.perf_counter()
