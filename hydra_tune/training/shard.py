@@ -129,6 +129,10 @@ class ShardExec(ShardPythonState):
         themselves. With ``grad``, trainable parameters are new leaves over the same storage, so their ``.grad``
         starts empty."""
         cached: ShardCache | None = device.resident if cache and not buffers else None
+        if buffers and device.resident is not None:
+            # (a recompute from the buffers before its forward: the copy that forward left is stale, and held beside
+            # the fresh one it would be a second copy of the shard, which the plan does not count)
+            device.resident.drop(self)
         copies = cached.take(self, device) if cached is not None else None
         if copies is None:
             copies = self.copy_in(device)
