@@ -70,7 +70,7 @@ class RunHooks:
 class LightRun:
     """One device opening's run of a kept light task's minibatches (see the module docstring)."""
 
-    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "_began", "seconds")
+    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "_began", "_last", "seconds")
 
     def __init__(self, device: Device, keeps: Callable[[], bool], hooks: RunHooks) -> None:
         self.device, self._keeps, self._hooks = device, keeps, hooks
@@ -78,7 +78,11 @@ class LightRun:
         self._steps = 0  # optimizer steps taken here, not yet counted in the task's state home
         self._loop: TrainingLoop | None = None  # set at the first minibatch trained here
         self._began = 0.0  # when the deferred records began (the first unit, or the last catch-up)
-        self.seconds = 0.0  # spent in units and steps: not the opening's host work
+        # from the first unit's start to the last one's end: the minibatches trained here and the loop's work
+        # between them are not the opening's host work (what it did before the first and after the last is: the
+        # worker's INLINE_OPEN and the keep wait read it, and a run may now last many turns)
+        self.seconds = 0.0
+        self._last: float | None = None  # when the last unit here ended
 
     def train(self, loop: TrainingLoop, batch: Any, losses: list[float]) -> bool:
         """Train and step ``batch`` here (its loss to ``losses``); False: nothing was done, the general path trains
@@ -103,7 +107,9 @@ class LightRun:
         try:
             return run()
         finally:
-            self.seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.seconds += t1 - (t0 if self._last is None else self._last)
+            self._last = t1
 
     def _train(self, loop: TrainingLoop, ex: Any, key: Any, batch: Any, losses: list[float]) -> bool:
         state, device = loop.state, self.device
