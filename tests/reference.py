@@ -161,3 +161,46 @@ def check_device_peaks(stats: dict, trace: Any, predicted: int, budget: int | No
         if i in ran_largest:
             off = min(abs(d["peak_bytes"] - predicted), abs(d["peak_bytes"] + prefetch - predicted)) / predicted
             assert off <= 0.10, (d["name"], d["peak_bytes"], predicted, prefetch)
+
+
+class SqueezingLoss:
+    """A task's loss that takes ``device``'s memory away at a defined point, for out-of-memory tests: in the first
+    training unit on ``device`` that computes a loss (every forward of that minibatch ran, its backward has not),
+    the device gets no room beyond what it holds, so that unit's backward runs out of memory whatever the copy
+    thread does; from that out-of-memory on (``Device.after_oom``, before the re-plan) it has ``share`` of the
+    predicted peak given to ``arm``, which the re-planned task must fit.
+
+        loss = SqueezingLoss(my_loss, rt.devices[0], 0.7)           # the task's ``loss=``
+        h = rt.submit(task); loss.arm(rt.stats()["tasks"][task.name]["predicted_peak"])
+
+    Why not ``device.limit_memory(int(share * peak))`` after submit: the predicted peak counts the copy thread's
+    prefetch of the next shard next to the largest unit, and whether the device really goes past ``share`` of it
+    depends on when that copy lands (a unit alone can stay under it; a late copy, or one refused by the limit and
+    dropped as designed, leaves nothing out of memory), and where the task is when the limit comes depends on
+    timing too. The unit that squeezes waits for ``arm`` (the test reads the plan's peak first). The build's calls
+    (in the submitting thread) and evaluation's (no autograd) pass through, as does every call after the first."""
+
+    def __init__(self, loss: Any, device: Any, share: float) -> None:
+        import threading
+
+        self.loss, self.device, self.share = loss, device, share
+        self.peak: int | None = None
+        self.squeezed = False
+        self._armed = threading.Event()
+        self._thread = f"hydra-{device.name}"  # the device's worker (runtime/worker.py), where its units run
+
+    def arm(self, peak: int) -> None:
+        self.peak = peak
+        self._armed.set()
+
+    def __call__(self, out: Any, batch: Any) -> Any:
+        import threading
+
+        value = self.loss(out, batch)
+        if (not self.squeezed and torch.is_grad_enabled()
+                and threading.current_thread().name == self._thread and self._armed.wait(60)):
+            self.squeezed = True
+            device, limit = self.device, int(self.share * self.peak)  # type: ignore[operator]
+            device.limit_memory(device.current_bytes())
+            device.after_oom = lambda: device.limit_memory(limit)
+        return value

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import lm_batches, make_gpt2
-from reference import max_param_diff, plain_train
+from reference import SqueezingLoss, max_param_diff, plain_train
 
 import hydra_tune as ht
 from hydra_tune.errors import PlanError
@@ -23,15 +23,20 @@ def _gpt2_task(seed: int, **kw) -> ht.ModelTask:
 
 
 def test_out_of_memory_replans_and_ends_bit_identical():
-    tasks = [_gpt2_task(s) for s in (1, 2, 3)]
     # residency "off": the units get the whole budget, so 60% of their peak is too little for them (planned for
     # per-shard entries, their peak leaves room for the entries: tests/test_lazy_runtime.py runs out of memory there)
     with ht.Runtime(config=ht.RuntimeConfig(devices=["cpu", "cpu"], device_memory=BUDGET, residency="off")) as rt:
+        # the device holds less than it was said to: the first plans' larger units no longer fit on it. The first
+        # training unit to compute a loss there leaves it no room (it runs out of memory then, after its forwards),
+        # then it has 60% of the largest predicted peak (not 60% at once: whether a unit went past it depended on
+        # when the copy thread's prefetch landed; reference.SqueezingLoss)
+        loss = SqueezingLoss(lambda out, batch: out.loss, rt.devices[0], 0.6)  # as the model's own loss
+        tasks = [_gpt2_task(s, loss=loss) for s in (1, 2, 3)]
         handles = [rt.submit(t) for t in tasks]
         first = rt.stats()["tasks"]
-        # the device holds less than it was said to: the first plans' larger units no longer fit on it
-        rt.devices[0].limit_memory(int(0.6 * max(t["predicted_peak"] for t in first.values())))
+        loss.arm(max(t["predicted_peak"] for t in first.values()))
         results = [(h, list(h.metrics())) for h in handles]
+        assert loss.squeezed
         stats = rt.stats()
     replanned = [n for n, t in stats["tasks"].items() if t["replans"]]
     assert replanned, "the limit should have driven at least one task out of memory"
@@ -53,13 +58,17 @@ def _bn_mlp() -> nn.Module:
 def test_retried_minibatch_restores_batchnorm_statistics_and_dropout():
     g = torch.Generator().manual_seed(7)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
-    task = ht.ModelTask(_bn_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), data,
-                        loss=lambda out, b: F.mse_loss(out, b[1]), epochs=2, seed=3, grad_accumulation=2)
     with ht.Runtime(devices=["cpu"], device_memory=300_000) as rt:   # 3 shards; BatchNorm in the first two
+        # the L unit fails, after both BatchNorms ran: its loss leaves the device no room, then the device has 90% of
+        # the predicted peak (not 90% at once, right after submit: whether the L unit then went past it depended on
+        # the copy thread's prefetch of the next shard landing during it; reference.SqueezingLoss)
+        loss = SqueezingLoss(lambda out, b: F.mse_loss(out, b[1]), rt.devices[0], 0.9)
+        task = ht.ModelTask(_bn_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), data,
+                            loss=loss, epochs=2, seed=3, grad_accumulation=2)
         h = rt.submit(task)
-        peak = rt.stats()["tasks"][task.name]["predicted_peak"]
-        rt.devices[0].limit_memory(int(0.9 * peak))   # the L unit fails, after both BatchNorms ran
+        loss.arm(rt.stats()["tasks"][task.name]["predicted_peak"])
         h.result()
+        assert loss.squeezed
         replans = rt.stats()["tasks"][task.name]["replans"]
     assert replans >= 1
     model, _ = plain_train(task)
