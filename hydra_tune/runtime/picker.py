@@ -25,8 +25,8 @@ from .admitted import Admitted
 AFFINITY = 0.3
 
 # A task LRTF picked for a device keeps it, without the policy being asked again, for this many seconds of short
-# segments while no other device waits for ready work: asking (every ready task's record, then a sort) after each segment
-# of a small model cost about a tenth of the segment. A segment longer than this asks every time. FIFO and
+# segments while no other device waits for ready work: asking (every ready task's record, then a sort) after each
+# segment of a small model cost about a tenth of the segment. A segment longer than this asks every time. FIFO and
 # round-robin take turns per segment, as they say.
 TURN = 0.02
 

@@ -249,8 +249,9 @@ class Scheduler(Openings):
         completes this one (``follows``: Segment.follows); None when nothing is ready or the board is closed."""
         with self._lock:
             current.follows = self.follow_until() if follows else 0.0
+            holds = self._picker.holds(current, index, self._idle, bool(self._ready))
             if not self._closed and self._tasks.get(current.name) is current and (
-                    self._picker.holds(current, index, self._idle, bool(self._ready)) or follows and self._stays(current, index)):
+                    holds or follows and self._stays(current, index)):
                 return current  # within the turn the policy's last pick gave it, or completing its segment
             task = None if self._closed else self._choose(index, current)
         if task is not None and task is not current:
