@@ -66,8 +66,8 @@ def test_keyword_arguments_take_the_short_form() -> None:
 def _router_dropout(monkeypatch: pytest.MonkeyPatch, verdict: bool) -> tuple[torch.Tensor, int]:
     monkeypatch.setattr(dropout, "_verdict", [verdict])
     calls = []
-    real = dropout._dropout
-    monkeypatch.setattr(dropout, "_dropout", lambda *a: calls.append(1) or real(*a))
+    real = dropout.dropped
+    monkeypatch.setattr(dropout, "dropped", lambda *a: calls.append(1) or real(*a))
     rng = TaskRNG(5)
     layer = nn.Dropout(0.3)
     with dispatch.router_for(rng):
@@ -90,8 +90,8 @@ def test_the_check_reads_torch_dropout_ops_and_values(monkeypatch: pytest.Monkey
     with monkeypatch.context() as m:  # a torch whose dropout makes other ops
         m.setattr(dropout, "_EXPECTED", ("aten.native_dropout.default",))
         assert dropout._check() is False
-    real = dropout._dropout
-    monkeypatch.setattr(dropout, "_dropout", lambda x, p, g: real(x, p, g) * (1 - p))  # other values
+    real = dropout.dropped
+    monkeypatch.setattr(dropout, "dropped", lambda x, p, g: real(x, p, g) * (1 - p))  # other values
     assert dropout._check() is False
 
 

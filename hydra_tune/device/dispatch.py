@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import dropout, seeding
+from . import dropout, sdpa, seeding
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 _generator_arg: dict[Any, bool] = {}
@@ -337,6 +337,8 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
         kwargs = kwargs or {}
         if func is dropout.DROPOUT and (out := dropout.routed_dropout(args, kwargs, self.generator)) is not None:
             return out  # nn.Dropout's call, its four ops made here with the task's generator
+        if func is sdpa.SDPA and (out := sdpa.routed_sdpa(args, kwargs, self.generator)) is not None:
+            return out  # attention with dropout: torch's math path's calls made here with the task's generator
         if getattr(func, "__name__", None) not in _RANDOM_NAMES or _op_device(args, kwargs).type != "cpu":
             # not random, or on an accelerator: a GPU's draws come from its own generator, which the device sets
             # to the task's stream for the unit (CudaDevice.unit_scope), so its ops need no interception

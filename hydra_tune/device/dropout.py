@@ -40,10 +40,12 @@ def routed_dropout(args: tuple, kwargs: dict, generator: torch.Generator) -> tor
     if (not training or inplace or type(p) not in (float, int) or not 0 < p < 1 or not x.is_floating_point()
             or x.layout is not torch.strided or x.numel() == 0 or not matches_torch()):
         return None
-    return _dropout(x, float(p), generator)
+    return dropped(x, float(p), generator)
 
 
-def _dropout(x: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
+def dropped(x: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
+    """torch's CPU dropout of ``x`` (training, ``0 < p < 1``) in its four calls, drawing from ``generator`` (the
+    attention's too: sdpa.py)."""
     noise = torch.empty_like(x)
     noise.bernoulli_(1 - p, generator=generator)
     noise.div_(1 - p)
@@ -88,7 +90,7 @@ def _check() -> bool:
     theirs, ours = torch.Generator().manual_seed(20261201), torch.Generator().manual_seed(20261201)
     with _Recorded(theirs) as recorded:
         expected = F.dropout(x, 0.3, True)
-    got = _dropout(x, 0.3, ours)
+    got = dropped(x, 0.3, ours)
     (g_expected,) = torch.autograd.grad(expected.sum(), x)
     (g_got,) = torch.autograd.grad(got.sum(), x)
     return (tuple(recorded.ops) == _EXPECTED and torch.equal(expected, got) and torch.equal(g_expected, g_got)
