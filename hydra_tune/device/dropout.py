@@ -52,7 +52,7 @@ def dropped(x: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tens
     return x * noise
 
 
-class _Recorded(TorchDispatchMode):
+class Recorded(TorchDispatchMode):
     """The aten ops of a call, each random one given ``generator`` (torch's own dropout, drawing from it)."""
 
     def __init__(self, generator: torch.Generator) -> None:
@@ -88,7 +88,7 @@ def matches_torch() -> bool:
 def _check() -> bool:
     x = torch.linspace(-3.0, 3.0, 4 * 257).reshape(4, 257).requires_grad_()
     theirs, ours = torch.Generator().manual_seed(20261201), torch.Generator().manual_seed(20261201)
-    with _Recorded(theirs) as recorded:
+    with Recorded(theirs) as recorded:
         expected = F.dropout(x, 0.3, True)
     got = dropped(x, 0.3, ours)
     (g_expected,) = torch.autograd.grad(expected.sum(), x)

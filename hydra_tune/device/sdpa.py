@@ -101,9 +101,7 @@ def _check(mask_kind: str, causal: bool, no_scale: bool, dtype: torch.dtype) -> 
         torch.randn(2, 1, 7, 7, generator=g).to(dtype)
     scale = None if no_scale else 0.3
     theirs, ours = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    from .dispatch import UnitMode  # (dispatch imports this module)
-
-    with UnitMode(theirs):  # torch's own attention as the dispatch mode routes it
+    with dropout.Recorded(theirs):  # torch's own attention, its random op given the generator (as UnitMode does)
         expected = SDPA(q, k, v, attn_mask=mask, dropout_p=0.2, is_causal=causal, scale=scale)
     got = _sdpa(q, k, v, mask, 0.2, causal, scale, ours)
     grads_expected = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
