@@ -12,10 +12,10 @@ softmax, torch's CPU dropout (``dropout.py``'s four calls) and ``@ v``. Making t
 generator draws the same numbers, computes the same values and records the same graph for autograd.
 
 Rule (nothing silently wrong): a kind of call (mask none, boolean or float; causal; scale given; dtype) is taken
-only once this process has checked, for that kind, that the short form and torch's own attention routed as the
-dispatch mode routes it give bit-identical outputs and input gradients and leave the generator in the same state
-(``matches_torch``); a kind that differs keeps the dispatch mode's path. Only plain strided CPU tensors of one
-floating dtype, ``0 < dropout_p < 1``, no ``enable_gqa``, with torch's math attention enabled.
+only once this process has checked, for that kind, that the short form makes the aten calls torch's own attention
+makes, in the same order, and that both give bit-identical outputs and input gradients and leave the generator in
+the same state (``matches_torch``); a kind that differs keeps the dispatch mode's path. Only plain strided CPU
+tensors of one floating dtype, ``0 < dropout_p < 1``, no ``enable_gqa``, with torch's math attention enabled.
 """
 from __future__ import annotations
 
@@ -101,10 +101,19 @@ def _check(mask_kind: str, causal: bool, no_scale: bool, dtype: torch.dtype) -> 
         torch.randn(2, 1, 7, 7, generator=g).to(dtype)
     scale = None if no_scale else 0.3
     theirs, ours = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    with dropout.Recorded(theirs):  # torch's own attention, its random op given the generator (as UnitMode does)
+    with dropout.Recorded(theirs) as torch_calls:  # torch's own attention, its random op given the generator
         expected = SDPA(q, k, v, attn_mask=mask, dropout_p=0.2, is_causal=causal, scale=scale)
-    got = _sdpa(q, k, v, mask, 0.2, causal, scale, ours)
+    with dropout.Recorded(ours) as our_calls:
+        got = _sdpa(q, k, v, mask, 0.2, causal, scale, ours)
     grads_expected = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
     grads_got = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-    return (torch.equal(expected, got) and all(torch.equal(a, b) for a, b in zip(grads_expected, grads_got))
+    # the same aten calls in the same order (so any shapes and strides compute alike), and the same numbers here
+    return (_calls(torch_calls.ops) == _calls(our_calls.ops) and torch.equal(expected, got)
+            and all(torch.equal(a, b) for a, b in zip(grads_expected, grads_got))
             and torch.equal(theirs.get_state(), ours.get_state()))
+
+
+def _calls(ops: list[str]) -> list[str]:
+    """Aten calls as compared: autograd's detaches left out, and a Python number's division (a wrapped scalar
+    tensor: ``div_.Tensor``) the same as ATen's ``div_.Scalar``."""
+    return [op.replace("div_.Tensor", "div_.Scalar") for op in ops if op != "aten.detach.default"]
