@@ -93,12 +93,16 @@ def test_router_takes_the_short_form_only_where_the_check_matched(monkeypatch: p
     assert torch.equal(short, general)  # the same draws from the task's stream either way
 
 
-def test_the_check_reads_torch_attention_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_check_reads_torch_attention_calls_and_values(monkeypatch: pytest.MonkeyPatch) -> None:
     kind = ("float", False, False, torch.float32)
     assert sdpa._check(*kind) is True
     real = sdpa._sdpa
-    monkeypatch.setattr(sdpa, "_sdpa", lambda q, k, v, m, p, c, s, g: real(q, k, v, m, p, c, s, g) * 1.0000001)
-    assert sdpa._check(*kind) is False  # one rounding apart: the general path keeps it
+    with monkeypatch.context() as m:  # the same calls, numbers apart (the scale nudged by 1e-5)
+        m.setattr(sdpa, "_sdpa", lambda q, k, v, mask, p, c, s, g: real(q, k, v, mask, p, c, s * 1.00001, g))
+        assert sdpa._check(*kind) is False
+    with monkeypatch.context() as m:  # a call more (the numbers alike: a copy)
+        m.setattr(sdpa, "_sdpa", lambda *a: real(*a).clone())
+        assert sdpa._check(*kind) is False
 
 
 def test_gpt2_with_attention_dropout_trains_exactly_through_the_short_form(monkeypatch: pytest.MonkeyPatch) -> None:
