@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from reference import max_param_diff, plain_train, trained
+from test_light_path import _ce, _correct, _mlp  # the same tiny task as the light path's tests
 
 import hydra_tune as ht
 from hydra_tune.device import dispatch
@@ -27,18 +27,6 @@ def _batches(n: int = 12, seed: int = 3, nan_at: int | None = None) -> list:
     if nan_at is not None:
         out[nan_at][0][0, 0] = float("nan")
     return out
-
-
-def _ce(out: torch.Tensor, batch: tuple) -> torch.Tensor:
-    return F.cross_entropy(out, batch[1])
-
-
-def _correct(out: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, int]:
-    return (out.argmax(-1) == batch[1]).sum(), batch[1].numel()
-
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
 
 
 def _task(model=_mlp, name: str = "t", seed: int = 7, epochs: int = 3, **kw) -> ht.ModelTask:

@@ -17,6 +17,7 @@ takes it: a plain strided floating-point CPU tensor, ``training``, not in place,
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,13 +77,18 @@ def matches_torch() -> bool:
     if not _verdict:
         with _lock:
             if not _verdict:
-                found: list[bool] = []
-                checker = threading.Thread(target=lambda: found.append(_check()), name="hydra-dropout-check",
-                                           daemon=True)
-                checker.start()
-                checker.join()
-                _verdict.append(bool(found and found[0]))  # (an error in the check: False, the slow path)
+                _verdict.append(in_fresh_thread(_check, "hydra-dropout-check"))
     return _verdict[0]
+
+
+def in_fresh_thread(check: Callable[[], bool], name: str) -> bool:
+    """``check()`` run in a thread of its own (a fresh thread's torch state, see ``matches_torch``); False when it
+    raised (the slow path)."""
+    found: list[bool] = []
+    checker = threading.Thread(target=lambda: found.append(check()), name=name, daemon=True)
+    checker.start()
+    checker.join()
+    return bool(found and found[0])
 
 
 def _check() -> bool:

@@ -85,12 +85,7 @@ def matches_torch(kind: tuple[Any, ...]) -> bool:
         with _lock:
             verdict = _verdicts.get(kind)
             if verdict is None:
-                found: list[bool] = []
-                checker = threading.Thread(target=lambda: found.append(_check(*kind)), name="hydra-sdpa-check",
-                                           daemon=True)
-                checker.start()
-                checker.join()
-                verdict = _verdicts[kind] = bool(found and found[0])  # (an error in the check: False)
+                verdict = _verdicts[kind] = dropout.in_fresh_thread(lambda: _check(*kind), "hydra-sdpa-check")
     return verdict
 
 
