@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any
 
 import torch
@@ -181,8 +182,6 @@ class SqueezingLoss:
     (in the submitting thread) and evaluation's (no autograd) pass through, as does every call after the first."""
 
     def __init__(self, loss: Any, device: Any, share: float) -> None:
-        import threading
-
         self.loss, self.device, self.share = loss, device, share
         self.peak: int | None = None
         self.squeezed = False
@@ -194,8 +193,6 @@ class SqueezingLoss:
         self._armed.set()
 
     def __call__(self, out: Any, batch: Any) -> Any:
-        import threading
-
         value = self.loss(out, batch)
         if (not self.squeezed and torch.is_grad_enabled()
                 and threading.current_thread().name == self._thread and self._armed.wait(60)):
