@@ -179,3 +179,29 @@ def test_a_hook_counter_on_torch_modules_is_undone_when_its_unit_runs_again() ->
     assert stats["devices"][0]["unrouted"]["reruns"] == 1
     assert model.calls == plain.calls == [24]  # 8 batches x 3 epochs: each forward counted once
     assert max_param_diff(model, plain) == 0.0
+
+
+def _autoencoder() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Dropout(0.2), nn.Linear(4, 8))
+
+
+def _reconstruction(out: torch.Tensor, batch: tuple) -> torch.Tensor:
+    return F.mse_loss(out, batch[1])
+
+
+@pytest.mark.parametrize("container", [tuple, list])
+def test_a_batch_holding_one_tensor_twice_is_copied_once_a_unit_and_stays_exact(container) -> None:
+    # an autoencoder's (x, x): the forward and the loss read one x, as in the plain loop, and its bytes cross once
+    g = torch.Generator().manual_seed(4)
+    data = [container([x, x]) for x in torch.randn(6, 4, 8, generator=g)]
+    counted = []
+    for epochs in (1, 3):
+        task = ht.ModelTask(_autoencoder, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), data,
+                            loss=_reconstruction, epochs=epochs, seed=3, name="ae")
+        [(model, _)], stats = _run(task)
+        assert max_param_diff(model, plain_train(task)[0]) == 0.0
+        record = stats["tasks"]["ae"]
+        counted.append((record["units"], record["light_units"], record["residency"]["copies"]["h2d"]["batches"]))
+    (units1, light1, bytes1), (units3, light3, bytes3) = counted
+    assert light3 - light1 == units3 - units1 == 12  # the later epochs' units all took the light path
+    assert bytes3 - bytes1 == 12 * data[0][0].nbytes  # each copied x once
