@@ -12,9 +12,13 @@ user's thread, while everything else (parameters, buffers, modes, state dicts, a
 must be the user's model's own so that clipping, optimizers, schedulers and saving behave as in the plain loop.
 The user's model is not a submodule of the proxy (its state dict keys stay unprefixed): every reader delegates.
 
-Rules: what changes the model's tensors' dtype or identity is refused (refusals.py); device moves are accepted
-and change nothing (the runtime places the shards; outputs come back on the inputs' device); hooks on the proxy
-are refused, and so is ``torch.compile`` of it.
+Rules: what changes the model's tensors' dtype or identity is refused (refusals.py): a cast that changes a dtype,
+assigning or registering a module, parameter or buffer; device moves, and casts to the dtype every floating tensor
+has already, are accepted and change nothing (the runtime places the shards; outputs come back on the inputs'
+device); hooks on the proxy are refused, and so is ``torch.compile`` of it. Any other attribute set on the proxy
+is set on the user's model (``model.temperature = 2.0`` reaches its forward, as in the plain loop), and a
+container model (``nn.Sequential``, ``nn.ModuleList``) is indexed, measured and iterated as the user's:
+``model[0]`` is its first module.
 """
 from __future__ import annotations
 
@@ -26,8 +30,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .refusals import refuse_compile, refuse_dtype, refuse_register
+from .optimizer import direct
+from .refusals import refuse_compile, refuse_dtype, refuse_register, refuse_replace
 from .runner import Runner
+
+# the proxy's own attributes: torch's module bookkeeping (set by nn.Module.__init__) and ``training``
+_OWN = frozenset(nn.Module().__dict__)
 
 
 class PreparedModel(nn.Module):
@@ -74,6 +82,46 @@ class PreparedModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "_hydra_model"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            super().__setattr__(name, value)
+            return
+        model = self._hydra_model
+        if isinstance(value, (nn.Module, nn.Parameter)) or _holds(model, name):
+            raise refuse_replace(f"model.{name} = {type(value).__name__}(...)")
+        setattr(model, name, value)  # (the forward reads the user's model: it sees it, as in the plain loop)
+
+    def __delattr__(self, name: str) -> None:
+        model = self._hydra_model
+        if name in _OWN or _holds(model, name):
+            raise refuse_replace(f"del model.{name}")
+        delattr(model, name)
+
+    # -- a container model's protocol (nn.Sequential, nn.ModuleList, nn.ModuleDict): the user's model's -------------
+    def __getitem__(self, index: Any) -> Any:
+        return self._hydra_model[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise refuse_replace("model[...] = module")
+
+    def __delitem__(self, index: Any) -> None:
+        raise refuse_replace("del model[...]")
+
+    def __len__(self) -> int:
+        return len(self._hydra_model)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._hydra_model)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._hydra_model
+
+    def __bool__(self) -> bool:
+        return bool(self._hydra_model)  # (a module without __len__ is true; an empty Sequential is not)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self._hydra_model)))
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         # an EMA copy, a best-model copy: the user's model (a plain, unprepared module), as the plain loop's copy
@@ -147,7 +195,7 @@ class PreparedModel(nn.Module):
         # torch's own parser of .to()'s arguments (device, dtype, non_blocking, memory_format)
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None:
-            raise refuse_dtype(f"model.to({dtype})")
+            self._same_dtype(dtype, f"model.to({dtype})")
         return self  # the runtime places the shards; outputs come back on the inputs' device
 
     def cuda(self, device: Any = None) -> "PreparedModel":
@@ -157,16 +205,32 @@ class PreparedModel(nn.Module):
         return self
 
     def half(self) -> "PreparedModel":
-        raise refuse_dtype("model.half()")
+        return self._same_dtype(torch.float16, "model.half()")
 
     def float(self) -> "PreparedModel":
-        raise refuse_dtype("model.float()")
+        return self._same_dtype(torch.float32, "model.float()")
 
     def double(self) -> "PreparedModel":
-        raise refuse_dtype("model.double()")
+        return self._same_dtype(torch.float64, "model.double()")
 
     def bfloat16(self) -> "PreparedModel":
-        raise refuse_dtype("model.bfloat16()")
+        return self._same_dtype(torch.bfloat16, "model.bfloat16()")
+
+    def type(self, dst_type: Any) -> "PreparedModel":
+        raise refuse_dtype(f"model.type({dst_type})")
+
+    def to_empty(self, *args: Any, **kwargs: Any) -> "PreparedModel":
+        raise refuse_replace("model.to_empty(...)")
+
+    def _same_dtype(self, dtype: torch.dtype, call: str) -> "PreparedModel":
+        """A cast that changes nothing (every floating tensor has ``dtype`` already: ``model.float()`` of an fp32
+        model) is the model itself; one that would change a tensor is refused."""
+        with direct():  # reads dtypes, not values: no pending update is applied for it (guard.py)
+            tensors = [*self._hydra_model.parameters(), *self._hydra_model.buffers()]
+            changes = any(t.is_floating_point() and t.dtype != dtype for t in tensors)
+        if changes:
+            raise refuse_dtype(call)
+        return self
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
@@ -183,3 +247,24 @@ class PreparedModel(nn.Module):
 
     def register_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
         raise refuse_register("register_backward_hook")
+
+    # -- new modules and tensors: the runtime planned the ones the model had ----------------------------------------
+    def register_buffer(self, name: str, *args: Any, **kwargs: Any) -> None:
+        raise refuse_replace(f"model.register_buffer({name!r}, ...)")
+
+    def register_parameter(self, name: str, *args: Any, **kwargs: Any) -> None:
+        raise refuse_replace(f"model.register_parameter({name!r}, ...)")
+
+    def add_module(self, name: str, *args: Any, **kwargs: Any) -> None:
+        raise refuse_replace(f"model.add_module({name!r}, ...)")
+
+    def register_module(self, name: str, *args: Any, **kwargs: Any) -> None:
+        raise refuse_replace(f"model.register_module({name!r}, ...)")
+
+    def set_submodule(self, target: str, *args: Any, **kwargs: Any) -> None:
+        raise refuse_replace(f"model.set_submodule({target!r}, ...)")
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` is one of ``model``'s own submodules, parameters or buffers."""
+    return name in model._modules or name in model._parameters or name in model._buffers

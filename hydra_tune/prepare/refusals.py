@@ -18,8 +18,12 @@ Why each is refused rather than run:
   loop's backward raises for the saved tensors it changed; a recomputing unit would use the new weights.
 - a forward inside ``torch.autocast`` of a model prepared without that ``precision``: autocast is per thread,
   and the units run on the runtime's threads (they would compute in fp32).
-- dtype changes after prepare (``.half()``, ``.to(torch.bfloat16)``), ``load_state_dict(assign=True)``: the
-  runtime planned the model's tensors as they were; use ``precision=`` or cast before ``prepare``.
+- dtype changes after prepare (``.half()`` of an fp32 model, ``.to(torch.bfloat16)``, ``.type(...)``),
+  ``load_state_dict(assign=True)``: the runtime planned the model's tensors as they were; use ``precision=`` or
+  cast before ``prepare``.
+- modules, parameters or buffers assigned, registered or deleted on the prepared model (``model.head = nn.Linear(...)``,
+  ``model.register_buffer(...)``, ``model[0] = ...``): the plan and the optimizer hold the ones it had; on the
+  proxy they would never reach the forward.
 """
 from __future__ import annotations
 
@@ -97,6 +101,14 @@ def refuse_register(what: str) -> Exception:
     return rule_error("a prepared model takes no hooks", "compute from the model's output in your loop instead "
                       f"of `model.{what}(...)`, or train the model with hydra_tune.ModelTask", kind=RuntimeError,
                       call=f"model.{what}")
+
+
+def refuse_replace(call: str) -> Exception:
+    return rule_error("a prepared model keeps the modules, parameters and buffers it was prepared with (the runtime "
+                      "planned them and the optimizer steps them)", "build the model as it should train before "
+                      "hydra_tune.prepare; change a weight's values in place instead (with torch.no_grad(): "
+                      "model.fc.weight.copy_(w)), and keep other objects outside the model", kind=RuntimeError,
+                      call=call)
 
 
 def refuse_compile() -> Exception:

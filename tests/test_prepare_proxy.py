@@ -1,0 +1,128 @@
+"""The prepared model behaves as the user's model in their loop: attributes set on it reach the forward, a container
+model is indexed and iterated as itself, and what would silently not reach the runtime (a new module, parameter or
+buffer, a dtype cast) is refused at the call. Each exactness check compares the loop with and without ``prepare``
+(max abs difference 0.0, fp32 on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hydra_tune as ht
+
+X = torch.randn(48, 16, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 4, (48,), generator=torch.Generator().manual_seed(2))
+
+
+class Scaled(nn.Module):
+    """A forward that reads a plain attribute the loop changes (a temperature, a mixing weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+
+
+@pytest.fixture(scope="module", params=["64MiB", "12KiB"], ids=["resident", "sharded"])
+def rt(request):
+    with ht.Runtime(devices=["cpu"], device_memory=request.param) as runtime:
+        yield runtime
+
+
+def _loop(make, change, rt=None, steps: int = 6) -> tuple[dict, list[float]]:
+    """A plain classifier loop; ``change(model, step)`` runs before each step's forward; ``rt``: prepared there."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if rt is not None:
+        model, opt = ht.prepare(model, opt, runtime=rt)
+    losses = []
+    for s in range(steps):
+        change(model, s)
+        loss = F.cross_entropy(model(X[s * 8:(s + 1) * 8]), Y[s * 8:(s + 1) * 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if rt is not None:
+        model.release()
+    return state, losses
+
+
+def _same(a: tuple[dict, list[float]], b: tuple[dict, list[float]]) -> None:
+    assert max((a[0][k] - b[0][k]).abs().max().item() for k in a[0]) == 0.0
+    assert a[1] == b[1]
+
+
+def test_a_plain_attribute_set_on_the_prepared_model_reaches_its_forward(rt):
+    # without forwarding, model.scale = ... landed on the proxy and the forward kept reading 1.0: silently other
+    def change(model, step):
+        if step in (0, 3):
+            model.scale = 2.0 + step
+            assert model.scale == 2.0 + step
+    _same(_loop(Scaled, change), _loop(Scaled, change, rt))
+
+
+def test_a_sequential_model_is_indexed_measured_and_iterated_as_itself(rt):
+    def change(model, step):
+        assert len(model) == 4 and isinstance(model[0], nn.Linear) and model[-1].out_features == 4
+        assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Dropout", "Linear"]
+        assert model[2] in model and bool(model)
+        if step == 2:
+            model[2].p = 0.5  # the submodule itself: the runtime runs it, as the plain loop does
+    _same(_loop(_mlp, change), _loop(_mlp, change, rt))
+    model, _ = _prepared(rt, Scaled)
+    with pytest.raises(TypeError, match="not subscriptable"):  # as the user's own model would raise
+        model[0]
+    assert bool(model)  # a module without __len__ is true, prepared or not
+    model.release()
+
+
+def _prepared(rt, make=_mlp):
+    model = make()
+    return ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: setattr(m, "head", nn.Linear(4, 4)),
+    lambda m: setattr(m, "0", nn.Linear(16, 32)),
+    lambda m: setattr(m, "extra", nn.Parameter(torch.zeros(3))),
+    lambda m: m.register_buffer("running", torch.zeros(3)),
+    lambda m: m.register_parameter("bias2", nn.Parameter(torch.zeros(3))),
+    lambda m: m.add_module("head", nn.Linear(4, 4)),
+    lambda m: m.__setitem__(0, nn.Linear(16, 32)),
+    lambda m: m.__delitem__(0),
+    lambda m: delattr(m, "0"),
+], ids=["module", "replace-module", "parameter", "register_buffer", "register_parameter", "add_module", "setitem",
+        "delitem", "delattr"])
+def test_new_modules_parameters_and_buffers_on_the_prepared_model_are_refused(rt, call):
+    model, opt = _prepared(rt)
+    before = [id(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="keeps the modules, parameters and buffers it was prepared with"):
+        call(model)
+    F.cross_entropy(model(X[:8]), Y[:8]).backward()  # the model trains on, unchanged
+    opt.step()
+    assert [id(p) for p in model.parameters()] == before and len(model) == 4
+    model.release()
+
+
+def test_casts_that_change_nothing_pass_and_others_are_refused(rt):
+    model, _ = _prepared(rt)
+    assert model.float() is model and model.to(torch.float32) is model and model.to("cpu", torch.float32) is model
+    for call in (model.half, model.double, model.bfloat16, lambda: model.type(torch.float64),
+                 lambda: model.to(torch.float16)):
+        with pytest.raises(RuntimeError, match="keeps the dtype it was prepared with"):
+            call()
+    with pytest.raises(RuntimeError, match="keeps the modules"):
+        model.to_empty(device="cpu")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.release()
