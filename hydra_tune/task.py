@@ -245,7 +245,9 @@ class ModelTask:
         a tensor -> ``model(t)``; ``loss(outputs, batch)`` or, when ``loss`` is None, ``outputs.loss``.
       * ``train_data``/``eval_data``: iterated once per epoch (a list, a DataLoader: its workers, samplers and
         ``generator=`` as in torch), or a zero-argument factory called at the start of each pass and returning
-        any iterable, a generator too (hydra_tune/training/data.py).
+        any iterable, a generator too (hydra_tune/training/data.py). Each pass yields at least one batch: an
+        empty train set fails at submit; an empty eval set too, or its task at the evaluation that found it empty
+        (its loss and metrics would be no numbers, not 0).
       * ``grad_accumulation=k``: each batch's loss is divided by k; the optimizer steps every k batches and at
         the end of an epoch that leaves gradients pending.
       * ``grad_clip_norm``: ``clip_grad_norm_`` over all parameters before every step.

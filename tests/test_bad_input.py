@@ -183,6 +183,11 @@ AT_SUBMIT = [
      dict(train_data=[]), ValueError,
      "`train_data` yields at least one batch must hold, but got (task='t', batches=0). Fix: check the dataset's "
      "length and the DataLoader's batch_size and drop_last."),
+    ("empty-eval-data",  # (was reported as eval_loss 0.0: a perfect score from no evaluation)
+     dict(eval_data=[]), ValueError,
+     "`eval_data` yields at least one batch (its mean loss and metrics are over its batches) must hold, but got "
+     "(task='t', epoch=None, batches=0). Fix: check the eval dataset's length and the DataLoader's batch_size and "
+     "drop_last, or pass eval_data=None to train without evaluation."),
     ("text-batch",
      dict(train_data=["the quick brown fox"]), TypeError,
      f"{RULE_BATCH}, but got (task='t', data='train_data', batch_in_epoch=1, type='str'). Fix: {FIX_BATCH}."),
@@ -287,6 +292,16 @@ def test_a_later_unsupported_batch_fails_its_task_naming_the_batch(runtime):
         h.result(timeout=60)
     assert str(err.value) == (f"{RULE_BATCH}, but got (task='late', data='train_data', batch_in_epoch=3, "
                               f"type='str'). Fix: {FIX_BATCH}.")
+
+
+def test_an_evaluation_that_finds_no_batch_fails_its_task_instead_of_reporting_zero(runtime):
+    # an eval factory whose second pass is empty (a filtered split, an exhausted stream): the plain loop's mean
+    # over no batch divides by zero; reporting eval_loss 0.0 would rank the trial best
+    passes = iter([X[:2], []])
+    h = runtime.submit(task(eval_data=lambda: next(passes), epochs=3, name="dry"))
+    with pytest.raises(ValueError) as err:
+        h.result(timeout=60)
+    assert "`eval_data` yields at least one batch" in str(err.value) and "task='dry', epoch=2" in str(err.value)
 
 
 def test_budget_too_small_for_a_stage_names_it_and_by_how_much():

@@ -60,6 +60,14 @@ def epoch_metrics(state: TaskState, epoch: int, losses: list[float], samples: in
     return metrics
 
 
+def empty_eval(task: str, epoch: int | None) -> Exception:
+    """An eval set with no batch: its loss and metrics would be no numbers, not 0.0 (the plain loop's mean over
+    nothing divides by zero)."""
+    return rule_error("`eval_data` yields at least one batch (its mean loss and metrics are over its batches)",
+                      "check the eval dataset's length and the DataLoader's batch_size and drop_last, or pass "
+                      "eval_data=None to train without evaluation", task=task, epoch=epoch, batches=0)
+
+
 def schedule_on_metric(state: TaskState, metrics: dict[str, Any]) -> None:
     """After the epoch's evaluation, as the plain loop's ``scheduler.step(val_loss)``: a metric-driven
     scheduler steps with the named metric; ``lr`` then reports the learning rate it left."""

@@ -43,7 +43,7 @@ from .checkpoint import Position
 from .data import close_workers, data_generators, is_factory, sampler_state
 from .loop_data import LoopData
 from .loss import nonfinite_policy
-from .evaluate import epoch_metrics, run_eval_fn, schedule_on_metric
+from .evaluate import empty_eval, epoch_metrics, run_eval_fn, schedule_on_metric
 from .metrics import MetricSums, measure
 from .optstep import OptimizerStep
 from .epoch_run import Attempt, EpochRun, batch_size
@@ -350,8 +350,10 @@ class TrainingLoop(LoopData):
                 n += 1
         finally:
             state.model.train()
+        if n == 0:  # (a factory's or an iterable's pass that yielded nothing: a sized empty set fails at submit)
+            raise empty_eval(state.task.name, state.epoch)
         state.eval_batches = n
-        return {"eval_loss": sum(losses) / max(len(losses), 1), **sums.values()}
+        return {"eval_loss": sum(losses) / len(losses), **sums.values()}
 
     def measuring(self, measured: list[dict[str, Any]]) -> Callable[[Any, Any], None] | None:
         """An eval unit's ``measure(outputs, batch)``: the task's metrics of the eval batch in flight into

@@ -32,6 +32,7 @@ from .boundary import Boundary, BoundaryRequest, BoundaryRequests
 from .build import AUTOCAST_DTYPES, build_part, check_model, check_optimizer, check_scheduler
 from .checkpoint import AsBuilt, Position, check_position, load, restore
 from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
+from .evaluate import empty_eval
 from .light_run import LightRun
 from .loop import TrainingLoop
 from .metrics import check_metrics_run
@@ -114,6 +115,8 @@ class TaskState:
             raise rule_error("`train_data` yields at least one batch", "check the dataset's length and the "
                              "DataLoader's batch_size and drop_last", task=task.name, batches=0)
         check_batch(sample, task.name, "train_data", 1)
+        if task.eval_data is not None and data_length(task.eval_data) == 0:  # (a factory's data: at its evaluation)
+            raise empty_eval(task.name, epoch=None)
         # declared stages must compute the model's own forward (on copies, a scratch stream: nothing changes)
         check_stages(model, cut, sample, UnitMode, task.seed, AUTOCAST_DTYPES[task.precision], task.name,
                      evaluate=task.eval_data is not None)
