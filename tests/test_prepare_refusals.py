@@ -209,3 +209,17 @@ def test_a_global_module_hook_is_refused(rt):
     finally:
         handle.remove()
     model(X)   # removed: accepted again
+
+
+def test_a_call_after_the_task_failed_says_so_instead_of_repeating_the_old_error(rt):
+    # before, every later call re-raised the first error (here a dtype mismatch) as if a float input failed too
+    model, opt = _prepared(rt)
+    F.cross_entropy(model(X), Y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="same dtype"):  # the model's own error, raised by the call that met it
+        model(X.double())
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"whose task failed is not called again.*failed_with='RuntimeError: "
+                                               r"mat1 and mat2 must have the same dtype") as err:
+            model(X)
+        assert "same dtype" in str(err.value.__cause__)

@@ -78,6 +78,7 @@ class Driver:
         self._request: _Request | None = None
         self._calling = threading.Lock()  # held by the user's thread while its call runs
         self._closed = False
+        self._told = False  # the task's error was raised in one of the user's calls already
         self._made = 0
         self._attempt: tuple[Any, Callable[[], Segment]] | None = None  # the segment in flight: RNG, rebuild
         self.forward_snap: Any = None  # the RNG state the latest training forward started from
@@ -131,6 +132,9 @@ class Driver:
         try:
             if not self._lent(make, after):
                 self._handed(make, after)
+        except BaseException:
+            self._told = self._told or self._ended()  # the call that met the task's error raised it
+            raise
         finally:
             self._calling.release()
 
@@ -165,8 +169,13 @@ class Driver:
                              "again for a new run", kind=RuntimeError, task=self.name)
         if self._ended():
             error = self.handle.error
-            if error is not None:
+            if error is not None and not self._told:
                 raise error
+            if error is not None:  # a later call: the old error again would read as this call's own
+                raise rule_error("a prepared model whose task failed is not called again", "prepare the model "
+                                 "again (hydra_tune.prepare(model, optimizer)) to go on; an error in a call of the "
+                                 "model ends its task, as an error in a ModelTask's unit does", kind=RuntimeError,
+                                 task=self.name, failed_with=f"{type(error).__name__}: {error}"[:200]) from error
             raise rule_error("a prepared model's task is running when the model is called", "prepare the model "
                              "again (its task ended: cancelled by the runtime, the study or Tune)",
                              kind=RuntimeError, task=self.name, status=self.handle.status)
