@@ -156,3 +156,15 @@ def test_a_task_cancelled_during_runs_ends_at_once_and_the_other_stays_exact() -
         assert time.monotonic() - start < 5.0
         model = trained(rt.submit(other))
     assert max_param_diff(model, plain_train(other)[0]) == 0.0
+
+
+def test_a_run_that_lasts_to_the_tasks_end_counts_its_units_before_the_task_ends() -> None:
+    # max_steps inside an epoch: the policy keeps the lone task to its last step, so its last run ended after the
+    # task did, and its units reached the trace and the device but not the task's counts (38 of 40 before)
+    task = _task(epochs=10, max_steps=40, eval_data=None)
+    [model], stats, units = _run(task)
+    assert max_param_diff(model, plain_train(task)[0]) == 0.0
+    record = stats["tasks"]["t"]
+    assert record["steps"] == 40 and sum(u.kind == "L" for u in units) == 40
+    assert record["units"] == 40 == stats["devices"][0]["units"]
+    assert record["inline_units"] >= 30, record

@@ -85,6 +85,8 @@ class TrainingLoop(LoopData):
         try:
             yield from self._epochs(emit)
         finally:
+            if self.inline is not None:  # a light run lasting to the task's end: its units counted before it ends
+                self.inline.finish()
             self.state.home.finish()
             for data in (self.state.train_iterable, self.state.eval_iterable):
                 close_workers(data)
