@@ -355,7 +355,8 @@ class TrainingLoop(LoopData):
         if n == 0:  # (a factory's or an iterable's pass that yielded nothing: a sized empty set fails at submit)
             raise empty_eval(state.task.name, state.epoch)
         state.eval_batches = n
-        return {"eval_loss": sum(losses) / len(losses), **sums.values()}
+        # (max: a chain driven without running its units, as a test may, has batches but no losses)
+        return {"eval_loss": sum(losses) / max(len(losses), 1), **sums.values()}
 
     def measuring(self, measured: list[dict[str, Any]]) -> Callable[[Any, Any], None] | None:
         """An eval unit's ``measure(outputs, batch)``: the task's metrics of the eval batch in flight into
