@@ -126,3 +126,52 @@ def test_casts_that_change_nothing_pass_and_others_are_refused(rt):
         model.to_empty(device="cpu")
     assert all(p.dtype == torch.float32 for p in model.parameters())
     model.release()
+
+
+def _frozen_base() -> nn.Module:
+    torch.manual_seed(123)  # equal bytes in every trial: the runtime holds the frozen layer once for all of them
+    base = nn.Linear(16, 32)
+    base.requires_grad_(False)
+    return nn.Sequential(base, nn.ReLU(), nn.Linear(32, 4))
+
+
+def _trainable(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+
+
+def test_a_trial_that_unfreezes_a_shared_base_in_its_loop_is_refused_before_it_writes_it():
+    # two prepared trials share the frozen layer (one tensor); trial A unfreezes it and adds it to its optimizer.
+    # Before, A's step wrote the shared tensor: trial B trained on, silently, from A's values (max diff 0.044)
+    def b_loop(model, opt, steps):
+        for s in range(steps):
+            loss = F.cross_entropy(model(X[s * 8:(s + 1) * 8]), Y[s * 8:(s + 1) * 8])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    plain = _frozen_base()
+    plain_opt = _trainable(plain)
+    b_loop(plain, plain_opt, 4)
+    with ht.Runtime(devices=["cpu"]) as rt:
+        a, b = _frozen_base(), _frozen_base()
+        a_opt, b_opt = _trainable(a), _trainable(b)
+        a, a_opt = ht.prepare(a, a_opt, runtime=rt, name="A")
+        b, b_opt = ht.prepare(b, b_opt, runtime=rt, name="B")
+        b_loop(b, b_opt, 2)
+        F.cross_entropy(a(X[:8]), Y[:8]).backward()  # A is built: its base now held with B's
+        assert rt.stats()["shared_frozen"]["shared_bytes"] > 0
+        a[0].weight.requires_grad_(True)
+        a_opt.add_param_group({"params": [a[0].weight]})
+        a_opt.zero_grad()
+        F.cross_entropy(a(X[:8]), Y[:8]).backward()
+        with pytest.raises(ValueError, match=r"held once for several tasks stays frozen.*thawed=\['0.weight'\]"):
+            a_opt.step()
+        for s in range(2, 4):  # B goes on from where it was
+            loss = F.cross_entropy(b(X[s * 8:(s + 1) * 8]), Y[s * 8:(s + 1) * 8])
+            b_opt.zero_grad()
+            loss.backward()
+            b_opt.step()
+        got = {k: v.clone() for k, v in b.state_dict().items()}
+        a.release()
+        b.release()
+    assert max((got[k] - v).abs().max().item() for k, v in plain.state_dict().items()) == 0.0

@@ -53,6 +53,9 @@ class StateAccess:
 
     @staticmethod
     def _step(state: Any, home: Any, inner: Callable[[], Any]) -> Any:
+        # a weight shared frozen with other tasks, made trainable in the loop since: refused before it is written;
+        # any other write into one is caught after the step (the pool restores it, the writer's step raises)
+        state.check_still_frozen()
         with home.lock:
             if home.steps_lazily():
                 state.measure_held_bytes()
@@ -63,6 +66,7 @@ class StateAccess:
             state.measure_held_bytes()
             result = inner()
         home.settle()  # its step went first: evictions may go on (state_cache.py)
+        state.check_frozen()
         return result
 
     def zero_grad(self, inner: Callable[[bool], Any], set_to_none: bool) -> None:

@@ -2,6 +2,7 @@
 
     shared = SharedFrozen()                       # one per Runtime
     shares = shared.share("trial-1", model)       # equal frozen parameters now point at one host tensor
+    shares.check_still_frozen()                   # before each optimizer step: raises if one was made trainable
     shares.check()                                # after each optimizer step: raises if the task wrote into one
     shared.device_copy(host_tensor, device)       # ShardExec.copy_in: one device copy for every task
     shared.release("trial-1", model)              # the task ended (done, failed, cancelled); the last frees it
@@ -55,7 +56,8 @@ import torch.nn as nn
 
 from ..errors import rule_error
 from .names import shared_name
-from .shared_frozen_copies import DEVICE_SHARE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies, on_host
+from .shared_frozen_copies import (DEVICE_SHARE, THAW_FIX, THAW_RULE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies,
+                                   on_host)
 from .shared_frozen_match import content_key, probe_key, qualifies, same_bytes
 
 __all__ = ["DEVICE_SHARE", "Privatize", "SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
@@ -99,6 +101,19 @@ class TaskShares:
         if poisoned:
             raise rule_error(WRITE_RULE, WRITE_FIX + "; this task holds weights another task wrote into, "
                              "with no clean copy left to restore", task=self.task, written_by=poisoned[:5])
+
+    def check_still_frozen(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before each optimizer step: raise when ``optimizer`` would write one of the task's shared parameters,
+        made trainable since it was shared (``requires_grad_(True)`` and ``add_param_group`` in a prepared loop:
+        it has a gradient and the optimizer lists it): the step would write the tensor every holder reads, which
+        a check after it can only repair when a clean copy is left."""
+        thawed = [name for name, p, _, _ in self.params if p.requires_grad and p.grad is not None]
+        if thawed:
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            thawed = [name for name, p, _, _ in self.params
+                      if p.requires_grad and p.grad is not None and id(p) in stepped]
+        if thawed:
+            raise rule_error(THAW_RULE, THAW_FIX, task=self.task, thawed=thawed[:5], count=len(thawed))
 
     def storages(self) -> set[int]:
         return {p.untyped_storage().data_ptr() for _, p, _, _ in self.params}

@@ -223,6 +223,12 @@ class TaskState:
         if self.shares is not None:
             self.shares.check()
 
+    def check_still_frozen(self) -> None:
+        """Raise when the optimizer would write a frozen parameter the task shares, made trainable since (before
+        each optimizer step)."""
+        if self.shares is not None:
+            self.shares.check_still_frozen(self.optimizer)
+
     def _execs(self, plan: Plan) -> list[ShardExec]:
         execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast, self.home) for s in plan.shards]
         for ex in execs:
