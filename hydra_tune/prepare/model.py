@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from .optimizer import direct
-from .refusals import refuse_compile, refuse_dtype, refuse_register, refuse_replace
+from .refusals import refuse_compile, refuse_dtype, refuse_register, refuse_replace, refuse_shared_load
 from .runner import Runner
 
 # the proxy's own attributes: torch's module bookkeeping (set by nn.Module.__init__) and ``training``
@@ -172,7 +172,10 @@ class PreparedModel(nn.Module):
         if assign:  # new tensors: the optimizer and the plan hold the old ones
             raise refuse_dtype("model.load_state_dict(..., assign=True)")
         self._hydra_runner.access.to_host()  # copied into the host tensors; they move in again at the next call
-        return self._hydra_model.load_state_dict(state_dict, strict=strict)
+        shared = self._hydra_runner.shared_frozen()
+        if not shared:
+            return self._hydra_model.load_state_dict(state_dict, strict=strict)
+        return _load_beside_shared(self._hydra_model, state_dict, strict, shared)
 
     def train(self, mode: bool = True) -> "PreparedModel":
         self._hydra_model.train(mode)
@@ -263,6 +266,26 @@ class PreparedModel(nn.Module):
 
     def set_submodule(self, target: str, *args: Any, **kwargs: Any) -> None:
         raise refuse_replace(f"model.set_submodule({target!r}, ...)")
+
+
+def _load_beside_shared(model: nn.Module, state_dict: Any, strict: bool, shared: dict[str, torch.Tensor]) -> Any:
+    """``model.load_state_dict`` for a model holding weights with other tasks (frozen, equal: one tensor for all):
+    an entry equal to such a weight is left out (writing it, even with its own values, would read as a write into
+    the others' weight); one with other values is refused (it would change every holder's); ``strict`` keeps its
+    meaning for the rest."""
+    changed = [k for k, v in state_dict.items() if k in shared and not torch.equal(v.to(shared[k].device),
+                                                                                  shared[k].detach())]
+    if changed:
+        raise refuse_shared_load(changed)
+    rest = {k: v for k, v in state_dict.items() if k not in shared}
+    result = model.load_state_dict(rest, strict=False)
+    missing = [k for k in result.missing_keys if k not in state_dict]
+    if strict and (missing or result.unexpected_keys):
+        lines = ([f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}."] if missing else []) + (
+            [f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in result.unexpected_keys)}."]
+            if result.unexpected_keys else [])
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(lines))
+    return type(result)(missing, result.unexpected_keys)
 
 
 def _holds(model: nn.Module, name: str) -> bool:

@@ -111,6 +111,13 @@ def refuse_replace(call: str) -> Exception:
                       call=call)
 
 
+def refuse_shared_load(keys: list[str]) -> Exception:
+    return rule_error("a prepared model's weights held once with other trials (frozen, equal) are loaded with their "
+                      "own values only (other values would change every trial's)", "load such weights before "
+                      "hydra_tune.prepare, or run with hydra_tune.RuntimeConfig(share_frozen=False)",
+                      kind=RuntimeError, call="model.load_state_dict", changed=keys[:5], count=len(keys))
+
+
 def refuse_compile() -> Exception:
     return rule_error("a prepared model is not compiled (the runtime runs its shards)", "drop torch.compile(model) "
                       "/ model.compile(); compile inside your modules if you need it, or train without prepare",

@@ -86,6 +86,13 @@ class Runner:
     def handle(self) -> Any:
         return self.driver.handle
 
+    def shared_frozen(self) -> dict[str, torch.Tensor]:
+        """The model's parameters (by name) held once with other tasks' (training/shared_frozen.py); {} before
+        the first call or with none."""
+        state = self.driver.state
+        shares = getattr(state, "shares", None)
+        return {name: p for name, p, _, _ in shares.params} if shares is not None else {}
+
     def _submit(self, batch: Any) -> None:
         model = self.model
         modes = [(m, m.training) for m in model.modules()]  # the build puts the model in train mode
