@@ -72,6 +72,22 @@ def test_a_plain_attribute_set_on_the_prepared_model_reaches_its_forward(rt):
     _same(_loop(Scaled, change), _loop(Scaled, change, rt))
 
 
+class TrainingFlag(Scaled):
+    """A forward that reads its own ``training`` flag."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2.0 if self.training else 1.0)
+
+
+def test_the_training_flag_set_directly_is_the_top_modules_as_in_the_plain_loop(rt):
+    # ``model.training = False`` changes the top module's flag only; on the proxy alone its forward read True
+    def change(model, step):
+        if step == 2:
+            model.training = False
+            assert not model.training
+    _same(_loop(TrainingFlag, change), _loop(TrainingFlag, change, rt))
+
+
 def test_a_sequential_model_is_indexed_measured_and_iterated_as_itself(rt):
     def change(model, step):
         assert len(model) == 4 and isinstance(model[0], nn.Linear) and model[-1].out_features == 4

@@ -86,6 +86,8 @@ class PreparedModel(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN:
             super().__setattr__(name, value)
+            if name == "training":  # ``model.training = False``: the top module's flag, as on the user's model
+                self._hydra_model.training = value
             return
         model = self._hydra_model
         if isinstance(value, (nn.Module, nn.Parameter)) or _holds(model, name):
