@@ -227,3 +227,25 @@ def test_loading_a_state_dict_beside_a_shared_base_writes_only_the_trials_own_we
         a.release()
         b.release()
     assert max((got[k] - v).abs().max().item() for k, v in plain.state_dict().items()) == 0.0
+
+
+class MultiTask(Scaled):
+    """A model with attributes named as the prepared model's own accessors: ``task`` and ``module``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.task = "classify"
+        self.module = nn.Identity()
+
+
+def test_a_models_own_task_and_module_attributes_are_its_own_after_prepare(rt):
+    # before, model.task read the runtime's handle and model.module the whole model: the loop's own reads changed
+    model, opt = _prepared(rt, MultiTask)
+    F.cross_entropy(model(X[:8]), Y[:8]).backward()
+    opt.step()
+    assert model.task == "classify" and isinstance(model.module, nn.Identity)
+    assert model.hydra_task is not None and model.hydra_task.name.startswith("prepared")
+    plain, _ = _prepared(rt, Scaled)
+    assert plain.task is None and isinstance(plain.module, Scaled)  # the runtime's, where the model has none
+    model.release()
+    plain.release()

@@ -50,13 +50,25 @@ class PreparedModel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The user's model (its weights written back to host memory; calling it runs a plain forward here)."""
+        """The user's model (its weights written back to host memory; calling it runs a plain forward here); a
+        model with a ``module`` of its own (a wrapper's inner module) gets that, as without ``prepare``."""
+        model = self._hydra_model
+        if _has_own(model, "module"):
+            return getattr(model, "module")
         self._hydra_runner.access.to_host()
-        return self._hydra_model
+        return model
 
     @property
     def task(self) -> Any:
-        """The runtime's ``TaskHandle`` of this model (None before the first call)."""
+        """The runtime's ``TaskHandle`` of this model (None before the first call); a model with a ``task`` of its
+        own (a multi-task model's current task) gets that, as without ``prepare`` (then use ``hydra_task``)."""
+        model = self._hydra_model
+        return getattr(model, "task") if _has_own(model, "task") else self._hydra_runner.handle
+
+    @property
+    def hydra_task(self) -> Any:
+        """The runtime's ``TaskHandle`` of this model, whatever attributes the model has (None before the first
+        call)."""
         return self._hydra_runner.handle
 
     def release(self) -> None:
@@ -288,6 +300,11 @@ def _load_beside_shared(model: nn.Module, state_dict: Any, strict: bool, shared:
             if result.unexpected_keys else [])
         raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(lines))
     return type(result)(missing, result.unexpected_keys)
+
+
+def _has_own(model: nn.Module, name: str) -> bool:
+    """Whether the user's model has an attribute ``name`` of its own (plain, submodule, tensor or its class's)."""
+    return name in vars(model) or _holds(model, name) or hasattr(type(model), name)
 
 
 def _holds(model: nn.Module, name: str) -> bool:
