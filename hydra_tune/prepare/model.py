@@ -5,6 +5,7 @@
     model.train(); model.eval(); model.parameters()  # the user's model's own
     torch.save(model.state_dict(), "m.pt")           # the same keys and tensors as the unprepared model's
     model.module                                     # the user's model itself (its weights back in host memory)
+    model.hydra_task                                 # its TaskHandle (``model.task`` too, unless the model has one)
     copy.deepcopy(model); torch.save(model, "m.pt")  # copies / saves the user's model (a plain module)
 
 Why a proxy and not the model itself: calling the model must submit units instead of running its forward in the
