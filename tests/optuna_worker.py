@@ -54,7 +54,12 @@ def kill_mid_trial(proc) -> dict:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.time() + 15
-        while rt.stats()["tasks"][running[0]]["state"] == "running" and time.time() < deadline:
+
+        def settled(stats: dict) -> bool:  # cancelled, and its device bytes freed (the thread that held its state
+            # inside a unit or step frees them as it lets the task go: a few milliseconds after the state changes)
+            return (stats["tasks"][running[0]]["state"] != "running"
+                    and all(d["current_bytes"] == 0 for d in stats["devices"]))
+        while not settled(rt.stats()) and time.time() < deadline:
             time.sleep(0.1)
         stats = rt.stats()
         assert stats["tasks"][running[0]]["state"] == "cancelled"

@@ -85,8 +85,15 @@ class TrainingLoop(LoopData):
         try:
             yield from self._epochs(emit)
         finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        """The chain's end, however it stops: what a light run still holds is counted, the state goes back to host
+        memory, data workers stop."""
+        try:
             if self.inline is not None:  # a light run lasting to the task's end: its units counted before it ends
                 self.inline.finish()
+        finally:
             self.state.home.finish()
             for data in (self.state.train_iterable, self.state.eval_iterable):
                 close_workers(data)
