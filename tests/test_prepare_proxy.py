@@ -249,3 +249,33 @@ def test_a_models_own_task_and_module_attributes_are_its_own_after_prepare(rt):
     assert plain.task is None and isinstance(plain.module, Scaled)  # the runtime's, where the model has none
     model.release()
     plain.release()
+
+
+def test_apply_and_state_dict_hooks_reach_the_users_model(rt):
+    # model.apply(fn) ran fn on the proxy as the top module (a top-level weight never seen); a state-dict hook
+    # registered on the proxy never ran (state_dict() is the user's model's)
+    class Top(Scaled):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + self.bias
+
+    def reinit(m: nn.Module) -> None:
+        if isinstance(m, Top):
+            with torch.no_grad():
+                m.bias.fill_(0.5)
+
+    def change(model, step):
+        if step == 3:
+            assert model.apply(reinit) is model
+    _same(_loop(Top, change), _loop(Top, change, rt))
+    model, _ = _prepared(rt, Top)
+    seen = []
+    model.register_state_dict_post_hook(lambda module, sd, prefix, local_metadata: seen.append(type(module)))
+    model.state_dict()
+    assert seen == [Top]
+    with pytest.raises(RuntimeError, match="keeps the modules"):
+        model.share_memory()
+    model.release()

@@ -266,6 +266,28 @@ class PreparedModel(nn.Module):
     def register_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
         raise refuse_register("register_backward_hook")
 
+    # -- the user's model's own, for what runs outside the forward -----------------------------------------------
+    def apply(self, fn: Any) -> "PreparedModel":
+        # ``fn`` on the user's model and every submodule (on the proxy, its top module was never visited)
+        self._hydra_runner.access.flush()  # as a read of the weights: their values as after the last step
+        self._hydra_model.apply(fn)
+        return self
+
+    def register_state_dict_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hydra_model.register_state_dict_pre_hook(*args, **kwargs)  # state_dict() is the model's
+
+    def register_state_dict_post_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hydra_model.register_state_dict_post_hook(*args, **kwargs)
+
+    def register_load_state_dict_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hydra_model.register_load_state_dict_pre_hook(*args, **kwargs)
+
+    def register_load_state_dict_post_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hydra_model.register_load_state_dict_post_hook(*args, **kwargs)
+
+    def share_memory(self) -> "PreparedModel":
+        raise refuse_replace("model.share_memory()")  # new storages under the tensors the runtime holds
+
     # -- new modules and tensors: the runtime planned the ones the model had ----------------------------------------
     def register_buffer(self, name: str, *args: Any, **kwargs: Any) -> None:
         raise refuse_replace(f"model.register_buffer({name!r}, ...)")
