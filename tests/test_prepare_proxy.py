@@ -1,7 +1,9 @@
 """The prepared model behaves as the user's model in their loop: attributes set on it reach the forward, a container
-model is indexed and iterated as itself, and what would silently not reach the runtime (a new module, parameter or
-buffer, a dtype cast) is refused at the call. Each exactness check compares the loop with and without ``prepare``
-(max abs difference 0.0, fp32 on CPU)."""
+model is indexed and iterated as itself, ``apply`` and state-dict hooks act on the user's model, and what would
+silently not reach the runtime (a new module, parameter or buffer, a dtype cast) is refused at the call. Trials
+that share a frozen base stay apart: one trial's loop (unfreezing the base, loading a state dict) never changes
+another's. Each exactness check compares the loop with and without ``prepare`` (max abs difference 0.0, fp32 on
+CPU), on a runtime where the model's state stays on its device and on one with a tight budget (spilled or cut)."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +33,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
 
 
-@pytest.fixture(scope="module", params=["64MiB", "12KiB"], ids=["resident", "sharded"])
+@pytest.fixture(scope="module", params=["64MiB", "12KiB"], ids=["resident", "tight-budget"])
 def rt(request):
     with ht.Runtime(devices=["cpu"], device_memory=request.param) as runtime:
         yield runtime
