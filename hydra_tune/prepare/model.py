@@ -99,8 +99,9 @@ class PreparedModel(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN:
             super().__setattr__(name, value)
-            if name == "training":  # ``model.training = False``: the top module's flag, as on the user's model
-                self._hydra_model.training = value
+            model = self.__dict__.get("_hydra_model")  # (None while nn.Module.__init__ sets the proxy up)
+            if name == "training" and model is not None:  # ``model.training = False``: the top module's flag too
+                model.training = value
             return
         model = self._hydra_model
         if isinstance(value, (nn.Module, nn.Parameter)) or _holds(model, name):
