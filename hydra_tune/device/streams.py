@@ -69,9 +69,7 @@ class HostCopier:
         return _Charged(self._local, counts)
 
     def _count(self, t: torch.Tensor, direction: str = "h2d", what: str = "activations") -> None:
-        self._count_bytes(t.numel() * t.element_size(), direction, what)
-
-    def _count_bytes(self, nbytes: int, direction: str, what: str) -> None:
+        nbytes = t.numel() * t.element_size()
         local = self._local
         local.bytes = getattr(local, "bytes", 0) + nbytes  # (moved(), inline: twice per unit)
         self.counts.add(direction, what, nbytes)
@@ -87,17 +85,6 @@ class HostCopier:
 
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
         self._count(t, "h2d", what)
-        return self._copy_in(t)
-
-    def to_device_all(self, tensors: list[torch.Tensor], what: str = "activations") -> list[torch.Tensor]:
-        """``[to_device(t, what) for t in tensors]``, counted in one go (a unit's batch: its input and labels)."""
-        nbytes = 0
-        for t in tensors:
-            nbytes += t.numel() * t.element_size()
-        self._count_bytes(nbytes, "h2d", what)
-        return [self._copy_in(t) for t in tensors]
-
-    def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
         src = t.detach()
         if src.device == self.device or src.device.type == "meta":  # a footprint's meta model stays on meta
             return src.clone()
@@ -293,9 +280,6 @@ class CudaCopier(HostCopier):
 
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
         self._count(t, "h2d", what)
-        return self._copy_in(t)
-
-    def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
         src = self.cuda.pin(t.detach())
         compute = self.cuda.current()
         with self.cuda.use(self.stream):

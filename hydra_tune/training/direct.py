@@ -171,13 +171,6 @@ class DirectPath:
     def _inputs(device: Device, store: HostStore) -> tuple[Any, Any]:
         """Device copies of the input carry and of the batch the loss reads, each host tensor copied once (the
         carry holds the batch's own tensors: the plain loop's forward and loss read the same ``x``)."""
-        carry, batch = store.carries[0], store.batch
-        if type(batch) in (tuple, list) and type(carry) is torch.Tensor:  # the usual (x, y), x the model's input
-            ids = [id(t) for t in batch if type(t) is torch.Tensor]
-            if len(ids) == len(batch) and id(carry) in ids and len(set(ids)) == len(ids):  # each tensor once
-                with torch._C.DisableTorchFunction():  # as plain_call: outside a routed unit's modes
-                    copies = device.copier.to_device_all(list(batch), "batches")
-                return copies[ids.index(id(carry))], type(batch)(copies)
         memo: dict[int, torch.Tensor] = {}
 
         def copy(t: torch.Tensor) -> torch.Tensor:
