@@ -64,7 +64,7 @@ class PreparedModel(nn.Module):
         """The runtime's ``TaskHandle`` of this model (None before the first call); a model with a ``task`` of its
         own (a multi-task model's current task) gets that, as without ``prepare`` (then use ``hydra_task``)."""
         model = self._hydra_model
-        return getattr(model, "task") if _has_own(model, "task") else self._hydra_runner.handle
+        return getattr(model, "task") if _has_own(model, "task") else self.hydra_task
 
     @property
     def hydra_task(self) -> Any:

@@ -90,8 +90,9 @@ class Runner:
         """The model's parameters (by name) held once with other tasks' (training/shared_frozen.py); {} before
         the first call or with none."""
         state = self.driver.state
-        shares = getattr(state, "shares", None)
-        return {name: p for name, p, _, _ in shares.params} if shares is not None else {}
+        if state is None or state.shares is None:
+            return {}
+        return {name: p for name, p, _, _ in state.shares.params}
 
     def _submit(self, batch: Any) -> None:
         model = self.model

@@ -107,11 +107,11 @@ class TaskShares:
         made trainable since it was shared (``requires_grad_(True)`` and ``add_param_group`` in a prepared loop:
         it has a gradient and the optimizer lists it): the step would write the tensor every holder reads, which
         a check after it can only repair when a clean copy is left."""
-        thawed = [name for name, p, _, _ in self.params if p.requires_grad and p.grad is not None]
-        if thawed:
-            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            thawed = [name for name, p, _, _ in self.params
-                      if p.requires_grad and p.grad is not None and id(p) in stepped]
+        graded = [(name, p) for name, p, _, _ in self.params if p.requires_grad and p.grad is not None]
+        if not graded:  # (the common case: no optimizer groups to read)
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        thawed = [name for name, p in graded if id(p) in stepped]
         if thawed:
             raise rule_error(THAW_RULE, THAW_FIX, task=self.task, thawed=thawed[:5], count=len(thawed))
 
