@@ -49,6 +49,10 @@ class Chaos:
                     break
                 self.stop.wait(0.2)
 
+    def killed_threads(self) -> list[tuple[str, float]]:
+        """(trial id, time.time()) of each train_fn thread that was alive in a process a fault killed."""
+        return [(t, f["killed_at"]) for f in self.done for t in f.get("threads", [])]
+
     def _targets(self, workers_only: bool = False) -> list[tuple[str, int, str]]:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         workers = {n.node_id for n in self.cluster.worker_nodes}
@@ -65,9 +69,12 @@ class Chaos:
             per_node[n] = per_node.get(n, 0) + 1
         nid = self.rng.choice(sorted(n for n, k in per_node.items() if k == max(per_node.values())))   # the busiest
         node = next(n for n in self.cluster.worker_nodes if n.node_id == nid)
+        threads = _threads(_runtime(nid))
         self.cluster.remove_node(node, allow_graceful=False)
+        killed_at = time.time()
         self.cluster.add_node(num_cpus=2)   # the replacement, as a spot instance's would join
-        return {"node": nid, "trials": sorted(t for t, _, n in targets if n == nid)}
+        return {"node": nid, "trials": sorted(t for t, _, n in targets if n == nid), "threads": threads,
+                "killed_at": killed_at}
 
     def _actor(self) -> dict[str, Any] | None:
         targets = self._targets()
@@ -77,8 +84,10 @@ class Chaos:
         actor = _runtime(nid)
         if actor is None:
             return None
+        threads = _threads(actor)
         ray.kill(actor, no_restart=True)
-        return {"node": nid, "trials": sorted(t for t, _, n in targets if n == nid)}
+        return {"node": nid, "trials": sorted(t for t, _, n in targets if n == nid), "threads": threads,
+                "killed_at": time.time()}
 
     def _proxy(self) -> dict[str, Any] | None:
         targets = self._targets()
@@ -90,6 +99,14 @@ class Chaos:
         except ProcessLookupError:
             return None
         return {"node": nid, "trials": [trial], "pid": pid}
+
+
+def _threads(actor: Any) -> list[str]:
+    """The trial ids whose train_fn thread is alive in the runtime ``actor`` (none when it does not answer)."""
+    try:
+        return list(ray.get(actor.stats.remote(), timeout=10)["threads"])
+    except Exception:  # noqa: BLE001  (an actor dying already: nothing of it can be read)
+        return []
 
 
 def _runtime(node_id: str) -> Any:

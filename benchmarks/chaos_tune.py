@@ -26,7 +26,8 @@ stops where depends on the order results arrive, so the final iterations of the 
 printed apart and is no failure); orphans (goal 0): train_fn threads or hydra_tune tasks still alive in a runtime
 when the experiment ends, runtime actors left after it, runtime/proxy processes alive after it, hydra_tune
 checkpoint temp files anywhere under the run's folder, trial folders of train_fn left (each trial's last
-incarnation removes its own; a killed one's is taken over by its restart); wall time of each run. Exit status 1
+incarnation removes its own; a killed one's is taken over by its restart; one whose thread died with a killed
+process just after Tune stopped the trial is listed apart, uncounted); wall time of each run. Exit status 1
 when a goal is missed.
 
     .venv/bin/python benchmarks/chaos_tune.py                  # 24 trials x 8 epochs, 4 faults (~4-6 min on 2 cores)
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -103,6 +105,7 @@ class Watch(tune.Callback):
         self.pids: set[int] = set()                      # every proxy and runtime process seen
         self.recovered = 0
         self.first_result: float | None = None          # perf_counter of the search's first result
+        self.last_result: dict[str, float] = {}          # trial id -> time.time() of its latest result
         self.at_end: dict[str, Any] = {}
         self.lock = threading.Lock()
 
@@ -115,6 +118,7 @@ class Watch(tune.Callback):
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         with self.lock:
             self.first_result = self.first_result or time.perf_counter()
+            self.last_result[trial.trial_id] = time.time()
             self.running[trial.trial_id] = (result["pid"], result["proxy_node"])
             self.pids |= {result["pid"], result["runtime_pid"]}
 
@@ -200,22 +204,28 @@ def search(cluster: Any, args: argparse.Namespace, root: str, name: str, faults:
     return {"wall_s": wall, "first_result_s": (watch.first_result or t0) - t0, "trials": trials,
             "faults": [] if chaos is None else chaos.done,
             "planned": len(faults), "recovered": watch.recovered, "at_end": watch.at_end,
-            "orphans": orphans(watch, root, scratch)}
+            "orphans": orphans(watch, root, scratch, [] if chaos is None else chaos.killed_threads())}
 
 
-def orphans(watch: Watch, root: str, scratch: str) -> dict[str, Any]:
-    """After the experiment: runtime actors left, processes alive (given 15 s to exit), checkpoint temp files."""
+def orphans(watch: Watch, root: str, scratch: str, killed: Iterable[tuple[str, float]] = ()) -> dict[str, Any]:
+    """After the experiment: runtime actors left, processes alive (given 15 s to exit), checkpoint temp files, trial
+    folders. ``killed``: (trial id, time.time()) of each train_fn thread alive in a process the chaos killed. Such a
+    trial that never reported again (Tune had just stopped it, so no incarnation followed) could not run train_fn's
+    ``finally``: its folder is listed apart, under ``folders_of_killed_threads``, and not counted."""
     deadline = time.time() + 15
     alive = sorted(watch.pids)
     while alive and time.time() < deadline:
         time.sleep(0.5)
         alive = [p for p in alive if _alive(p)]
     temp = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith(".hydra-ckpt-")]
+    died = {t for t, at in killed if watch.last_result.get(t, 0.0) <= at}
+    folders = sorted(os.listdir(scratch))   # train_fn's: each trial's last incarnation removes its own
     return {"threads": watch.at_end.get("threads", []), "tasks": watch.at_end.get("tasks", []),
             "actors": [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if a["name"].startswith("hydra_rt_")],
             "processes": alive, "checkpoint_temp_files": temp,
-            "trial_folders": sorted(os.listdir(scratch))}   # train_fn's: each trial's last incarnation removes it
+            "trial_folders": [f for f in folders if f not in died],
+            "folders_of_killed_threads": [f for f in folders if f in died]}
 
 
 def _alive(pid: int) -> bool:

@@ -100,11 +100,13 @@ class RuntimeActor:
                 "device_names": [d.name for d in self.runtime.devices], "progress": self.runtime.progress}
 
     def stats(self) -> dict[str, Any]:
-        """The hydra_tune runtime's stats plus this actor's trial log and where it runs."""
+        """The hydra_tune runtime's stats plus this actor's trials (state, threads alive), log and where it runs."""
         out = dict(self.runtime.stats(), **self.where())
         out["trials"] = {tid: ("cancelled:" + s.cancelled if s.cancelled else
                                "running" if s.thread is not None and s.thread.is_alive() else "ended")
                          for tid, s in self.trials.items()}
+        out["threads"] = sorted(tid for tid, s in self.trials.items()   # train_fn threads alive now, cancelled or not
+                                if s.thread is not None and s.thread.is_alive())
         out["log"] = list(self.log)
         return out
 

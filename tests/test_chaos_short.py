@@ -129,6 +129,7 @@ def _faults_callback():
     class Faults(tune.Callback):
         def __init__(self) -> None:
             self.done: list[tuple[str, str, int]] = []   # (kind, trial id, epoch it reported)
+            self.killed: list[tuple[str, float]] = []     # (trial id, time) of train_fn threads the actor took along
 
         def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
             kinds = [k for k, _, _ in self.done]
@@ -137,7 +138,9 @@ def _faults_callback():
                 self.done.append(("proxy", trial.trial_id, 2))
             elif result["epoch"] == 3 and "actor" not in kinds:
                 actor = ray.get_actor(_tune_proxy.actor_name(result["proxy_node"]), namespace=_tune_proxy.NAMESPACE)
+                threads = ray.get(actor.stats.remote())["threads"]
                 ray.kill(actor, no_restart=True)
+                self.killed += [(t, time.time()) for t in threads]
                 self.done.append(("actor", trial.trial_id, 3))
 
     return Faults()
@@ -198,8 +201,9 @@ def test_tune_search_with_killed_proxy_and_runtime_actor_loses_nothing_and_resum
             resumed += bool(df["resumed"].any())
     assert resumed >= 1   # at least the proxy's trial restarted from a checkpoint
     # no orphans: no train_fn thread nor task alive in the runtime at the end, no runtime actor after shutdown, no
-    # proxy/runtime process, no checkpoint temp file, no trial folder left
+    # proxy/runtime process, no checkpoint temp file, no trial folder left (but that of a trial Tune stopped just before
+    # the actor kill took its thread along, before its train_fn's `finally` could run)
     assert watch.at_end["runtime_pids"], watch.at_end   # it read the runtimes' threads and tasks before they stopped
-    left = chaos_tune.orphans(watch, str(tmp_path), str(scratch))
-    assert chaos_tune.orphan_count(left) == 0, left
+    left = chaos_tune.orphans(watch, str(tmp_path), str(scratch), faults.killed)
+    assert chaos_tune.orphan_count(left) == 0, {k: v for k, v in left.items() if v}   # only what was left
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("hydra_rt_")]
