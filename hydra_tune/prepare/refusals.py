@@ -2,6 +2,8 @@
 
     hooks = HookCheck(model)        # prepare(): a model with hooks is refused now
     hooks.check()                   # every forward: a hook registered since (on any submodule or parameter) raises
+    slots = SlotCheck(model)        # prepare(): the modules, parameters and buffers in their places
+    slots.check()                   # every forward: one swapped since (functional_call, parametrize) raises
 
 Why each is refused rather than run:
 - hooks on the model's modules or parameters: the units run the modules on a device worker thread, a forward
@@ -21,6 +23,9 @@ Why each is refused rather than run:
 - dtype changes after prepare (``.half()`` of an fp32 model, ``.to(torch.bfloat16)``, ``.type(...)``),
   ``load_state_dict(assign=True)``: the runtime planned the model's tensors as they were; use ``precision=`` or
   cast before ``prepare``.
+- a module, parameter or buffer swapped under the prepared model by other means (``torch.func.functional_call``,
+  ``torch.nn.utils.parametrize``, ``model[4].weight = nn.Parameter(...)`` on a submodule): the units would run the
+  planned ones and ignore the call's tensors; refused at the next forward (``SlotCheck``).
 - modules, parameters or buffers assigned, registered or deleted on the prepared model (``model.head = nn.Linear(...)``,
   ``model.register_buffer(...)``, ``model[0] = ...``): the plan and the optimizer hold the ones it had; on the
   proxy they would never reach the forward.
@@ -95,6 +100,70 @@ class HookCheck:
         found = _hooks(self.model)  # names them; also a hook on a module or parameter added after prepare
         if found:
             raise refuse_hooks(found, "registered after hydra_tune.prepare")
+
+
+class _Slots:
+    """What a list of slot dicts (a module's ``_modules``, ``_parameters`` or ``_buffers``) hold now, compared by
+    identity in C-level loops (a GPT-2 forward would otherwise pay tens of microseconds for the check)."""
+
+    def __init__(self, owners: list[tuple[str, dict]]) -> None:
+        self.owners = owners
+        self.all = [slots for _, slots in owners]
+        entries = [(slots, k, v, f"{prefix}.{k}" if prefix else k)
+                   for prefix, slots in owners for k, v in slots.items()]
+        self.dicts = [e[0] for e in entries]
+        self.keys = [e[1] for e in entries]
+        self.values = [e[2] for e in entries]
+        self.names = [e[3] for e in entries]
+        self.count = len(entries)   # a slot added anywhere (one removed or replaced shows in the identity check)
+
+    def same(self) -> bool:
+        return not any(map(operator.is_not, map(dict.get, self.dicts, self.keys), self.values)) and \
+            sum(map(len, self.all)) == self.count
+
+    def changed(self) -> list[str]:
+        out = [name for slots, k, v, name in zip(self.dicts, self.keys, self.values, self.names)
+               if slots.get(k) is not v]
+        now = {id(slots): len(slots) for _, slots in self.owners}
+        was: dict[int, int] = {}
+        for slots in self.dicts:
+            was[id(slots)] = was.get(id(slots), 0) + 1
+        return out + [f"{prefix or '<model>'} (slots added)" for prefix, slots in self.owners
+                      if now[id(slots)] > was.get(id(slots), 0)]
+
+
+class SlotCheck:
+    """The model's modules, parameters and buffers are the ones it was prepared with (checked at every forward).
+
+    What changes a slot without passing through the prepared model: ``torch.func.functional_call`` (it puts the
+    given tensors in the slots for the call), ``torch.nn.utils.parametrize`` or ``weight_norm`` on a submodule, an
+    assignment on a submodule the user holds (``model[4].weight = nn.Parameter(...)``, ``net.fc = ...``). The units
+    run the tensors the runtime planned and holds: without the check the call's own tensors would be silently
+    ignored. A forward may reassign its buffers (``self.calls = self.calls + 1`` runs as in the plain loop), so
+    the buffers are noted again after each call (``note_buffers``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        modules = list(model.named_modules())
+        self._fixed = _Slots([(prefix, m.__dict__[kind]) for prefix, m in modules for kind in ("_modules",
+                                                                                                "_parameters")])
+        self._buffer_owners = [(prefix, m.__dict__["_buffers"]) for prefix, m in modules]
+        self._buffers = _Slots(self._buffer_owners)
+
+    def note_buffers(self) -> None:
+        """The buffers as they stand now (after a forward that may have reassigned some)."""
+        if not self._buffers.same():
+            self._buffers = _Slots(self._buffer_owners)
+
+    def check(self) -> None:
+        if self._fixed.same() and self._buffers.same():
+            return
+        raise rule_error("a prepared model keeps the modules, parameters and buffers it was prepared with in their "
+                         "places (the runtime runs the ones it planned and holds)", "change a weight's values in "
+                         "place (with torch.no_grad(): model.fc.weight.copy_(w)); for torch.func.functional_call, "
+                         "a parametrization or other swapped weights, use a plain copy of the model "
+                         "(copy.deepcopy(model)); build the model as it should train before hydra_tune.prepare",
+                         kind=RuntimeError, changed=(self._fixed.changed() + self._buffers.changed())[:6])
 
 
 def refuse_register(what: str) -> Exception:

@@ -30,7 +30,7 @@ from .bridge import Bridge, token
 from .driver import Driver, float_leaf
 from .guard import PendingGuard
 from .optimizer import direct
-from .refusals import HookCheck, check_autocast, check_backward, check_inputs, check_unchanged
+from .refusals import HookCheck, SlotCheck, check_autocast, check_backward, check_inputs, check_unchanged
 from .streams import current_generator
 
 _names = itertools.count(1)
@@ -76,6 +76,7 @@ class Runner:
         self.access = StateAccess(self.driver)
         self.guard.watch(optimizer)
         self.hooks = HookCheck(model)
+        self.slots = SlotCheck(model)
         self._at_forward: tuple[list[bool], list[int]] = ([], [])
         # the model's modules and parameters, listed once (the planned ones): each training forward notes their
         # modes and in-place counters for its backward
@@ -122,6 +123,7 @@ class Runner:
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with direct():  # reads the parameters' hooks: not a read of their (maybe pending) values
             self.hooks.check()
+        self.slots.check()
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
         # most calls pass one tensor (model(x)): torch's general tree walk costs more than the rest of this
@@ -158,7 +160,10 @@ class Runner:
 
         driver.pending = 0
         self._settle()
-        driver.run(make, after)
+        try:
+            driver.run(make, after)
+        finally:
+            self.slots.note_buffers()  # a forward may reassign its own buffers, as it does in the plain loop
         if "rng" in got:
             stream.set_state(got["rng"])
         out = got["out"]
