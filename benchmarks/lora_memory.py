@@ -18,8 +18,9 @@ Memory (one run each): every trial's second batch waits until all N are built an
 RSS is read with all N alive; reported above the interpreter's baseline (torch, transformers and the tokenised
 data loaded) and above a warmed one, read after one plain PEFT step of a tiny BERT (let go), so that the library
 code pages any training step first touches are in it (not hydra_tune's runtime: its fixed costs stay in both):
-RSS with N alive, the peak over the run, the runtime's admitted bytes, the pool's bytes and the CPU stand-ins'
-kept device copies (host memory here, device memory on a GPU). The goal line is the issue's: base
+RSS with N alive, the peak over the run, the runtime's admitted bytes, the pool's bytes and what the CPU stand-ins
+hold by their own accounting (host memory here, device memory on a GPU): the base's kept device copy and the trials'
+state kept resident on the devices; host memory is the RSS less what they hold. The goal line is the issue's: base
 + N x adapter state + 10%, the adapter state measured per trial (its trainable parameters, their gradients and
 its optimizer's state, as the runtime measured them). Also: base bytes copied onto each device, and per minibatch
 per device after warm-up (copies of a pooled tensor onto a device that had it before), and what finding equal
@@ -191,6 +192,9 @@ def _alive(rt, handles: list, baseline: int) -> dict:
     stats = rt.stats()
     footprints = [stats["tasks"][h.name]["host_footprint"] for h in handles]
     return {"rss_alive": _rss() - baseline, "admitted_bytes_alive": rt.host_memory()["admitted_bytes"],
+            # what the CPU stand-ins hold by their exact accounting (device memory on a GPU): the base's kept copy
+            # and the trials' state kept resident there (each storage on the device that made it)
+            "device_bytes_alive": sum(d["current_bytes"] for d in stats["devices"]),
             "pool_alive": {k: v for k, v in stats["shared_frozen"].items() if k != "per_task_shared_bytes"},
             "adapter_state_bytes": [2 * fp["grads"] + fp["optimizer"] for fp in footprints],
             "footprints": footprints}
@@ -323,9 +327,11 @@ def report(runs: dict, path: str | None) -> int:
     print(f"  runtime accounting: admitted {admitted / mib:.1f} MiB (pool {pool['shared_bytes'] / mib:.1f} + trials "
           f"{(admitted - pool['shared_bytes']) / mib:.1f}): {'met' if admitted <= goal else 'missed'}")
     copy, warm = pool.get("host_copy_bytes", 0), sh["warm_up_bytes"]
-    host = sh["rss_alive"] - copy
-    print(f"  RSS with {n} alive {sh['rss_alive'] / mib:.1f} MiB, of which the CPU stand-ins' kept device copy "
-          f"{copy / mib:.1f} MiB (device memory on a GPU): host memory {host / mib:.1f} MiB: "
+    held = max(sh.get("device_bytes_alive", copy), copy)
+    host = sh["rss_alive"] - held
+    print(f"  RSS with {n} alive {sh['rss_alive'] / mib:.1f} MiB, of which the CPU stand-in devices hold "
+          f"{held / mib:.1f} MiB (device memory on a GPU, by their accounting: the base's kept copy {copy / mib:.1f} "
+          f"and the trials' state kept resident {(held - copy) / mib:.1f}): host memory {host / mib:.1f} MiB: "
           f"{'met' if host <= goal else 'missed'}")
     print(f"  the same above the warmed baseline (read after one plain PEFT step of a tiny BERT, let go: library "
           f"pages any training touches, {warm / mib:.1f} MiB, left out): host memory {(host - warm) / mib:.1f} MiB: "
