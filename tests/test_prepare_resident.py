@@ -4,6 +4,10 @@ per-shard step. The user's own loop (clipping, optimizer.step(), zero_grad, read
 stays bit-identical to the plain loop (fp32 on CPU: max abs diff 0.0)."""
 from __future__ import annotations
 
+import io
+import warnings
+
+import pytest
 import torch
 import torch.nn.functional as F
 from test_prepare_exactness import X, Y, _diff, _mlp
@@ -122,3 +126,50 @@ def test_two_prepared_trials_in_threads_evict_each_other_and_stay_resident_and_e
         res = stats["tasks"][model.task.name]["residency"]
         assert _diff(want, got) == 0.0 and history == want_history
         assert res["step_path"] == "resident" and res["steps_on_host"] == 0, res
+
+
+def _held_loop(rt=None, hold_from: int = 2, drop_at: int = 5, steps: int = 8):
+    """A loop that keeps ``sd = model.state_dict()`` from step ``hold_from`` to ``drop_at`` (torch's values alias
+    the live weights: read at the drop, they are that step's) and saves a temporary state dict every step."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if rt is not None:
+        model, opt = ht.prepare(model, opt, runtime=rt)
+    sd, read, paths = None, None, []
+    for s in range(steps):
+        loss = F.cross_entropy(model(X[s * 8:(s + 1) * 8]), Y[s * 8:(s + 1) * 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rt is not None:  # where this step ran: the state moved in for its forward, or stayed in host memory
+            paths.append(rt.stats()["tasks"][model.hydra_task.name]["residency"]["state_on"])
+        torch.save(model.state_dict(), io.BytesIO())  # a temporary: nothing held past the call
+        if s == hold_from:
+            sd = model.state_dict()
+        if s == drop_at:
+            read, sd = torch.cat([v.flatten() for v in sd.values()]).clone(), None
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    if rt is not None:
+        model.release()
+    return weights, read, paths
+
+
+def test_a_state_dict_the_loop_holds_reads_the_live_weights_as_in_torch_and_keeps_the_state_on_the_host():
+    # before: state_dict() wrote the state back, the next call moved it to the device again, and the dict the loop
+    # held kept step 2's values (torch's reads the live weights): silently other results
+    want, want_read, _ = _held_loop()
+    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
+        with pytest.warns(RuntimeWarning, match="holds tensors of model.state_dict") as caught:
+            got, read, where = _held_loop(rt)
+    assert len([w for w in caught if "state_dict" in str(w.message)]) == 1   # once per model
+    assert _diff(want, got) == 0.0 and torch.equal(read, want_read)
+    # the temporary dicts alone keep nothing on the host; the held one does, until it is dropped
+    assert where[:3] == ["cpu:0"] * 3 and where[3:6] == [None] * 3 and where[6:] == ["cpu:0"] * 2, where
+
+
+def test_a_temporary_state_dict_moves_the_state_back_to_its_device_without_a_warning():
+    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _, _, where = _held_loop(rt, hold_from=-1, drop_at=-1)
+    assert where == ["cpu:0"] * 8, where

@@ -18,15 +18,26 @@ reads None at once, lazy.py) and ``zero_grad(set_to_none=False)`` applies every 
 Whatever reads the weights from the user side applies the pending updates first (``flush``: ``model.parameters()``
 here, any other reference through guard.py); what hands them out of the
 loop (``state_dict``, ``load_state_dict``, ``torch.save``, ``copy.deepcopy``, ``.module``) also writes the state
-back to host memory (it moves in again at the next call: counted in the stats). Before the first call (no task yet)
-everything is the user's model's own, in host memory.
+back to host memory (it moves in again at the next call: counted in the stats). The tensors ``state_dict()`` returns
+alias those host weights, as torch's alias the live ones: while the loop holds one (``best = model.state_dict()``)
+the state stays in host memory (``held``; the next forward warns once), so that it keeps reading the weights as
+they train, as in the plain loop. Before the first call (no task yet) everything is the user's model's own, in host
+memory.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+import torch.nn as nn
+
 from .optimizer import direct
+
+
+HELD = ("the loop holds tensors of model.state_dict(), which alias the weights in host memory (as torch's do the "
+        "live weights): the state stays there while they exist")
 
 
 class StateAccess:
@@ -34,6 +45,25 @@ class StateAccess:
 
     def __init__(self, driver: Any) -> None:
         self.driver = driver
+        self._exported: list[weakref.ref] = []  # state_dict() values handed out: aliases of the host tensors
+        self.warned = False
+        driver.host_hold = self.held
+
+    def exported(self, tensors: Iterable[Any]) -> None:
+        """``state_dict()`` handed these out (detached aliases of the host weights): while one of them lives, the
+        state stays in host memory, so that it reads the live weights as in the plain loop."""
+        refs = [weakref.ref(t) for t in tensors if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+        if refs:
+            self._exported = [r for r in self._exported if r() is not None] + refs
+
+    def held(self) -> str | None:
+        """Why the state must stay in host memory now (``HELD``), or None (asked at every segment: state_cache)."""
+        if not self._exported:
+            return None
+        if any(r() is not None for r in self._exported):
+            return HELD
+        self._exported = []
+        return None
 
     def _home(self) -> Any:
         state = self.driver.state

@@ -85,6 +85,7 @@ class Driver:
         self.finished = False  # the chain ended: the state is back in host memory for good
         self.pending = 0   # the training forward awaiting its backward (its number), 0: none
         self.forwards = 0  # training forwards run
+        self.host_hold: Callable[[], str | None] | None = None  # why the state must stay in host memory (access.py)
 
     # -- the runtime's side (the task's host thread) ---------------------------------------------------------
     def drive_segments(self, state: Any, emit: Callable[[dict[str, Any]], None]) -> Iterator[Segment]:
@@ -96,6 +97,8 @@ class Driver:
             verdict = check_lazy(opt, None, state.model)
         # no scaler: the user's loop scales its loss with its own GradScaler (its scaler.step calls our step)
         state.home.set_lazy(PreparedLazySteps(state.optimizer, list(state.model.parameters()), verdict, self.guard))
+        if self.host_hold is not None:
+            state.home.hold_on_host(self.host_hold)
         try:
             while True:
                 request = self._next_request()

@@ -181,8 +181,11 @@ class PreparedModel(nn.Module):
         return self._hydra_model.named_modules(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        self._hydra_runner.access.to_host()  # the user's model's own host tensors, current
-        return self._hydra_model.state_dict(*args, **kwargs)
+        access = self._hydra_runner.access
+        access.to_host()  # the user's model's own host tensors, current
+        out = self._hydra_model.state_dict(*args, **kwargs)
+        access.exported(out.values())  # aliases of those: the state stays there while the loop holds them
+        return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         if assign:  # new tensors: the optimizer and the plan hold the old ones

@@ -15,6 +15,7 @@ the default one.
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from ..api import submit
 from ..errors import rule_error
 from ..task import ModelTask
 from ..training.build import AUTOCAST_DTYPES
-from .access import StateAccess
+from .access import HELD, StateAccess
 from .bridge import Bridge, token
 from .driver import Driver, float_leaf
 from .guard import PendingGuard
@@ -124,6 +125,8 @@ class Runner:
         with direct():  # reads the parameters' hooks: not a read of their (maybe pending) values
             self.hooks.check()
         self.slots.check()
+        if not self.access.warned and self.access.held() is not None:
+            self._warn_held()
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
         # most calls pass one tensor (model(x)): torch's general tree walk costs more than the rest of this
@@ -177,6 +180,12 @@ class Runner:
         if type(out) is torch.Tensor:
             return out if out.device == device else out.to(device)
         return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
+
+    def _warn_held(self) -> None:
+        self.access.warned = True
+        warnings.warn(f"hydra_tune: prepared model {self.name!r}: {HELD}; its steps run on the host CPU meanwhile "
+                      "(slower). To keep a snapshot, copy it: {k: v.clone() for k, v in model.state_dict().items()}; "
+                      "else drop the dict.", RuntimeWarning, stacklevel=4)
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kwargs and not args:

@@ -130,6 +130,7 @@ class StateHome(HomeSteps):
         self.step_why = ""
         self.settled = threading.Event()              # clear: its host thread's flush/step after a segment is due
         self.settled.set()
+        self._host_hold: Callable[[], str | None] | None = None
 
     # -- the task's shards and their predicted bytes ---------------------------------------------------------
     def reshard(self, execs: Sequence[ShardExec]) -> None:
@@ -213,6 +214,14 @@ class StateHome(HomeSteps):
         self._entry_bytes = entry_sizes(self._shards, self._groups, self._optimizer_bytes, self._grad_accumulation)
         self._entries_changed()
         self.state_bytes = sum(self._entry_bytes)
+
+    def hold_on_host(self, reason: Callable[[], str | None]) -> None:
+        """While ``reason()`` names one, the state stays in host memory (state_cache.py asks at each segment)."""
+        self._host_hold = reason
+
+    def host_hold(self) -> str | None:
+        hold = self._host_hold
+        return None if hold is None else hold()
 
     def disable(self, why: str) -> None:
         """Keep this task's state in host memory (``why`` goes into its stats)."""

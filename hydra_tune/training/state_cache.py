@@ -110,7 +110,11 @@ class StateCache:
         if home.cache is not None and home.cache is not self:
             home.release("its next segment ran on another device")  # a task's state lives on one device
         budget = self.device.plan_budget
-        if home.cache is None and home.enabled and home.scaled and not self.device.steps_loss_scaler:
+        held = home.host_hold()
+        if held is not None:  # a prepared loop holds tensors aliasing the host ones (prepare/access.py)
+            home.release(held)
+            home.movable, home.why = set(), held
+        elif home.cache is None and home.enabled and home.scaled and not self.device.steps_loss_scaler:
             home.why = (f"fp16 loss scaling: its GradScaler lives in host memory, which {self.device.name} cannot "
                         "step gradients with exactly (torch reads its non-blocking device->host copy at once)")
         elif home.enabled and not (home.cache is self and len(home.resident_shards()) == home.n_shards):
