@@ -128,7 +128,7 @@ def test_two_prepared_trials_in_threads_evict_each_other_and_stay_resident_and_e
         assert res["step_path"] == "resident" and res["steps_on_host"] == 0, res
 
 
-def _held_loop(rt=None, hold_from: int = 2, drop_at: int = 5, steps: int = 8):
+def _held_loop(rt=None, hold_from: int = 2, drop_at: int = 5, steps: int = 8, held: str = "model"):
     """A loop that keeps ``sd = model.state_dict()`` from step ``hold_from`` to ``drop_at`` (torch's values alias
     the live weights: read at the drop, they are that step's) and saves a temporary state dict every step."""
     torch.manual_seed(0)
@@ -145,8 +145,9 @@ def _held_loop(rt=None, hold_from: int = 2, drop_at: int = 5, steps: int = 8):
         if rt is not None:  # where this step ran: the state moved in for its forward, or stayed in host memory
             paths.append(rt.stats()["tasks"][model.hydra_task.name]["residency"]["state_on"])
         torch.save(model.state_dict(), io.BytesIO())  # a temporary: nothing held past the call
-        if s == hold_from:
-            sd = model.state_dict()
+        if s == hold_from:   # the model's: its weights; the optimizer's: its state tensors themselves
+            sd = model.state_dict() if held == "model" else \
+                {(i, k): v for i, st in opt.state_dict()["state"].items() for k, v in st.items() if k != "step"}
         if s == drop_at:
             read, sd = torch.cat([v.flatten() for v in sd.values()]).clone(), None
     weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -155,13 +156,14 @@ def _held_loop(rt=None, hold_from: int = 2, drop_at: int = 5, steps: int = 8):
     return weights, read, paths
 
 
-def test_a_state_dict_the_loop_holds_reads_the_live_weights_as_in_torch_and_keeps_the_state_on_the_host():
+@pytest.mark.parametrize("held", ["model", "optimizer"])
+def test_a_state_dict_the_loop_holds_reads_the_live_state_as_in_torch_and_keeps_the_state_on_the_host(held):
     # before: state_dict() wrote the state back, the next call moved it to the device again, and the dict the loop
-    # held kept step 2's values (torch's reads the live weights): silently other results
-    want, want_read, _ = _held_loop()
+    # held kept step 2's values (torch's reads the live weights or optimizer state): silently other results
+    want, want_read, _ = _held_loop(held=held)
     with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
         with pytest.warns(RuntimeWarning, match="holds tensors of model.state_dict") as caught:
-            got, read, where = _held_loop(rt)
+            got, read, where = _held_loop(rt, held=held)
     assert len([w for w in caught if "state_dict" in str(w.message)]) == 1   # once per model
     assert _diff(want, got) == 0.0 and torch.equal(read, want_read)
     # the temporary dicts alone keep nothing on the host; the held one does, until it is dropped

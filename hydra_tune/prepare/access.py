@@ -19,10 +19,10 @@ Whatever reads the weights from the user side applies the pending updates first 
 here, any other reference through guard.py); what hands them out of the
 loop (``state_dict``, ``load_state_dict``, ``torch.save``, ``copy.deepcopy``, ``.module``) also writes the state
 back to host memory (it moves in again at the next call: counted in the stats). The tensors ``state_dict()`` returns
-alias those host weights, as torch's alias the live ones: while the loop holds one (``best = model.state_dict()``)
-the state stays in host memory (``held``; the next forward warns once), so that it keeps reading the weights as
-they train, as in the plain loop. Before the first call (no task yet) everything is the user's model's own, in host
-memory.
+alias those host weights (the optimizer's are its state tensors), as torch's are the live ones: while the loop holds
+one (``best = model.state_dict()``) the state stays in host memory (``held``; the next forward warns once), so that
+it keeps reading the weights as they train, as in the plain loop. Before the first call (no task yet) everything is
+the user's model's own, in host memory.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import torch.nn as nn
 from .optimizer import direct
 
 
-HELD = ("the loop holds tensors of model.state_dict(), which alias the weights in host memory (as torch's do the "
-        "live weights): the state stays there while they exist")
+HELD = ("the loop holds tensors of model.state_dict() or optimizer.state_dict(), which are the state in host memory "
+        "(as torch's are the live state): it stays there while they exist")
 
 
 class StateAccess:
@@ -50,8 +50,8 @@ class StateAccess:
         driver.host_hold = self.held
 
     def exported(self, tensors: Iterable[Any]) -> None:
-        """``state_dict()`` handed these out (detached aliases of the host weights): while one of them lives, the
-        state stays in host memory, so that it reads the live weights as in the plain loop."""
+        """A ``state_dict()`` handed these out (aliases of the host weights, the optimizer's state tensors): while
+        one of them lives, the state stays in host memory, so that it reads the live state as in the plain loop."""
         refs = [weakref.ref(t) for t in tensors if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
         if refs:
             self._exported = [r for r in self._exported if r() is not None] + refs

@@ -62,7 +62,8 @@ def is_direct() -> bool:
 def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Optimizer:
     """``optimizer`` with its ``step`` refusing a closure and run by ``runner.step(inner)``, its ``zero_grad``
     by ``runner.zero_grad(inner, set_to_none)``, and its ``state_dict`` / ``load_state_dict`` after
-    ``runner.to_host()`` (the state as of the last step, in host memory)."""
+    ``runner.to_host()`` (the state as of the last step, in host memory; the tensors ``state_dict`` hands out are
+    ``runner.exported``)."""
     setattr(optimizer, _OWN, vars(optimizer).get("step"))
     inner = optimizer.step
     inner_zero = optimizer.zero_grad
@@ -83,7 +84,14 @@ def wrap_step(optimizer: torch.optim.Optimizer, runner: Any) -> torch.optim.Opti
 
     def state_dict(self: Any) -> dict[str, Any]:
         runner.to_host()  # its state as of the last step, in host memory (pending per-shard updates applied)
-        return inner_save()
+        out = inner_save()
+        # torch's hands out the state's own tensors (its own per-parameter dicts): ours, new dicts of aliases of
+        # them, so that the runtime sees whether the loop still holds them (held, the state stays in host memory
+        # and they read it live, as torch's do: access.py); the step counters stay in host memory anyway
+        out["state"] = {i: {k: v.detach() if isinstance(v, torch.Tensor) and k != "step" else v for k, v in st.items()}
+                        for i, st in out["state"].items()}
+        runner.exported(v for st in out["state"].values() for k, v in st.items() if k != "step")
+        return out
 
     def load_state_dict(self: Any, state: dict[str, Any]) -> None:
         runner.to_host()  # loaded into host tensors; they move in again at the next call
