@@ -23,6 +23,8 @@ Why each is refused rather than run:
 - dtype changes after prepare (``.half()`` of an fp32 model, ``.to(torch.bfloat16)``, ``.type(...)``),
   ``load_state_dict(assign=True)``: the runtime planned the model's tensors as they were; use ``precision=`` or
   cast before ``prepare``.
+- a PEFT adapter merged into its base (``merge_adapter()``): it writes through ``.data``; the units would run the
+  base as the runtime holds it, without the adapter (``MergeCheck``, at the next forward).
 - a module, parameter or buffer swapped under the prepared model by other means (``torch.func.functional_call``,
   ``torch.nn.utils.parametrize``, ``model[4].weight = nn.Parameter(...)`` on a submodule): the units would run the
   planned ones and ignore the call's tensors; refused at the next forward (``SlotCheck``).
@@ -164,6 +166,28 @@ class SlotCheck:
                          "a parametrization or other swapped weights, use a plain copy of the model "
                          "(copy.deepcopy(model)); build the model as it should train before hydra_tune.prepare",
                          kind=RuntimeError, changed=(self._fixed.changed() + self._buffers.changed())[:6])
+
+
+class MergeCheck:
+    """No PEFT adapter is merged into its base when the prepared model is called (checked at every forward).
+
+    ``merge_adapter()`` adds the adapter into the base weight through ``.data``, which no version counter sees: the
+    units would run the base as the runtime holds it (its device copy, or the copy held once for several trials)
+    without the adapter, and ``unmerge_adapter()`` leaves the rounding of the round trip in the host weight only.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        # peft's tuner layers keep the names of the adapters merged into their base in ``merged_adapters``
+        self._layers = [(name, m) for name, m in model.named_modules()
+                        if isinstance(getattr(m, "merged_adapters", None), list)]
+
+    def check(self) -> None:
+        if self._layers and any(m.merged_adapters for _, m in self._layers):
+            raise rule_error("a prepared model's PEFT adapters stay unmerged while it trains (merge_adapter writes "
+                             "them into the base weights through .data, which the runtime cannot see)",
+                             "evaluate a merged copy instead: merged = copy.deepcopy(model).merge_and_unload(); "
+                             "call unmerge_adapter() before the next call of the model", kind=RuntimeError,
+                             merged=[name for name, m in self._layers if m.merged_adapters][:6])
 
 
 def refuse_register(what: str) -> Exception:

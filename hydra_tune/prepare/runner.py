@@ -31,7 +31,7 @@ from .bridge import Bridge, token
 from .driver import Driver, float_leaf
 from .guard import PendingGuard
 from .optimizer import direct
-from .refusals import HookCheck, SlotCheck, check_autocast, check_backward, check_inputs, check_unchanged
+from .refusals import HookCheck, MergeCheck, SlotCheck, check_autocast, check_backward, check_inputs, check_unchanged
 from .streams import current_generator
 
 _names = itertools.count(1)
@@ -78,6 +78,7 @@ class Runner:
         self.guard.watch(optimizer)
         self.hooks = HookCheck(model)
         self.slots = SlotCheck(model)
+        self.merges = MergeCheck(model)
         self._at_forward: tuple[list[bool], list[int]] = ([], [])
         # the model's modules and parameters, listed once (the planned ones): each training forward notes their
         # modes and in-place counters for its backward
@@ -98,6 +99,12 @@ class Runner:
 
     def _submit(self, batch: Any) -> None:
         model = self.model
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if stepped and not any(p.requires_grad for p in stepped):  # what is trainable is planned at this call
+            raise rule_error("a prepared model's first call sees the parameters its optimizer steps as trainable "
+                             "(requires_grad=True): the task is planned then", "make the first call outside what "
+                             "freezes them for a while (peft's `with model.disable_adapter():`), e.g. a training "
+                             "forward first", kind=RuntimeError, optimizer_parameters=len(stepped), trainable=0)
         modes = [(m, m.training) for m in model.modules()]  # the build puts the model in train mode
         task = PreparedTask(self.driver, model, self._optimizer_for, [batch], loss=_profile_loss, epochs=None,
                             seed=self.seed or 0, name=self.name, stages=self.stages, precision=self.precision)
@@ -125,6 +132,7 @@ class Runner:
         with direct():  # reads the parameters' hooks: not a read of their (maybe pending) values
             self.hooks.check()
         self.slots.check()
+        self.merges.check()
         if not self.access.warned and self.access.held() is not None:
             self._warn_held()
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))

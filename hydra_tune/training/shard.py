@@ -141,8 +141,9 @@ class ShardExec(ShardPythonState):
                     copies[key] = device.copier.to_device(value, "buffers")
             elif cached is not None:
                 cached.put(self, device, dict(copies))  # ``run`` rebinds buffers a forward assigns in ``copies``
-        if self.resident(device):
-            copies.update({id(p): p.detach() for p in self.params if p.requires_grad})
+        if self.resident(device):  # the trainable ones as planned: one frozen for a while (peft's
+            # disable_adapter()) is still the state's, on the device; ``grad`` below follows its flag now
+            copies.update({id(p): p.detach() for p in self.params if id(p) not in self.frozen})
         if grad:
             copies = {key: c.detach().requires_grad_(True)
                       if isinstance(self.tensors[key], nn.Parameter) and self.tensors[key].requires_grad else c
