@@ -125,12 +125,18 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
         self.seeded: set[str] = set()  # base names of the random aten ops run under this mode
         self.draws = 0  # CPU random aten ops run under this mode (which stages draw: device/quiet.py)
         self._seeds = seeding.Scratch(cpu_generator)
+        self._graph = torch._C._current_graph_task_id()  # the backward this mode began in (-1: none)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         where = _op_device(args, kwargs).type if _is_seeded(func) else None
         if where == "cpu":
             self.seeded.add(func._schema.name.split("::")[-1])
+            if torch._C._current_graph_task_id() != self._graph or _recomputed_in_backward():
+                # drawn in a backward run within the unit, or in a block autograd will recompute there
+                # (torch.utils.checkpoint with dropout): the light router's function mode does not reach the
+                # recompute's draws, so the task keeps this mode
+                self.seeded.add(IN_BACKWARD)
             self.draws += 1
             out = self._seeded(func, args, dict(kwargs))
         elif where == "meta" and _fills_self(func):
@@ -220,6 +226,17 @@ class paused_accounting:
         if self.mode is not None:
             self.mode.paused = self._was
 
+
+# A measured unit's mark for a draw made while autograd ran a backward, or under saved-tensor hooks other than ours
+# (torch.utils.checkpoint's: the block is drawn again in the backward): not in ROUTED, the task keeps UnitMode.
+IN_BACKWARD = "<drawn in a backward or a recomputed block>"
+
+
+def _recomputed_in_backward() -> bool:
+    """Whether saved-tensor hooks not hydra_tune's own (offload.py) are active: torch.utils.checkpoint's
+    non-reentrant form recomputes the block under them in the backward."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return top is not None and not getattr(top[0], "__module__", "").startswith("hydra_tune.")
 
 # The random aten ops those functions make (by base name): any other one seen in a measured segment means the
 # task has a random op the router would miss.
