@@ -46,3 +46,21 @@ def test_unknown_model_is_one_stage():
     assert [s.name for s in cut.stages] == ["Custom"]
     x = torch.randn(2, 3)
     assert torch.equal(cut.stages[0].module(cut.prepare((x, None))), Custom.forward(cut.stages[0].module.model, x))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_a_config_asking_for_more_outputs_than_the_stages_return_is_refused_at_each_batch(family, flag):
+    # before: the head returned logits and loss only, so `out.hidden_states` read None where the plain model's
+    # returns them (a loss term guarded by `if out.hidden_states is not None` was left out silently)
+    from test_stages_bert import make_bert
+
+    model = make_gpt2() if family == "gpt2" else make_bert("BertForSequenceClassification")
+    cut = extract_stages(model)
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    cut.prepare(batch)
+    if flag == "output_attentions":  # transformers takes it under eager attention only
+        model.config._attn_implementation = "eager"
+    setattr(model.config, flag, True)  # (set after the cut too: the loop may set it at any time)
+    with pytest.raises(ValueError, match=rf"logits and the loss only.*config.{flag}=True.*model.config.{flag} = False"):
+        cut.prepare(batch)

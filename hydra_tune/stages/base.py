@@ -93,6 +93,22 @@ def token_batches(what: str, keys: tuple[str, ...], unsupported: tuple[str, ...]
     return prepare
 
 
+def outputs_checked(prepare: Callable[[Any], Any], what: str, config: Any) -> Callable[[Any], Any]:
+    """``prepare`` refusing, at every batch, a transformers config that asks the forward for more than the logits
+    and the loss: the stages' head returns those two only, so ``output.hidden_states`` / ``.attentions`` would be
+    None where the plain model returns them (a loss term that checks for them would be left out silently)."""
+    def checked(batch: Any) -> Any:
+        asked = [k for k in ("output_hidden_states", "output_attentions") if getattr(config, k, False) is True]
+        if asked:
+            raise ValueError(
+                f"{what} model cut into stages returns the logits and the loss only, but got "
+                f"({', '.join(f'config.{k}=True' for k in asked)}). Fix: set "
+                f"{' and '.join(f'model.config.{k} = False' for k in asked)} and compute what you need from the "
+                "logits, or declare stages of your own (stages=...) whose last returns what the loss reads.")
+        return prepare(batch)
+    return checked
+
+
 class _Chain(nn.Sequential):
     """Stages joined into one by ``join_inplace``: the same modules, run in the same order."""
 

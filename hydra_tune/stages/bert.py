@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, build_mask, token_batches
+from .base import ModelStages, Stage, build_mask, outputs_checked, token_batches
 from .compat import call_renamed
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
@@ -126,4 +126,5 @@ def bert_stages(model: nn.Module) -> ModelStages:
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"layer.{i}", _Layer(layer)) for i, layer in enumerate(model.bert.encoder.layer)]
     stages.append(Stage("head", head))
-    return ModelStages(tuple(stages), _prepare, "bert", ("attention_mask",))
+    return ModelStages(tuple(stages), outputs_checked(_prepare, "a BERT", model.config), "bert",
+                       ("attention_mask",))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, build_mask, token_batches
+from .base import ModelStages, Stage, build_mask, outputs_checked, token_batches
 
 _KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
@@ -95,4 +95,5 @@ def gpt2_stages(model: nn.Module) -> ModelStages:
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"h.{i}", _Block(block)) for i, block in enumerate(model.transformer.h)]
     stages.append(Stage("head", _Head(model)))
-    return ModelStages(tuple(stages), _prepare, "gpt2", ("attention_mask",))
+    return ModelStages(tuple(stages), outputs_checked(_prepare, "a GPT-2", model.config), "gpt2",
+                       ("attention_mask",))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, build_mask, token_batches
+from .base import ModelStages, Stage, build_mask, outputs_checked, token_batches
 from .compat import call_renamed, keep_all_positions
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -135,4 +135,5 @@ def llama_stages(model: nn.Module) -> ModelStages:
     n = model.config.num_hidden_layers
     stages += [Stage(f"layers.{i}", _Layer(layer, kinds[i], model.config)) for i, layer in enumerate(base.layers[:n])]
     stages.append(Stage("head", _Head(model)))
-    return ModelStages(tuple(stages), _prepare, "llama", ("attention_mask",))
+    return ModelStages(tuple(stages), outputs_checked(_prepare, "a LLaMA-family", model.config), "llama",
+                       ("attention_mask",))

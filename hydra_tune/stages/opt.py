@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, build_mask, token_batches
+from .base import ModelStages, Stage, build_mask, outputs_checked, token_batches
 from .compat import call_renamed, keep_all_positions
 
 
@@ -126,4 +126,5 @@ def opt_stages(model: nn.Module) -> ModelStages:
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"layers.{i}", _Layer(layer, decoder)) for i, layer in enumerate(decoder.layers)]
     stages.append(Stage("head", _Head(model)))
-    return ModelStages(tuple(stages), _prepare, "opt", ("attention_mask",))
+    return ModelStages(tuple(stages), outputs_checked(_prepare, "an OPT", model.config), "opt",
+                       ("attention_mask",))
