@@ -46,7 +46,7 @@ class StateAccess:
     def __init__(self, driver: Any) -> None:
         self.driver = driver
         self._exported: list[weakref.ref] = []  # state_dict() values handed out: aliases of the host tensors
-        self.warned = False
+        self._told = False  # the loop was warned that it holds them (once per model)
         driver.host_hold = self.held
 
     def exported(self, tensors: Iterable[Any]) -> None:
@@ -64,6 +64,13 @@ class StateAccess:
             return HELD
         self._exported = []
         return None
+
+    def newly_held(self) -> bool:
+        """Whether the loop holds such tensors and has not been told yet (then it is, from now on)."""
+        if self._told or self.held() is None:
+            return False
+        self._told = True
+        return True
 
     def _home(self) -> Any:
         state = self.driver.state

@@ -111,13 +111,14 @@ class _Slots:
     def __init__(self, owners: list[tuple[str, dict]]) -> None:
         self.owners = owners
         self.all = [slots for _, slots in owners]
+        self.sizes = [len(slots) for slots in self.all]
+        self.count = sum(self.sizes)   # a slot added anywhere (one removed or replaced shows in the identity check)
         entries = [(slots, k, v, f"{prefix}.{k}" if prefix else k)
                    for prefix, slots in owners for k, v in slots.items()]
         self.dicts = [e[0] for e in entries]
         self.keys = [e[1] for e in entries]
         self.values = [e[2] for e in entries]
         self.names = [e[3] for e in entries]
-        self.count = len(entries)   # a slot added anywhere (one removed or replaced shows in the identity check)
 
     def same(self) -> bool:
         return not any(map(operator.is_not, map(dict.get, self.dicts, self.keys), self.values)) and \
@@ -126,12 +127,8 @@ class _Slots:
     def changed(self) -> list[str]:
         out = [name for slots, k, v, name in zip(self.dicts, self.keys, self.values, self.names)
                if slots.get(k) is not v]
-        now = {id(slots): len(slots) for _, slots in self.owners}
-        was: dict[int, int] = {}
-        for slots in self.dicts:
-            was[id(slots)] = was.get(id(slots), 0) + 1
-        return out + [f"{prefix or '<model>'} (slots added)" for prefix, slots in self.owners
-                      if now[id(slots)] > was.get(id(slots), 0)]
+        return out + [f"{prefix or '<model>'} (slots added)" for (prefix, slots), n in zip(self.owners, self.sizes)
+                      if len(slots) > n]
 
 
 class SlotCheck:

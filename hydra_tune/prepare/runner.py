@@ -133,8 +133,10 @@ class Runner:
             self.hooks.check()
         self.slots.check()
         self.merges.check()
-        if not self.access.warned and self.access.held() is not None:
-            self._warn_held()
+        if self.access.newly_held():
+            warnings.warn(f"hydra_tune: prepared model {self.name!r}: {HELD}; its steps run on the host CPU "
+                          "meanwhile (slower). To keep a snapshot, copy it: {k: v.clone() for k, v in "
+                          "model.state_dict().items()}; else drop the dict.", RuntimeWarning, stacklevel=3)
         check_autocast(self.precision, AUTOCAST_DTYPES.get(self.precision))
         batch = self._batch(args, kwargs)
         # most calls pass one tensor (model(x)): torch's general tree walk costs more than the rest of this
@@ -188,12 +190,6 @@ class Runner:
         if type(out) is torch.Tensor:
             return out if out.device == device else out.to(device)
         return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, out)
-
-    def _warn_held(self) -> None:
-        self.access.warned = True
-        warnings.warn(f"hydra_tune: prepared model {self.name!r}: {HELD}; its steps run on the host CPU meanwhile "
-                      "(slower). To keep a snapshot, copy it: {k: v.clone() for k, v in model.state_dict().items()}; "
-                      "else drop the dict.", RuntimeWarning, stacklevel=4)
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kwargs and not args:
