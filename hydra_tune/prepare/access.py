@@ -90,9 +90,9 @@ class StateAccess:
 
     @staticmethod
     def _step(state: Any, home: Any, inner: Callable[[], Any]) -> Any:
-        # a weight shared frozen with other tasks, made trainable in the loop since: refused before it is written;
-        # any other write into one is caught after the step (the pool restores it, the writer's step raises)
-        state.check_still_frozen()
+        # a weight shared frozen with other tasks, made trainable in the loop since: the task's own before it is
+        # written; any other write into one is caught after the step (the pool restores it, the writer's step raises)
+        state.own_thawed()
         with home.lock:
             if home.steps_lazily():
                 state.measure_held_bytes()

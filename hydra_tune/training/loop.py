@@ -332,7 +332,7 @@ class TrainingLoop(LoopData):
 
     # -- the optimizer step and evaluation ------------------------------------------------------------------
     def _step(self) -> None:
-        self.state.check_still_frozen()  # a shared weight made trainable since: its step would write every holder's
+        self.state.own_thawed()  # a shared weight made trainable since becomes its own: the step writes no one else's
         self._optimizer_step()  # optstep.py: where the task's state is (or lazily per shard: lazy.py)
         self.state.check_frozen()  # a write into a weight other tasks share fails this task (shared_frozen.py)
         self.state.home.settle()  # its step went first: evictions may go on (state_cache.py)

@@ -2,7 +2,7 @@
 
     shared = SharedFrozen()                       # one per Runtime
     shares = shared.share("trial-1", model)       # equal frozen parameters now point at one host tensor
-    shares.check_still_frozen()                   # before each optimizer step: raises if one was made trainable
+    shared.thaw(shares, shares.thawed(opt))       # before each optimizer step: ones made trainable become the task's
     shares.check()                                # after each optimizer step: raises if the task wrote into one
     shared.device_copy(host_tensor, device)       # ShardExec.copy_in: one device copy for every task
     shared.release("trial-1", model)              # the task ended (done, failed, cancelled); the last frees it
@@ -56,8 +56,7 @@ import torch.nn as nn
 
 from ..errors import rule_error
 from .names import shared_name
-from .shared_frozen_copies import (DEVICE_SHARE, THAW_FIX, THAW_RULE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies,
-                                   on_host)
+from .shared_frozen_copies import DEVICE_SHARE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies, on_host
 from .shared_frozen_match import content_key, probe_key, qualifies, same_bytes
 
 __all__ = ["DEVICE_SHARE", "Privatize", "SharedFrozen", "TaskShares", "content_key", "probe_key", "same_bytes"]
@@ -102,18 +101,15 @@ class TaskShares:
             raise rule_error(WRITE_RULE, WRITE_FIX + "; this task holds weights another task wrote into, "
                              "with no clean copy left to restore", task=self.task, written_by=poisoned[:5])
 
-    def check_still_frozen(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before each optimizer step: raise when ``optimizer`` would write one of the task's shared parameters,
-        made trainable since it was shared (``requires_grad_(True)`` and ``add_param_group`` in a prepared loop:
-        it has a gradient and the optimizer lists it): the step would write the tensor every holder reads, which
-        a check after it can only repair when a clean copy is left."""
-        graded = [(name, p) for name, p, _, _ in self.params if p.requires_grad and p.grad is not None]
+    def thawed(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter, Any, int]]:
+        """Before each optimizer step: the task's shared parameters made trainable since they were shared
+        (``requires_grad_(True)`` and ``add_param_group``: gradual unfreezing), which ``optimizer`` would write
+        now (they have a gradient and it lists them). ``SharedFrozen.thaw`` makes them the task's own."""
+        graded = [x for x in self.params if x[1].requires_grad and x[1].grad is not None]
         if not graded:  # (the common case: no optimizer groups to read)
-            return
+            return []
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        thawed = [name for name, p in graded if id(p) in stepped]
-        if thawed:
-            raise rule_error(THAW_RULE, THAW_FIX, task=self.task, thawed=thawed[:5], count=len(thawed))
+        return [x for x in graded if id(x[1]) in stepped]
 
     def storages(self) -> set[int]:
         return {p.untyped_storage().data_ptr() for _, p, _, _ in self.params}
@@ -165,6 +161,7 @@ class SharedFrozen(SharedDeviceCopies):
         self.recopied: dict[str, int] = {}       # device -> of those, bytes of entries it had a copy of before
         self.aliased: dict[str, int] = {}        # CPU device -> pooled bytes it read in place (no copy)
         self.private_copy_bytes = 0              # bytes copied for ended tasks' models (Privatize)
+        self.thawed_copy_bytes = 0               # bytes copied for parameters a task made trainable (thaw)
         self.reused: dict[str, int] = {}         # CPU device -> pooled bytes it took from another CPU device's copy
         self.match_seconds = 0.0
         self.compared_bytes = 0
@@ -257,6 +254,30 @@ class SharedFrozen(SharedDeviceCopies):
             return privatize
         privatize()
         return None
+
+    def thaw(self, shares: TaskShares, thawed: list[tuple[str, nn.Parameter, Any, int]]) -> list[nn.Parameter]:
+        """``shares``' task made these parameters trainable (``TaskShares.thawed``): each becomes the task's own
+        before its step writes it, a copy where the pooled tensor has other holders (other tasks, or an equal
+        parameter of the same model), else the pooled tensor itself (its entry is forgotten, not kept for later
+        tasks: the task writes it from now on). Returns them."""
+        gone = {id(p) for _, p, _, _ in thawed}
+        with self._lock:
+            for _, p, key, _ in thawed:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry.params = [x for x in entry.params if x[2] is not p]
+                left = entry.holders.pop(shares.task, 0) - 1
+                if left > 0:
+                    entry.holders[shares.task] = left
+                with torch.no_grad():
+                    if entry.holders:
+                        p.data = entry.tensor.clone()
+                        self.thawed_copy_bytes += entry.nbytes
+                    else:
+                        self._forget(key, entry)
+            shares.params = [x for x in shares.params if id(x[1]) not in gone]
+        return [p for _, p, _, _ in thawed]
 
     def _retain_or_forget(self, key: Any, entry: _Entry) -> None:
         """``entry`` lost its last holder: kept in host memory for a later task while ``retain`` allows (its
@@ -358,6 +379,7 @@ class SharedFrozen(SharedDeviceCopies):
                     "reused_bytes": dict(self.reused), "host_copy_bytes": sum(host_copies.values()),
                     "match_seconds": round(self.match_seconds, 4), "compared_bytes": self.compared_bytes,
                     "private_copy_bytes": self.private_copy_bytes,
+                    "thawed_copy_bytes": self.thawed_copy_bytes,
                     "retained_bytes": self._retained_nbytes(),
                     "retained_tensors": len(self._retained), "retained_hit_bytes": self.retained_hits,
                     "evicted_bytes": self.evicted}

@@ -22,11 +22,6 @@ WRITE_RULE = ("a task changes no frozen parameter it shares with other tasks (re
                "across tasks are held once)")
 WRITE_FIX = ("do not write into frozen weights during training; make them trainable (requires_grad_(True)) before "
               "the task is submitted or prepared, or buffers (register_buffer), if they must change")
-THAW_RULE = ("a weight held once for several tasks stays frozen (requires_grad=False) while they train (it was "
-             "frozen and equal to other tasks' when this task started: its step would write every holder's copy)")
-THAW_FIX = ("make it trainable before the task is submitted or prepared (it is then the task's own), or run with "
-            "hydra_tune.RuntimeConfig(share_frozen=False)")
-
 #: Device copies are kept for reuse while their device's kept shared bytes stay within this share of its budget
 #: (a device without a budget keeps them all); beyond it a copy lives only as long as a unit or cache holds it.
 DEVICE_SHARE = 0.25

@@ -62,6 +62,7 @@ class TaskState:
         self.home = StateHome(task.name, optimizer, self.store, task.grad_accumulation, task.precision == "fp16")
         self.shares: TaskShares | None = None   # its frozen parameters held in the runtime's pool
         self._pool: SharedFrozen | None = None
+        self._prepare_host: Any = None   # readies a tensor for copies to the devices (the pool's ``prepare``)
         self.privatize: Callable[[], None] | None = None  # the ended model's private copies (shared_frozen.py)
         self.model_reachable = True  # its user holds the model (build): private copies at its end, not later
         self.execs = self._execs(plan)
@@ -212,7 +213,7 @@ class TaskState:
     def share_frozen(self, pool: SharedFrozen, prepare: Any = None) -> TaskShares:
         """Hold the model's frozen parameters in ``pool`` (shared_frozen.py): equal ones of other tasks once;
         ``prepare``: readies a new entry's tensor (pinning)."""
-        self.shares, self._pool = pool.share(self.task.name, self.model, prepare), pool
+        self.shares, self._pool, self._prepare_host = pool.share(self.task.name, self.model, prepare), pool, prepare
         for ex in self.execs:
             ex.use_pool(pool, self.shares.keys())
         self.held_bytes = self.host_bytes()
@@ -223,11 +224,21 @@ class TaskState:
         if self.shares is not None:
             self.shares.check()
 
-    def check_still_frozen(self) -> None:
-        """Raise when the optimizer would write a frozen parameter the task shares, made trainable since (before
-        each optimizer step)."""
-        if self.shares is not None:
-            self.shares.check_still_frozen(self.optimizer)
+    def own_thawed(self) -> None:
+        """Before each optimizer step: frozen parameters the task shares, made trainable since (gradual
+        unfreezing), become its own (``SharedFrozen.thaw``), so that its step writes no other task's weights."""
+        if self.shares is None or self._pool is None:
+            return
+        thawed = self.shares.thawed(self.optimizer)
+        if not thawed:
+            return
+        self.shares.check()  # one another task wrote into, with no clean copy left: fails here, not taken over
+        params = self._pool.thaw(self.shares, thawed)
+        if self._prepare_host is not None:
+            self._prepare_host(params)
+        for ex in self.execs:
+            ex.use_pool(self._pool, self.shares.keys())
+        self.held_bytes = max(self.held_bytes, self.host_bytes())
 
     def _execs(self, plan: Plan) -> list[ShardExec]:
         execs = [ShardExec(s.index, self.cut.stages[s.start:s.stop], self.autocast, self.home) for s in plan.shards]
