@@ -26,6 +26,7 @@ the user's model's own, in host memory.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,6 +39,10 @@ from .optimizer import direct
 
 HELD = ("the loop holds tensors of model.state_dict() or optimizer.state_dict(), which are the state in host memory "
         "(as torch's are the live state): it stays there while they exist")
+UNREACHED = ("optimizer.step() follows a forward with autograd on whose output had no backward through the model: "
+             "loss.backward(inputs=...) and torch.autograd.grad(...) do not reach a prepared model's parameters (their "
+             "gradients stay as they were; use loss.backward()). Run a forward you do not backpropagate (evaluation, "
+             "logging) under torch.no_grad()")
 
 
 class StateAccess:
@@ -47,6 +52,7 @@ class StateAccess:
         self.driver = driver
         self._exported: list[weakref.ref] = []  # state_dict() values handed out: aliases of the host tensors
         self._told = False  # the loop was warned that it holds them (once per model)
+        self._told_unreached = False  # ... that it stepped after a training forward with no backward (once)
         driver.host_hold = self.held
 
     def exported(self, tensors: Iterable[Any]) -> None:
@@ -77,6 +83,13 @@ class StateAccess:
         return None if state is None or self.driver.finished else state.home
 
     def step(self, inner: Callable[[], Any]) -> Any:
+        if self.driver.pending and not self._told_unreached:
+            # the bridge's backward never ran for the latest training forward: either none was meant, or one the
+            # bridge cannot see (``inputs=`` restricts autograd to the paths reaching those tensors, and the
+            # model's parameters are not on the user's graph): the plain loop's step would use those gradients
+            self._told_unreached = True
+            warnings.warn(f"hydra_tune: prepared model {self.driver.name!r}: {UNREACHED}", RuntimeWarning,
+                          stacklevel=3)
         state = self.driver.state
         home = self._home()
         if home is None:

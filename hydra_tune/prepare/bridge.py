@@ -1,6 +1,6 @@
 """The autograd bridge: a prepared model's output joins the user's graph, its backward runs the model's B units.
 
-    outs = Bridge.apply(backward_fn, token, *float_leaves)   # outputs that require grad, on the host
+    outs = Bridge.apply(backward_fn, token, float_leaves)    # outputs that require grad, on the host
     loss = criterion(outs[0], y); loss.backward()            # -> backward_fn(grads): B(K-1)..B0 on the runtime
 
 Why a ``torch.autograd.Function``: the model's forward ran as units on the runtime's devices, outside the user's
@@ -23,15 +23,18 @@ class Bridge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, backward_fn: Callable[[list[torch.Tensor | None]], None], token: torch.Tensor,
-                *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         ctx.backward_fn = backward_fn
         ctx.set_materialize_grads(False)
-        return tuple(leaves)  # autograd makes views of returned inputs: the host carries are not touched
+        # new tensors over the carries' storage, not the carries (not inputs either: autograd would make views of
+        # returned inputs, and the loop's in-place ops on them, ``logits /= T``, would be refused); ``detach``
+        # keeps their version counter, so a unit whose graph saved one still sees the loop's in-place writes
+        return tuple(t.detach() for t in leaves)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         ctx.backward_fn(list(grads))
-        return (None, None) + (None,) * len(grads)
+        return None, None, None
 
 
 def token() -> torch.Tensor:

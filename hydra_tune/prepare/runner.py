@@ -214,7 +214,7 @@ class Runner:
         def backward_fn(grads: list[torch.Tensor | None]) -> None:
             self._backward(number, n, dict(zip(where, grads)))
 
-        joined = Bridge.apply(backward_fn, token(), *[leaves[i] for i in where])
+        joined = Bridge.apply(backward_fn, token(), [leaves[i] for i in where])
         if lone:
             return joined[0]
         for i, t in zip(where, joined):
