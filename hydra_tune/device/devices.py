@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .dispatch import ROUTED, MemoryAccount, UnitMode, router_for
+from .dispatch import ROUTED, MemoryAccount, OutermostCall, UnitMode, router_for
 from .offload import releases_graphs
 from .quiet import QuietUnits
 from .rng import TaskRNG
@@ -232,7 +232,7 @@ class CpuDevice(Device):
 
     @contextlib.contextmanager
     def _counted(self, rng: TaskRNG) -> Iterator[UnitMode]:
-        with UnitMode(rng.cpu, self.account) as mode, seeding_to(rng):
+        with UnitMode(rng.cpu, self.account) as mode, OutermostCall() as mode.outermost, seeding_to(rng):
             with self.quiet.measuring(self._key, mode) if self._key is not None else contextlib.nullcontext():
                 yield mode
         if mode.seeded - ROUTED:

@@ -126,6 +126,7 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
         self.draws = 0  # CPU random aten ops run under this mode (which stages draw: device/quiet.py)
         self._seeds = seeding.Scratch(cpu_generator)
         self._graph = torch._C._current_graph_task_id()  # the backward this mode began in (-1: none)
+        self.outermost: OutermostCall | None = None  # a measured unit's: what the light router would see of a draw
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -137,6 +138,8 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
                 # (torch.utils.checkpoint with dropout): the light router's function mode does not reach the
                 # recompute's draws, so the task keeps this mode
                 self.seeded.add(IN_BACKWARD)
+            if self.outermost is not None and self.outermost.name not in _RANDOM_NAMES:
+                self.seeded.add(UNSEEN)  # inside a function the router runs as it is (or outside any)
             self.draws += 1
             out = self._seeded(func, args, dict(kwargs))
         elif where == "meta" and _fills_self(func):
@@ -237,6 +240,29 @@ def _recomputed_in_backward() -> bool:
     non-reentrant form recomputes the block under them in the backward."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return top is not None and not getattr(top[0], "__module__", "").startswith("hydra_tune.")
+
+# A measured unit's mark for a draw the light router would miss: made inside a torch function that is not a random
+# one (one of torch's composite functions: F.multi_head_attention_forward's attention dropout; a function mode sees
+# only the outermost call, and the router runs a non-random one as it is) or outside any torch function call:
+# not in ROUTED, the task keeps UnitMode.
+UNSEEN = "<drawn where the light router does not see>"
+
+
+class OutermostCall(TorchFunctionMode):
+    """Around a measured unit: the name of the torch function running at the outermost level now, the call a
+    function mode (the light router) is handed; the calls inside it reach no function mode. None between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        outer, self.name = self.name, getattr(func, "__name__", None)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.name = outer
+
 
 # The random aten ops those functions make (by base name): any other one seen in a measured segment means the
 # task has a random op the router would miss.

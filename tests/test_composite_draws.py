@@ -1,0 +1,93 @@
+"""Draws made inside one of torch's composite functions: ``nn.MultiheadAttention``'s attention dropout is drawn
+inside ``F.multi_head_attention_forward``, which a function mode (the light router, dispatch.RandomRouter) is handed
+whole and runs as it is: the dropout inside it reaches no function mode and drew from torch's global generator.
+A measured unit now notes the outermost call of each draw (``dispatch.OutermostCall``); one the router would not
+see keeps its task on the full mode (``UnitMode``), so these models train bit-identical to the plain loop (CPU fp32),
+as ModelTasks and in prepared loops."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import max_param_diff, plain_train
+
+import hydra_tune as ht
+from hydra_tune.device import dispatch
+
+X = torch.randn(48, 16, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 4, (48,), generator=torch.Generator().manual_seed(2))
+
+
+class Attention(nn.Module):
+    """A sequence of 4 tokens of 8 features from each 16-feature input, through ``layer``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.view(x.shape[0], 4, 4).repeat(1, 1, 2)
+        if isinstance(self.layer, nn.MultiheadAttention):
+            h = self.layer(h, h, h, need_weights=False)[0]
+        else:
+            h = self.layer(h)
+        return h.flatten(1)
+
+
+def _model(kind: str) -> nn.Module:
+    layer = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True) if kind == "mha" else \
+        nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True)
+    return nn.Sequential(nn.Linear(16, 16), Attention(layer), nn.Linear(32, 4))
+
+
+def _task(kind: str) -> ht.ModelTask:
+    return ht.ModelTask(lambda: _model(kind), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)], loss=lambda o, b: F.cross_entropy(o, b[1]),
+                        epochs=2, seed=0, name=f"composite-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["mha", "encoder-layer"])
+@pytest.mark.parametrize("budget", ["64MiB", "120KiB"], ids=["resident", "sharded"])
+def test_attention_dropout_inside_multi_head_attention_trains_exactly(kind, budget):
+    # before: max abs difference 0.005 (MultiheadAttention) and 0.039 (TransformerEncoderLayer)
+    want, _ = plain_train(_task(kind))
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory=budget) as rt:
+        handle = rt.submit(_task(kind))
+        handle.result()
+        got = handle.model()
+    assert max_param_diff(want, got) == 0.0
+
+
+def test_a_prepared_loop_with_multi_head_attention_dropout_trains_exactly():
+    def run(rt=None):
+        torch.manual_seed(0)
+        model = _model("mha")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if rt is not None:
+            model, opt = ht.prepare(model, opt, runtime=rt)
+        for i in range(0, 48, 8):
+            loss = F.cross_entropy(model(X[i:i + 8]), Y[i:i + 8])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    want = run()
+    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
+        got = run(rt)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_measured_draw_names_whether_the_router_would_see_it():
+    def seeded(fn) -> set[str]:
+        with dispatch.UnitMode(torch.Generator().manual_seed(0)) as mode, dispatch.OutermostCall() as mode.outermost:
+            fn()
+        return mode.seeded
+
+    x = torch.randn(2, 4, 8)
+    mha = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
+    assert dispatch.UNSEEN in seeded(lambda: mha(x, x, x, need_weights=False))
+    assert seeded(lambda: F.dropout(x, 0.3)) <= dispatch.ROUTED  # what the router takes itself
+    assert seeded(lambda: torch.ops.aten.bernoulli_(torch.empty(3), 0.5)) <= dispatch.ROUTED  # (by its name too)
+    assert seeded(lambda: torch.randn_like(x)) <= dispatch.ROUTED
