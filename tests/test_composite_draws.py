@@ -1,6 +1,8 @@
-"""Draws made inside one of torch's composite functions: ``nn.MultiheadAttention``'s attention dropout is drawn
-inside ``F.multi_head_attention_forward``, which a function mode (the light router, dispatch.RandomRouter) is handed
-whole and runs as it is: the dropout inside it reaches no function mode and drew from torch's global generator.
+"""Draws made inside a torch function the light router does not know as random: ``nn.MultiheadAttention``'s
+attention dropout is drawn inside ``F.multi_head_attention_forward``, and the dropout between the layers of an
+``nn.LSTM``/``GRU``/``RNN`` inside ``torch.lstm`` & co. A function mode (the light router, dispatch.RandomRouter)
+is handed such a call whole and runs it as it is: the draws inside reach no function mode and drew from torch's
+global generator.
 A measured unit now notes the outermost call of each draw (``dispatch.OutermostCall``); one the router would not
 see keeps its task on the full mode (``UnitMode``), so these models train bit-identical to the plain loop (CPU fp32),
 as ModelTasks and in prepared loops."""
@@ -41,8 +43,19 @@ def _model(kind: str) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), Attention(layer), nn.Linear(32, 4))
 
 
+class Recurrent(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn = getattr(nn, kind)(4, 16, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x.view(x.shape[0], 4, 4))[0][:, -1])
+
+
 def _task(kind: str) -> ht.ModelTask:
-    return ht.ModelTask(lambda: _model(kind), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    make = (lambda: Recurrent(kind)) if kind in ("LSTM", "GRU", "RNN") else (lambda: _model(kind))
+    return ht.ModelTask(make, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                         [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)], loss=lambda o, b: F.cross_entropy(o, b[1]),
                         epochs=2, seed=0, name=f"composite-{kind}")
 
@@ -53,6 +66,17 @@ def test_attention_dropout_inside_multi_head_attention_trains_exactly(kind, budg
     # before: max abs difference 0.005 (MultiheadAttention) and 0.039 (TransformerEncoderLayer)
     want, _ = plain_train(_task(kind))
     with ht.Runtime(devices=["cpu", "cpu"], device_memory=budget) as rt:
+        handle = rt.submit(_task(kind))
+        handle.result()
+        got = handle.model()
+    assert max_param_diff(want, got) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_dropout_between_recurrent_layers_trains_exactly(kind):
+    # before: max abs difference 0.0014 (LSTM), 0.0060 (GRU), 0.018 (RNN)
+    want, _ = plain_train(_task(kind))
+    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
         handle = rt.submit(_task(kind))
         handle.result()
         got = handle.model()
@@ -88,6 +112,8 @@ def test_a_measured_draw_names_whether_the_router_would_see_it():
     x = torch.randn(2, 4, 8)
     mha = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
     assert dispatch.UNSEEN in seeded(lambda: mha(x, x, x, need_weights=False))
+    lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.3)
+    assert dispatch.UNSEEN in seeded(lambda: lstm(x))
     assert seeded(lambda: F.dropout(x, 0.3)) <= dispatch.ROUTED  # what the router takes itself
     assert seeded(lambda: torch.ops.aten.bernoulli_(torch.empty(3), 0.5)) <= dispatch.ROUTED  # (by its name too)
     assert seeded(lambda: torch.randn_like(x)) <= dispatch.ROUTED
