@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -46,6 +44,7 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 
 from ..device.dispatch import UnitMode
 from ..errors import rule_error
+from . import host_rng
 from .build import build_part
 from .pystate import ModuleState
 
@@ -288,9 +287,9 @@ def _one_sample_at_a_time() -> Iterator[bool]:
 
 @contextlib.contextmanager
 def _no_global_draws(task: str, what: str, check: bool) -> Iterator[None]:
-    before = _global_states() if check else {}
+    before = host_rng.states() if check else {}
     yield
-    after = _global_states() if check else {}
+    after = host_rng.states() if check else {}
     for name in before:
         if name in after and after[name] != before[name]:
             raise rule_error(f"`{what}` draws no random numbers from the global generator of `{name}` in this "
@@ -299,15 +298,6 @@ def _no_global_draws(task: str, what: str, check: bool) -> Iterator[None]:
                              "DataLoader(num_workers>=1) (PyTorch seeds `random` and numpy in each worker from the "
                              "task's stream), or keep a generator of the dataset's own (random.Random(seed), "
                              "numpy.random.default_rng(seed))", task=task, data=what, module=name)
-
-
-def _global_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"random": random.getstate()}
-    np = sys.modules.get("numpy")  # only when the process uses numpy already: never imported here
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        states["numpy.random"] = (kind, keys.tobytes(), pos, has_gauss, cached)
-    return states
 
 
 def _same(a: Any, b: Any) -> bool:

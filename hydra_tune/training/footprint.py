@@ -57,6 +57,7 @@ from ..device.dispatch import UnitMode
 from ..policy.partition import Plan, StageCost, partition
 from ..stages import extract_stages
 from ..task import ModelTask
+from . import host_rng
 from .build import AUTOCAST_DTYPES, BUILD_LOCK
 from .data import NO_BATCH, sample_batch
 from .fingerprint import Keyer, Memo, Unkeyable
@@ -266,7 +267,8 @@ def _meta_model(task: ModelTask) -> nn.Module:
     try:
         if isinstance(task.model, nn.Module):
             return _meta_clone(task.model)
-        with BUILD_LOCK, torch.device("meta"), UnitMode(torch.Generator().manual_seed(task.seed)):
+        with BUILD_LOCK, torch.device("meta"), UnitMode(torch.Generator().manual_seed(task.seed)), \
+                host_rng.replayed(task):
             model = task.model()
         if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
             raise Unmeasurable(f"the factory returned {type(model).__name__} (no parameters)")

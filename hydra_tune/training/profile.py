@@ -35,6 +35,7 @@ from ..device.devices import CpuDevice, Device
 from ..device.rng import TaskRNG
 from ..policy.partition import StageCost
 from ..stages import ModelStages, Stage
+from . import host_rng
 from .profile_cache import PROFILES
 from .pystate import ModuleState
 from .residency import offloading
@@ -131,7 +132,7 @@ def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int =
 def _measure(cut: ModelStages, batch: Any, loss_fn: Any, seed: int, autocast: torch.dtype | None,
              dev: CpuDevice | None = None) -> list[StageCost]:
     dev = dev or CpuDevice("profile", None)
-    with _forked_rng(dev.torch_device):
+    with _forked_rng(dev.torch_device), host_rng.kept():  # the plain loop never runs these forwards
         return _measure_on(dev, cut, batch, loss_fn, seed, autocast)
 
 

@@ -39,6 +39,7 @@ from ..device.dispatch import bookkeeping, paused_accounting, plain_call
 from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
+from . import host_rng
 from .bind import Bound
 from .direct import DirectPath, backward_outputs
 from .loss import LossFn, model_loss
@@ -347,7 +348,8 @@ class ShardExec(ShardPythonState):
             with device.unit_scope(replay) as mode:
                 copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
                 carry, leaves = self.grad_inputs(device, store.carries[self.index])
-                with self._replaying(store.states.pop(self.index, None)):
+                with self._replaying(store.states.pop(self.index, None)), \
+                        host_rng.replay(store.host_rng.pop(self.index, None)):
                     out = self.run(carry, copies, device)
                 self._backward_from(device, store, out, copies, leaves, mode)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..device.devices import Device
 from ..errors import rule_error
+from . import host_rng
 from .pystate import ModuleState, still_inert
 from .pystate_layout import Snapshots
 from .store import HostStore
@@ -50,6 +51,7 @@ class ShardPythonState:
     @contextlib.contextmanager
     def _snapshot(self, device: Device, store: HostStore, replay: bool) -> Iterator[None]:
         before = self._snapshots.take()
+        host = host_rng.states() if replay else None  # (Python's random and numpy's: a module of ours may draw)
         try:
             yield
         finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
@@ -57,6 +59,8 @@ class ShardPythonState:
             if changed:
                 before.settle(functools.partial(device.copier.to_host, what="buffers"))
                 store.note_state(before)
+        if host is not None and host_rng.states() != host:
+            store.host_rng[self.index] = host  # its recompute draws what it drew (host_rng.replay)
         if replay and changed:
             lost = before.inplace()
             if lost:

@@ -28,6 +28,7 @@ from ..policy.partition import Plan, StageCost, partition
 from ..stages import ModelStages, extract_stages
 from ..stages.check import check_stages
 from ..task import ModelTask, check_batch
+from . import host_rng
 from .boundary import Boundary, BoundaryRequest, BoundaryRequests
 from .build import AUTOCAST_DTYPES, build_part, check_model, check_optimizer, check_scheduler
 from .checkpoint import AsBuilt, Position, check_position, load, restore
@@ -94,7 +95,7 @@ class TaskState:
         rng = TaskRNG(task.seed)
         # init draws from the task's stream, as after manual_seed(seed); a factory's own torch.manual_seed(s)
         # seeds that stream (device/seeding.py), as it seeds the global generator the plain loop draws from
-        with UnitMode(rng.cpu), seeding_to(rng):
+        with UnitMode(rng.cpu), seeding_to(rng), host_rng.replayed(task):  # Python's and numpy's draws too
             model = task.model if isinstance(task.model, nn.Module) else build_part(task.model, "model")
             # a model its user can reach (passed in, or a factory returning one held elsewhere: `lambda: model`,
             # a cache) takes private copies of shared frozen weights as soon as it ends (runtime.py); only this

@@ -43,6 +43,7 @@ class HostStore:
         self.loss_scale: torch.Tensor | None = None  # fp16: the task's GradScaler scale for this minibatch
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host buffer -> its value before the batch
         self.states: dict[int, Any] = {}             # shard -> pystate.ModuleState its F unit started from
+        self.host_rng: dict[int, Any] = {}           # shard -> Python's and numpy's RNG its F unit drew from
         self._state_undo: list[Any] = []             # ModuleStates before the units that changed Python state
         self._lost: list[str] = []                   # tensor attributes changed in place (a retry cannot undo)
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
@@ -113,6 +114,7 @@ class HostStore:
         self._landed = False
         self.undo.clear()
         self.states.clear()
+        self.host_rng.clear()
         self._state_undo.clear()
         self._lost.clear()
         self.carries.clear()

@@ -1,0 +1,90 @@
+"""Python's ``random`` and numpy's global generator around the code hydra_tune runs more often than the plain loop.
+
+    with replayed(task): model = task.model()      # every build of a task's model draws what its first one drew
+    with kept(): costs = profile(model)            # hydra_tune's own runs of the model leave the streams as they were
+    start = states(); ...; replay(start)           # a recomputed forward draws what its forward drew
+
+Why: torch's draws come from the task's own stream (device/dispatch.py), the same for every build and replayed for a
+recompute. Python's and numpy's global generators are one per process: a factory drawing from them (an
+architecture choice, an init) drew again at the real build after the meta build for admission, so the trained
+model was not the plain loop's (its one call draws once), and the cost profile and a recomputing backward drew
+numbers the plain loop never draws (a stochastic-depth branch taken by ``random.random() < p`` flipped between a
+forward and its recompute: other gradients). Hydra_tune cannot give each task its own stream of these (they are
+one per process, shared by every thread), so several tasks drawing from them at once interleave as threads of a
+plain script do; what it keeps is that none of its own extra runs moves them.
+
+Rules: the first build runs from the streams as they are and leaves them as one call of the factory does; a later
+build of the same task (another thread, a re-plan) runs from where the first started and puts back what it found.
+numpy is read only when the process imported it.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+_STARTS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # task -> first build's start
+
+
+def states() -> dict[str, Any]:
+    """Python's and (when imported) numpy's global generator states, comparable with ``==``."""
+    out: dict[str, Any] = {"random": random.getstate()}
+    np = sys.modules.get("numpy")  # never imported here
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        out["numpy.random"] = (kind, keys.tobytes(), pos, has_gauss, cached)
+    return out
+
+
+def restore(saved: dict[str, Any]) -> None:
+    """Put the generators back to ``saved`` (from ``states()``)."""
+    random.setstate(saved["random"])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy.random" in saved:
+        kind, keys, pos, has_gauss, cached = saved["numpy.random"]
+        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Whatever runs inside leaves the generators as they were."""
+    saved = states()
+    try:
+        yield
+    finally:
+        restore(saved)
+
+
+@contextlib.contextmanager
+def replayed(task: Any) -> Iterator[None]:
+    """A build of ``task``'s model: its first draws from the generators as they are (as the plain loop's one
+    call); a later one from where the first started, and puts back what it found."""
+    start = _STARTS.get(task)
+    if start is None:
+        _STARTS[task] = states()
+        yield
+        return
+    now = states()
+    restore(start)
+    try:
+        yield
+    finally:
+        restore(now)
+
+
+@contextlib.contextmanager
+def replay(start: dict[str, Any] | None) -> Iterator[None]:
+    """A recompute from the generators' ``start`` (what its forward started from; None: it drew nothing), then
+    back to what they are now."""
+    if start is None:
+        yield
+        return
+    now = states()
+    restore(start)
+    try:
+        yield
+    finally:
+        restore(now)
