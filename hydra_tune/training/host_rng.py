@@ -15,7 +15,9 @@ plain script do; what it keeps is that none of its own extra runs moves them.
 
 Rules: the first build runs from the streams as they are and leaves them as one call of the factory does; a later
 build of the same task (another thread, a re-plan) runs from where the first started and puts back what it found.
-numpy is read only when the process imported it.
+numpy is read only when the process imported it. Reading both costs tens of microseconds, so a shard's recomputed
+forwards are watched at its first ``shard_state.HOST_CHECKS`` (2) only: one that drew nothing there is not
+snapshotted later (a forward that starts drawing only after its first steps is not replayed).
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from .pystate_layout import Snapshots
 from .store import HostStore
 
 _NOTHING = contextlib.nullcontext()
+HOST_CHECKS = 2  # a shard's recomputed forwards watched for draws from Python's or numpy's global generator
 
 
 class ShardPythonState:
@@ -34,6 +35,10 @@ class ShardPythonState:
     names: tuple[str, ...]
     _inert: Any
     _snapshots: Snapshots
+    # Python's random and numpy's generator (host_rng.py): reading them costs tens of microseconds, so a shard's
+    # first HOST_CHECKS recomputed forwards are watched, and only one seen drawing is snapshotted from then on
+    _host_checks: int = 0
+    _draws_host: bool = False
 
     def snapshot_against(self, known: ModuleState) -> None:
         """Snapshots before units share ``known``'s values where they are the same (the task's as-built snapshot of
@@ -51,7 +56,8 @@ class ShardPythonState:
     @contextlib.contextmanager
     def _snapshot(self, device: Device, store: HostStore, replay: bool) -> Iterator[None]:
         before = self._snapshots.take()
-        host = host_rng.states() if replay else None  # (Python's random and numpy's: a module of ours may draw)
+        watch = replay and (self._draws_host or self._host_checks < HOST_CHECKS)
+        host = host_rng.states() if watch else None
         try:
             yield
         finally:  # also when the unit failed half way (out of memory): the retry undoes what it did change
@@ -59,8 +65,11 @@ class ShardPythonState:
             if changed:
                 before.settle(functools.partial(device.copier.to_host, what="buffers"))
                 store.note_state(before)
-        if host is not None and host_rng.states() != host:
-            store.host_rng[self.index] = host  # its recompute draws what it drew (host_rng.replay)
+        if host is not None:
+            self._host_checks += 1
+            self._draws_host = self._draws_host or host_rng.states() != host
+            if self._draws_host:
+                store.host_rng[self.index] = host  # its recompute draws what it drew (host_rng.replay)
         if replay and changed:
             lost = before.inplace()
             if lost:
