@@ -85,3 +85,49 @@ def test_a_first_call_inside_disable_adapter_is_refused_naming_it(rt):
         model(input_ids=DATA[0]["input_ids"])
     model(**DATA[0]).loss.backward()  # the first call outside it plans the task
     model.release()
+
+
+@pytest.mark.parametrize("budget", ["64MiB", "256KiB"], ids=["resident", "tight-budget"])
+def test_a_trial_unfreezing_part_of_a_shared_base_trains_exactly_beside_one_that_does_not(budget):
+    # before: the unfreezing trial's step was refused (its LayerNorms were held once with the other trial's)
+    def loop(rt=None, name=None):
+        torch.manual_seed(0)
+        model = lora_bert()()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        if rt is None:
+            torch.manual_seed(1)  # what each trial's own stream starts from (seed=1): the two share this thread
+            return model, opt
+        return ht.prepare(model, opt, runtime=rt, name=name, seed=1)
+
+    def steps(model, opt, thaw, which):
+        for s in which:
+            if thaw and s == 2:
+                norms = [p for n, p in model.named_parameters() if "LayerNorm" in n]
+                for p in norms:
+                    p.requires_grad_(True)
+                opt.add_param_group({"params": norms, "lr": 1e-3})
+            loss = model(**DATA[s]).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def weights(model):
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    want = {}
+    for thaw in (True, False):
+        model, opt = loop()
+        steps(model, opt, thaw, range(4))
+        want[thaw] = weights(model)
+    with ht.Runtime(devices=["cpu"], device_memory=budget) as rt:
+        (a, a_opt), (b, b_opt) = loop(rt, name="A"), loop(rt, name="B")
+        steps(b, b_opt, False, range(2))
+        steps(a, a_opt, True, range(4))   # B holds the base meanwhile: A's LayerNorms are copied for it
+        steps(b, b_opt, False, range(2, 4))
+        pool = rt.stats()["shared_frozen"]
+        got = {True: weights(a), False: weights(b)}
+        a.release()
+        b.release()
+    assert pool["thawed_copy_bytes"] > 0
+    for thaw in (True, False):
+        assert all(torch.equal(want[thaw][k], got[thaw][k]) for k in want[thaw]), thaw
