@@ -228,3 +228,32 @@ def test_server_death_ends_handles_and_an_idle_server_exits_after_linger(monkeyp
         socket_path = rt2.stats()["server"]["socket"]
     assert _wait(lambda: not process_alive(rt2.pid), 15), "the idle server did not exit after its linger"
     assert not os.path.exists(socket_path)
+
+
+def _drawn_width():
+    import random
+
+    width = random.choice([8, 16, 24, 32, 40, 48])
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+def test_a_factory_drawing_from_pythons_random_builds_in_the_server_what_it_builds_in_the_client():
+    # before: the server's builds drew from the server's own generator (shared by every task it ever built), not
+    # from the client's, which the plain loop's call draws from: another width than the plain loop's
+    import random
+
+    def task(s):
+        return ht.ModelTask(_drawn_width, _sgd, _data(4, seed=s), loss=_mse, epochs=1, seed=s, name=f"w{s}")
+
+    expected = []
+    with ht.Runtime(**CFG) as local:
+        for s in (3, 4, 5):
+            random.seed(s)
+            expected.append(trained(local.submit(task(s))))
+    with _connect() as rt:
+        got = []
+        for s in (3, 4, 5):
+            random.seed(s)
+            got.append(trained(rt.submit(task(s))))
+    assert [m[0].out_features for m in got] == [m[0].out_features for m in expected]
+    assert all(max_param_diff(a, b) == 0.0 for a, b in zip(expected, got))

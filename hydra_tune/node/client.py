@@ -37,6 +37,7 @@ from ..errors import HydraError, RuntimeClosed, rule_error
 from ..runtime.handle import TaskHandle
 from ..runtime.trace import Trace
 from ..task import ModelTask
+from ..training import host_rng
 from ..training.boundary import Snapshot
 from ..shipping import dump as ship, load as unship
 from .boot import SHADOWED_EXIT, package_dir, script, shadowing_error
@@ -173,7 +174,8 @@ class NodeRuntime:
         with self._lock:
             self._handles[tid] = handle
         try:
-            handle.server_name = self._call("submit", tid, blob)
+            # the client's Python and numpy generators: the server's builds draw what the factory would draw here
+            handle.server_name = self._call("submit", tid, blob, host_rng.states())
         except BaseException:
             with self._lock:
                 self._handles.pop(tid, None)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import RuntimeClosed, rule_error
 from ..runtime.runtime import Runtime
+from ..training import host_rng
 from .connections import Client
 from .files import server_log
 from .forward import Forwarders
@@ -79,7 +80,7 @@ class Handlers:
         server_log(f"client {client.cid} (pid {pid}, cwd {cwd}) connected")
         return {"pid": os.getpid(), "devices": len(self._runtime.devices), "client": client.cid}
 
-    def _submit(self, client: Client, tid: int, blob: bytes) -> str:
+    def _submit(self, client: Client, tid: int, blob: bytes, host: dict[str, Any] | None = None) -> str:
         try:
             task = load(blob)
         except Exception as exc:  # noqa: BLE001
@@ -87,6 +88,8 @@ class Handlers:
                              f"from the server (it has the client's sys.path; its cwd is {os.getcwd()}), or define "
                              "them in the script itself so cloudpickle ships them by value", kind=TaskNotPicklable,
                              error=f"{type(exc).__name__}: {exc}") from None
+        if host is not None:
+            host_rng.start_from(task, host)  # the factory draws from the client's generators, not this process's
         user = task.name
         task.name = f"c{client.cid}/{user}"
         try:

@@ -1,6 +1,6 @@
 """What travels between a node client and its server, and how an error crosses from one to the other.
 
-    ("submit", request_id, task_id, shipping.dump(task))       # client -> server: (op, request_id, *args)
+    ("submit", request_id, task_id, shipping.dump(task), host_rng.states())  # client -> server: (op, id, *args)
     ("reply", request_id, True, value)                         # server -> client: one per request but "forget"
     ("reply", request_id, False, pack_error(exc))              # ... and the client raises unpack_error(packed)
     ("metrics" | "status" | "end", task_id, ...)               # server -> client: streamed per task

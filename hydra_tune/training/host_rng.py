@@ -15,6 +15,8 @@ plain script do; what it keeps is that none of its own extra runs moves them.
 
 Rules: the first build runs from the streams as they are and leaves them as one call of the factory does; a later
 build of the same task (another thread, a re-plan) runs from where the first started and puts back what it found.
+A node server's builds run from the client's streams as they stood at submit (``start_from``); the client's own
+streams do not move (its process never runs the factory).
 numpy is read only when the process imported it. Reading both costs tens of microseconds, so a shard's recomputed
 forwards are watched at its first ``shard_state.HOST_CHECKS`` (2) only: one that drew nothing there is not
 snapshotted later (a forward that starts drawing only after its first steps is not replayed).
@@ -58,6 +60,12 @@ def kept() -> Iterator[None]:
         yield
     finally:
         restore(saved)
+
+
+def start_from(task: Any, saved: dict[str, Any]) -> None:
+    """``task``'s builds draw from ``saved`` (a client's ``states()`` at submit: a node server builds the task in
+    another process, whose generators are not the client's), and put back what they found."""
+    _STARTS[task] = saved
 
 
 @contextlib.contextmanager
