@@ -271,6 +271,8 @@ def storable(changes: list[Change], task: str, what: str) -> list[dict[str, Any]
                                       "how": change.how}
         if isinstance(value, collections.deque):
             value, entry["deque_maxlen"] = list(value), value.maxlen
+        elif isinstance(value, torch.Generator):  # a module's own generator: its state (a byte tensor)
+            value, entry["generator"] = value.get_state(), str(value.device)
         bad = _unstorable(value)
         if bad is not None:
             kind = type(change.value).__name__
@@ -289,6 +291,9 @@ def put_entries(base: ModuleState, entries: list[dict[str, Any]], task: str, wha
     freshly built model, optimizer and eval samplers, the train data's samplers at the resumed epoch's start."""
     for e in entries:
         value = collections.deque(e["value"], e["deque_maxlen"]) if "deque_maxlen" in e else e["value"]
+        if "generator" in e:
+            value = torch.Generator(device=e["generator"])
+            value.set_state(e["value"])
         change = Change(e["module"], e["holder"], e["key"], e["how"], value)
         if not base.put(change):
             raise rule_error(f"the resumed task's {what.replace('_', ' ')} has every place of Python state the "

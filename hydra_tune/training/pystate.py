@@ -11,8 +11,9 @@ parameter/buffer/submodule dicts, the hook dicts), the attributes of callable ho
 of hook functions (a ``nonlocal`` counter), for forward and backward hooks alike, and one level down the
 attributes of plain user objects held there (``self.schedule.step += 1``).
 
-Rules: an attribute rebound (``self.calls += 1``, ``self.temp = ...``, a new attribute) and the contents of a
-list, dict, set or deque attribute are put back exactly (containers in place: references to them stay valid);
+Rules: an attribute rebound (``self.calls += 1``, ``self.temp = ...``, a new attribute), the contents of a
+list, dict, set or deque attribute and the state of a ``torch.Generator`` attribute (a module drawing with its own
+generator: ``torch.rand(..., generator=self.gen)``) are put back exactly (in place: references stay valid);
 a tensor attribute that is not a buffer and was changed in place (``self.t.add_(1)``), or a container longer
 than 10,000 items changed in place (compared by length only: copying it every unit would cost), cannot be put
 back: ``inplace()`` names it and the caller refuses to go on. State the snapshot does not see (objects nested
@@ -191,9 +192,17 @@ def _items(mapping: Any, skip: frozenset[str]) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in list(mapping.items()) if k not in skip]
 
 
+class _GeneratorState(NamedTuple):
+    """A ``torch.Generator`` attribute's contents: its state (put back with ``set_state``)."""
+
+    state: torch.Tensor
+
+
 def _contents(value: Any, big: float) -> Any:
     """What an in-place change is detected by: a container's shallow copy (its length, past ``big`` items), a
-    tensor's version, else None."""
+    tensor's version, a generator's state, else None."""
+    if isinstance(value, torch.Generator):
+        return _GeneratorState(value.get_state())
     if isinstance(value, torch.Tensor):
         return value._version  # torch's in-place counter: there is no public accessor
     if isinstance(value, _CONTAINERS):
@@ -202,6 +211,8 @@ def _contents(value: Any, big: float) -> Any:
 
 
 def _same_contents(old: Any, value: Any) -> bool:
+    if isinstance(old, _GeneratorState):
+        return torch.equal(old.state, value.get_state())
     if isinstance(value, torch.Tensor) or isinstance(old, int):  # a version, or a big container's length
         return (value._version if isinstance(value, torch.Tensor) else len(value)) == old
     if isinstance(value, (list, collections.deque)):
@@ -214,8 +225,10 @@ def _same_contents(old: Any, value: Any) -> bool:
 
 
 def _put_contents(value: Any, old: Any) -> None:
-    """Give a container back its old contents in place."""
-    if isinstance(value, (list, bytearray)):
+    """Give a container (or a generator) back its old contents in place."""
+    if isinstance(value, torch.Generator):
+        value.set_state(old.state)
+    elif isinstance(value, (list, bytearray)):
         value[:] = old
     elif isinstance(value, collections.deque):
         value.clear()
@@ -375,6 +388,9 @@ class ModuleState:
         elif change.how in ("contents", "inplace") and isinstance(now, _CONTAINERS) and type(now) is type(
                 change.value):
             _put_contents(now, change.value)
+        elif change.how == "contents" and isinstance(now, torch.Generator) and isinstance(change.value,
+                                                                                       torch.Generator):
+            now.set_state(change.value.get_state())
         elif (change.how == "inplace" and isinstance(now, torch.Tensor) and isinstance(change.value, torch.Tensor)
               and now.shape == change.value.shape and now.dtype == change.value.dtype):
             with torch.no_grad():

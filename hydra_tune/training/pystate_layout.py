@@ -33,7 +33,7 @@ from .pystate import _BIG, _CONTAINERS, _HOOK_DICTS, _MISSING, ModuleState, _Cel
 _is = operator.is_
 _HOOK_DICTS_OF = operator.attrgetter(*_HOOK_DICTS)  # a module's hook dicts, as a tuple
 _EMPTY: dict = {}  # never written: a snapshot's values are read only
-_HAS_CONTENTS = (torch.Tensor, *_CONTAINERS)  # the values pystate._contents takes anything of
+_HAS_CONTENTS = (torch.Tensor, torch.Generator, *_CONTAINERS)  # the values pystate._contents takes anything of
 
 
 class Layout:
