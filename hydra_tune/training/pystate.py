@@ -28,7 +28,6 @@ then the plain object or hook holding the attribute: hooks by their position in 
 """
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import itertools
@@ -43,13 +42,12 @@ from torch.nn.modules import module as torch_module  # torch keeps the global mo
 from torch.utils.data import Dataset
 
 from .names import shared_name
+from .pystate_values import BIG, CONTAINERS, contents_of, put_contents, same_contents
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_CONTAINERS = (list, dict, set, collections.deque, bytearray)
 _MISSING = object()
 _SCALARS = (int, float, bool, str, type(None))  # values with no contents to compare and no attributes of state
-_BIG = 10_000  # a container longer than this is compared by its length only (copying it every unit costs)
 _NOT_STATE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
               types.BuiltinFunctionType, functools.partial, Dataset)
 
@@ -192,52 +190,6 @@ def _items(mapping: Any, skip: frozenset[str]) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in list(mapping.items()) if k not in skip]
 
 
-class _GeneratorState(NamedTuple):
-    """A ``torch.Generator`` attribute's contents: its state (put back with ``set_state``)."""
-
-    state: torch.Tensor
-
-
-def _contents(value: Any, big: float) -> Any:
-    """What an in-place change is detected by: a container's shallow copy (its length, past ``big`` items), a
-    tensor's version, a generator's state, else None."""
-    if isinstance(value, torch.Generator):
-        return _GeneratorState(value.get_state())
-    if isinstance(value, torch.Tensor):
-        return value._version  # torch's in-place counter: there is no public accessor
-    if isinstance(value, _CONTAINERS):
-        return copy.copy(value) if len(value) <= big else len(value)
-    return None
-
-
-def _same_contents(old: Any, value: Any) -> bool:
-    if isinstance(old, _GeneratorState):
-        return torch.equal(old.state, value.get_state())
-    if isinstance(value, torch.Tensor) or isinstance(old, int):  # a version, or a big container's length
-        return (value._version if isinstance(value, torch.Tensor) else len(value)) == old
-    if isinstance(value, (list, collections.deque)):
-        return len(old) == len(value) and all(a is b for a, b in zip(old, value))
-    if isinstance(value, dict):
-        return old.keys() == value.keys() and all(old[k] is value[k] for k in old)
-    if isinstance(value, _CONTAINERS):
-        return old == value
-    return True
-
-
-def _put_contents(value: Any, old: Any) -> None:
-    """Give a container (or a generator) back its old contents in place."""
-    if isinstance(value, torch.Generator):
-        value.set_state(old.state)
-    elif isinstance(value, (list, bytearray)):
-        value[:] = old
-    elif isinstance(value, collections.deque):
-        value.clear()
-        value.extend(old)
-    elif isinstance(value, (dict, set)):
-        value.clear()
-        value.update(old)
-
-
 class _Diff(NamedTuple):
     holder: _Holder
     key: str
@@ -277,7 +229,7 @@ class ModuleState:
 
     @classmethod
     def take(cls, modules: Iterable[nn.Module]) -> ModuleState:
-        return cls._take(((type(m).__name__, m) for m in modules), _BIG)
+        return cls._take(((type(m).__name__, m) for m in modules), BIG)
 
     @classmethod
     def of_model(cls, model: nn.Module) -> ModuleState:
@@ -300,7 +252,7 @@ class ModuleState:
         for holder in _holders(named, opaque):
             values = dict(_items(holder.mapping, holder.skip))
             contents = {k: c for k, v in values.items()
-                        if type(v) not in _SCALARS and (c := _contents(v, big)) is not None}
+                        if type(v) not in _SCALARS and (c := contents_of(v, big)) is not None}
             entries.append((holder, values, contents or None))
         return cls(entries, keep)
 
@@ -314,7 +266,7 @@ class ModuleState:
                 contents = None if kept is None else kept.get(k)  # None: nothing to compare
                 if now is not value:
                     yield _Diff(holder, k, "rebound", (value, contents))
-                elif contents is not None and not _same_contents(contents, value):
+                elif contents is not None and not same_contents(contents, value):
                     how = "inplace" if isinstance(contents, int) else "contents"  # old contents: gone / kept
                     yield _Diff(holder, k, how, (value, contents))
             if isinstance(mapping, dict):  # the common case, by set operations: a module has ~20 torch keys
@@ -339,7 +291,7 @@ class ModuleState:
         return next(iter(self._changes()), None) is not None
 
     def _contents_unchanged(self) -> bool:
-        return all(_same_contents(c, values[k]) for _, values, kept in self._entries if kept for k, c in kept.items())
+        return all(same_contents(c, values[k]) for _, values, kept in self._entries if kept for k, c in kept.items())
 
     def changed_names(self) -> list[str]:
         """``Holder.attr`` of every attribute that differs now from the snapshot, sorted."""
@@ -347,7 +299,7 @@ class ModuleState:
 
     def inplace(self) -> list[str]:
         """``Holder.attr`` of each attribute changed in place beyond repair since the snapshot: a tensor that is
-        not a buffer, or a container longer than ``_BIG``."""
+        not a buffer, or a container longer than ``BIG``."""
         return [f"{d.holder.name}.{d.key}" for d in self._changes() if d.how == "inplace"]
 
     def changes(self, frozen: bool = False) -> list[Change]:
@@ -385,9 +337,9 @@ class ModuleState:
         if change.how == "deleted":
             if now is not _MISSING:
                 del mapping[change.key]
-        elif change.how in ("contents", "inplace") and isinstance(now, _CONTAINERS) and type(now) is type(
+        elif change.how in ("contents", "inplace") and isinstance(now, CONTAINERS) and type(now) is type(
                 change.value):
-            _put_contents(now, change.value)
+            put_contents(now, change.value)
         elif change.how == "contents" and isinstance(now, torch.Generator) and isinstance(change.value,
                                                                                        torch.Generator):
             now.set_state(change.value.get_state())
@@ -420,10 +372,10 @@ class ModuleState:
             elif d.how == "rebound":
                 value, contents = d.recorded
                 d.holder.mapping[d.key] = value
-                if not isinstance(contents, int) and not _same_contents(contents, value):
-                    _put_contents(value, contents)
+                if not isinstance(contents, int) and not same_contents(contents, value):
+                    put_contents(value, contents)
             elif d.how == "contents":
-                _put_contents(d.recorded[0], d.recorded[1])
+                put_contents(d.recorded[0], d.recorded[1])
 
 
 def _hook_counts(named: Iterable[tuple[str, Any]]) -> dict[tuple[str, str], int]:

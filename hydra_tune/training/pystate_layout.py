@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .pystate import _BIG, _CONTAINERS, _HOOK_DICTS, _MISSING, ModuleState, _Cell, _contents, _holders, _items
+from .pystate import _HOOK_DICTS, _MISSING, ModuleState, _Cell, _holders, _items
+from .pystate_values import BIG, CONTAINERS, contents_of
 
 _is = operator.is_
 _HOOK_DICTS_OF = operator.attrgetter(*_HOOK_DICTS)  # a module's hook dicts, as a tuple
 _EMPTY: dict = {}  # never written: a snapshot's values are read only
-_HAS_CONTENTS = (torch.Tensor, torch.Generator, *_CONTAINERS)  # the values pystate._contents takes anything of
+_HAS_CONTENTS = (torch.Tensor, torch.Generator, *CONTAINERS)  # the values pystate._contents takes anything of
 
 
 class Layout:
@@ -59,7 +60,7 @@ class Layout:
         """A snapshot now (the caller checked ``unchanged``)."""
         entries = []
         for holder, values, keys in zip(self._holders, self._values, self._content_keys):
-            contents = {k: c for k in keys if (c := _contents(values[k], _BIG)) is not None} if keys else None
+            contents = {k: c for k in keys if (c := contents_of(values[k], BIG)) is not None} if keys else None
             entries.append((holder, values, contents or None))
         return ModuleState(entries, layout=self)
 
