@@ -17,14 +17,16 @@ Contract (``ModelTask.metrics``, a dict name -> fn), for every eval batch, in ev
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from numbers import Real
 from typing import Any
 
 import torch
 
 from ..errors import EvaluationError, rule_error
+from .pystate import ModuleState
 
 MetricFn = Callable[[Any, Any], Any]
 _RULE = ("a metric returns (sum, count) or one value, each a Python int or float or a one-element tensor "
@@ -109,7 +111,8 @@ def check_metrics_run(task: Any, model: torch.nn.Module, batch: Any, route: Call
                       f"deep-copied ({type(exc).__name__}: {exc}); a metric that breaks its contract fails the "
                       "task at its first evaluation instead.", stacklevel=3)
         return
-    with torch.no_grad(), route(torch.Generator().manual_seed(task.seed)):
+    kept = ModuleState.of_callables(list(task.metrics.items()))  # a metric counting its calls: put back after
+    with torch.no_grad(), route(torch.Generator().manual_seed(task.seed)), _restoring(kept):
         outputs = call_with_batch(copied, batch)
         for name, fn in task.metrics.items():
             try:
@@ -119,3 +122,11 @@ def check_metrics_run(task: Any, model: torch.nn.Module, batch: Any, route: Call
                                  "runs on `(outputs, batch)` as the model returns them (see the error above)",
                                  task=task.name, metric=name, error=f"{type(exc).__name__}: {exc}") from exc
             measure({name: lambda *_: got}, outputs, batch)
+
+
+@contextlib.contextmanager
+def _restoring(state: ModuleState) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        state.restore()

@@ -149,6 +149,7 @@ def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed
     carry = cut.prepare(batch)
     stages = _scratch_stages(cut.stages)
     before = ModuleState.take(m for s in stages for m in s.module.modules())
+    loss_state = ModuleState.of_callables([("loss", loss_fn)]) if loss_fn is not None else None
     shared = _SharedTensors(cut.stages)
     costs = []
     try:
@@ -160,6 +161,8 @@ def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed
         lost = before.inplace()
         before.restore()
         shared.restore()
+        if loss_state is not None:  # a loss counting its calls or keeping a history: the plain loop never ran this
+            loss_state.restore()
     if lost and stages is cut.stages:
         warnings.warn(f"hydra_tune's cost profile changed tensor attributes of the model in place: {lost} (they "
                       "are not buffers, so it could not copy them). Register them as buffers or assign new tensors "

@@ -246,15 +246,27 @@ class ModuleState:
         return cls._take(named, float("inf"), named, frozenset(id(o) for o in opaque))
 
     @classmethod
+    def of_callables(cls, named: list[tuple[str, Any]]) -> ModuleState:
+        """The state of the user's callables hydra_tune calls more often than the plain loop (a task's loss in the
+        cost profile, its metrics at submit), labelled as ``named`` gives them: a function's closure cells and
+        attributes, a bound method's object, a callable object's attributes (a loss that counts its calls or
+        keeps a history); ``restore()`` puts it back."""
+        objects: list[tuple[str, Any]] = []
+        cells: list[_Holder] = []
+        for label, fn in named:
+            code = fn.__func__ if isinstance(fn, types.MethodType) else fn
+            owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
+            if hasattr(owner, "__dict__"):
+                objects.append((label, owner))
+            if isinstance(code, types.FunctionType):
+                cells += [_Holder(f"{label} closure", label, "", _Cell(cell, var), frozenset())
+                          for var, cell in zip(code.__code__.co_freevars, code.__closure__ or ())]
+        return cls(_entries(_holders(objects) + cells, BIG))
+
+    @classmethod
     def _take(cls, named: Iterable[tuple[str, Any]], big: float, keep: list[tuple[str, Any]] | None = None,
               opaque: frozenset[int] = frozenset()) -> ModuleState:
-        entries = []
-        for holder in _holders(named, opaque):
-            values = dict(_items(holder.mapping, holder.skip))
-            contents = {k: c for k, v in values.items()
-                        if type(v) not in _SCALARS and (c := contents_of(v, big)) is not None}
-            entries.append((holder, values, contents or None))
-        return cls(entries, keep)
+        return cls(_entries(_holders(named, opaque), big), keep)
 
     def _changes(self) -> Iterable[_Diff]:
         """Each entry that differs now: "rebound", "added", "contents" (old contents kept) or "inplace" (a tensor
@@ -376,6 +388,17 @@ class ModuleState:
                     put_contents(value, contents)
             elif d.how == "contents":
                 put_contents(d.recorded[0], d.recorded[1])
+
+
+def _entries(holders: list[_Holder], big: float) -> list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]]:
+    """Each holder with its values now and the contents of those that have any (``ModuleState``'s entries)."""
+    entries = []
+    for holder in holders:
+        values = dict(_items(holder.mapping, holder.skip))
+        contents = {k: c for k, v in values.items()
+                    if type(v) not in _SCALARS and (c := contents_of(v, big)) is not None}
+        entries.append((holder, values, contents or None))
+    return entries
 
 
 def _hook_counts(named: Iterable[tuple[str, Any]]) -> dict[tuple[str, str], int]:
