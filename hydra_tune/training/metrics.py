@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import EvaluationError, rule_error
+from . import host_rng
 from .pystate import ModuleState
 
 MetricFn = Callable[[Any, Any], Any]
@@ -112,7 +113,7 @@ def check_metrics_run(task: Any, model: torch.nn.Module, batch: Any, route: Call
                       "task at its first evaluation instead.", stacklevel=3)
         return
     kept = ModuleState.of_callables(list(task.metrics.items()))  # a metric counting its calls: put back after
-    with torch.no_grad(), route(torch.Generator().manual_seed(task.seed)), _restoring(kept):
+    with torch.no_grad(), route(torch.Generator().manual_seed(task.seed)), _restoring(kept), host_rng.kept():
         outputs = call_with_batch(copied, batch)
         for name, fn in task.metrics.items():
             try:
