@@ -152,6 +152,11 @@ AT_SUBMIT = [
      "the model's parameters and buffers are initialized (no LazyModule left uninitialized) must hold, but got "
      "(task='t', uninitialized=['0.weight', '0.bias']). Fix: initialize them in the factory with one forward on a "
      "sample input (`m = Net(); m(sample_x); return m`), or use the non-lazy module (nn.Linear(in, out))."),
+    ("torchscript-module",  # before: AttributeError 'OrderedDictWrapper' object has no attribute 'get' (its unit)
+     dict(model=lambda: torch.jit.script(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))), TypeError,
+     "the model holds no TorchScript module (torch.jit.script / torch.jit.trace): the runtime runs each stage over "
+     "device copies of its parameters, bound into the Python modules must hold, but got (task='t', "
+     "scripted=['(the model)', '0', '1', '2']). Fix: pass the Python module (script or trace it once trained)."),
     ("optimizer-factory-returns-list",
      dict(optimizer=returns_param_list), TypeError,
      "`optimizer(model)` returns a torch.optim.Optimizer must hold, but got (task='t', returned='list'). Fix: "

@@ -223,3 +223,19 @@ def test_a_call_after_the_task_failed_says_so_instead_of_repeating_the_old_error
                                                r"mat1 and mat2 must have the same dtype") as err:
             model(X)
         assert "same dtype" in str(err.value.__cause__)
+
+
+def test_a_model_holding_a_torchscript_module_is_refused_at_prepare():
+    # before: KeyError '_modules' (a traced submodule) or a TypeError about OrderedModuleDict (a scripted model)
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(16, 16)
+            self.head = torch.jit.trace(nn.Linear(16, 4), torch.randn(2, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    model = Wrapped()
+    with pytest.raises(TypeError, match=r"holds no TorchScript module.*scripted=\['head'\]"):
+        ht.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

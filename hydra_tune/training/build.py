@@ -40,6 +40,19 @@ def build_part(factory: Any, what: str, *args: Any) -> Any:
         raise wrapped from exc
 
 
+def check_not_scripted(model: Any, **where: Any) -> None:
+    """Refuse a model holding TorchScript modules (``torch.jit.script`` / ``trace``): their parameters live in
+    TorchScript's C++ module, and the units bind device copies into the Python modules' parameter slots."""
+    import torch
+
+    scripted = [path or "(the model)" for path, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise rule_error("the model holds no TorchScript module (torch.jit.script / torch.jit.trace): the runtime runs "
+                         "each stage over device copies of its parameters, bound into the Python modules", "pass the "
+                         "Python module (script or trace it once trained)", kind=TypeError, **where,
+                         scripted=scripted[:4] + (["..."] if len(scripted) > 4 else []))
+
+
 def check_model(task: ModelTask, model: Any) -> None:
     """What the model factory built is a module with something to train."""
     import torch.nn as nn
@@ -48,6 +61,7 @@ def check_model(task: ModelTask, model: Any) -> None:
         raise rule_error("the `model` factory returns an nn.Module", "return the model instance, e.g. `lambda: "
                          "MyModel(config)` (not the class or a tuple)", kind=TypeError, task=task.name,
                          returned=type(model).__name__)
+    check_not_scripted(model, task=task.name)
     from torch.nn.parameter import is_lazy
 
     lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
