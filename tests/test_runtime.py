@@ -255,3 +255,24 @@ def test_a_fault_of_the_board_fails_the_tasks_instead_of_hanging_them():
         task = ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=2, name="after")
         h2 = rt.submit(task)
         assert max_param_diff(plain_train(task)[0], trained(h2)) == 0.0
+
+
+def test_a_task_whose_state_cannot_go_back_to_its_model_fails_instead_of_hanging(monkeypatch):
+    # fault injection: the write-back at the task's end raises (a sparse gradient did, before sparse gradients
+    # were refused). Before, the board had ended the task, but its handle was never told: result() waited forever
+    from hydra_tune.training.resident import StateHome
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("write-back failed")
+
+    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
+        ok = rt.submit(ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=1, name="ok"))
+        ok.result(timeout=60)
+        monkeypatch.setattr(StateHome, "release", broken)
+        handle = rt.submit(ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=1, name="broken"))
+        with pytest.raises(RuntimeError, match="write-back failed"):
+            handle.result(timeout=60)
+        assert handle.status == "failed"
+        monkeypatch.undo()
+        after = rt.submit(ht.ModelTask(_mlp, _sgd, _data(4), loss=_mse, epochs=1, name="after"))
+        assert after.result(timeout=60)["epoch"] == 1  # the runtime goes on

@@ -173,17 +173,33 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
                 torch.default_generator.set_state(saved)
 
     def _count(self, t: torch.Tensor, args: tuple) -> None:
-        """Track ``t``'s storage unless it is one we know or an input's (a view, or an in-place result)."""
+        """Track ``t``'s storage unless it is one we know or an input's (a view, or an in-place result); a sparse
+        tensor's by its parts (indices and values: it has no storage of its own)."""
         if t.device.type not in self.account.types:  # type: ignore[union-attr]
+            return
+        if t.layout is not torch.strided:
+            for part in sparse_parts(t):
+                self._count(part, args)
             return
         key = t.untyped_storage()._cdata
         account = self.account
         if key in account._live:  # type: ignore[union-attr]
             return
         for a in args:
-            if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == key:
+            if isinstance(a, torch.Tensor) and a.layout is torch.strided and a.untyped_storage()._cdata == key:
                 return
         account.track(t.untyped_storage())  # type: ignore[union-attr]
+
+
+def sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors a sparse tensor keeps its data in (its indices and values); () for other layouts."""
+    if t.layout is torch.sparse_coo:
+        return t._indices(), t._values()  # (no public form that works on an uncoalesced tensor)
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values()
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return t.ccol_indices(), t.row_indices(), t.values()
+    return ()
 
 
 _LENT: list[bool] = []  # non-empty once any task lent the global generator its state (``UnitMode._seeded``)

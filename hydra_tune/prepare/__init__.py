@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import rule_error
-from ..training.build import check_not_scripted
+from ..training.build import check_dense_gradients, check_not_scripted
 from .model import PreparedModel
 from .optimizer import is_prepared, wrap_step
 from .runner import Runner
@@ -55,6 +55,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: An
         raise rule_error("hydra_tune.prepare takes a torch.optim.Optimizer not prepared yet", "pass the optimizer "
                          "built over the model's parameters", kind=TypeError, optimizer=type(optimizer).__name__)
     check_not_scripted(model)
+    check_dense_gradients(model)
     mine = {id(p) for p in model.parameters()}
     foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
     if foreign:

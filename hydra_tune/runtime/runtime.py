@@ -288,19 +288,34 @@ class Runtime:
         detach_frames(error, task.name)
         task.state.abandon_checkpoints(status)  # the chain and host buffers: the board lets them go after this
         self._drop_copies(task.state.execs)
-        # its state back in its model, device bytes freed; if its host thread is inside its step, that thread does
-        # it when it lets the task go (TrainingLoop.segments)
-        task.state.home.release(wait=CLOSE_WAIT)
-        # its model gets private copies of what others still share (a model only its factory made and held: when
-        # handle.model() asks for it, the user cannot reach it before); the last holder frees the pool's entries
-        lazy = not task.state.model_reachable
-        task.state.privatize = self.shared.release(task.name, task.state.model, lazy=lazy)
-        self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
-        for d in self.devices:
-            d.forget(task.name)
-        task.handle.finish(status, error)
+        try:
+            # its state back in its model, device bytes freed; if its host thread is inside its step, that thread
+            # does it when it lets the task go (TrainingLoop.segments)
+            task.state.home.release(wait=CLOSE_WAIT)
+            # its model gets private copies of what others still share (a model only its factory made and held:
+            # when handle.model() asks for it, the user cannot reach it before); the last holder frees the pool's
+            lazy = not task.state.model_reachable
+            task.state.privatize = self.shared.release(task.name, task.state.model, lazy=lazy)
+            self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
+        except Exception as exc:  # noqa: BLE001 - its handle is told whatever happens (else result() waits forever)
+            status, error = _release_failed(task.name, status, error, exc)
+        finally:
+            for d in self.devices:
+                d.forget(task.name)
+            task.handle.finish(status, error)
 
     def _drop_copies(self, execs: Sequence[ShardExec]) -> None:
         for d in self.devices:
             for ex in execs:
                 d.resident.drop(ex)
+
+
+def _release_failed(name: str, status: str, error: BaseException | None,
+                    exc: Exception) -> tuple[str, BaseException | None]:
+    """What an ended task's handle is told when giving its state back to its model failed: a task that trained to
+    its end fails with that (its model does not hold what it trained); a failed one keeps its own error, noted."""
+    if error is None:
+        return "failed", exc
+    error.add_note(f"hydra_tune: task {name!r}: giving its state back to its model failed too: "
+                   f"{type(exc).__name__}: {exc}")
+    return status, error

@@ -53,6 +53,25 @@ def check_not_scripted(model: Any, **where: Any) -> None:
                          scripted=scripted[:4] + (["..."] if len(scripted) > 4 else []))
 
 
+SPARSE_RULE = ("the model's gradients are dense (the runtime moves, lands and steps strided gradients only; "
+               "nn.Embedding(sparse=True), EmbeddingBag(sparse=True) or F.embedding(..., sparse=True) make sparse "
+               "ones)")
+SPARSE_FIX = "use sparse=False (the default) and a dense optimizer (not SparseAdam)"
+
+
+def check_dense_gradients(model: Any, **where: Any) -> None:
+    """Refuse embeddings that make sparse gradients (``sparse=True``)."""
+    sparse = [path for path, m in model.named_modules() if getattr(m, "sparse", None) is True
+              and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if sparse:
+        raise rule_error(SPARSE_RULE, SPARSE_FIX, kind=TypeError, **where, sparse=sparse[:4])
+
+
+def sparse_gradient(grad: Any, **where: Any) -> Exception:
+    """The error for a sparse gradient a unit made anyway (a functional sparse embedding)."""
+    return rule_error(SPARSE_RULE, SPARSE_FIX, kind=TypeError, **where, layout=str(grad.layout))
+
+
 def check_model(task: ModelTask, model: Any) -> None:
     """What the model factory built is a module with something to train."""
     import torch.nn as nn
@@ -62,6 +81,7 @@ def check_model(task: ModelTask, model: Any) -> None:
                          "MyModel(config)` (not the class or a tuple)", kind=TypeError, task=task.name,
                          returned=type(model).__name__)
     check_not_scripted(model, task=task.name)
+    check_dense_gradients(model, task=task.name)
     from torch.nn.parameter import is_lazy
 
     lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there is no public one
 
 from ..errors import rule_error
+from .build import sparse_gradient
 
 
 def tree_bytes(tree: Any) -> int:
@@ -51,6 +52,8 @@ class HostStore:
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """One shard's gradient contribution for ``param`` in this minibatch (shared params get several)."""
+        if grad.layout is not torch.strided:  # (a functional sparse embedding: sparse=True modules are refused)
+            raise sparse_gradient(grad, shape=tuple(param.shape))
         key = id(param)
         if key in self._pending:
             self._pending[key][1].add_(grad)
