@@ -284,11 +284,11 @@ class Runtime:
     def _release(self, task: Admitted, status: str, error: BaseException | None) -> None:
         """The board ended ``task``: free what it held (host memory charge, buffers, device copies), then tell its
         handle (after the gate's release: its name is free to reuse)."""
-        self._gate.release(task.name)
         detach_frames(error, task.name)
-        task.state.abandon_checkpoints(status)  # the chain and host buffers: the board lets them go after this
-        self._drop_copies(task.state.execs)
         try:
+            self._gate.release(task.name)
+            task.state.abandon_checkpoints(status)  # the chain and host buffers: the board lets them go after this
+            self._drop_copies(task.state.execs)
             # its state back in its model, device bytes freed; if its host thread is inside its step, that thread
             # does it when it lets the task go (TrainingLoop.segments)
             task.state.home.release(wait=CLOSE_WAIT)
