@@ -280,3 +280,18 @@ def check_autocast(precision: str, dtype: torch.dtype | None) -> None:
                          "units run on the runtime's threads, outside your autocast block)", "pass "
                          f"hydra_tune.prepare(..., precision={want[0]!r}) and keep the autocast block for your loss",
                          kind=RuntimeError, autocast={k: str(v) for k, v in on.items()}, precision=precision)
+
+
+def output_error(got: str) -> Exception:
+    return rule_error("a prepared model returns its tensors as tensors, or in tuples, lists, dicts, named tuples, "
+                      "dataclasses or transformers' ModelOutput (the runtime joins each to your graph and brings it "
+                      "to the inputs' device; tensors inside other objects would get no gradients)", "return them in "
+                      "one of those, or register the class with torch.utils._pytree", kind=TypeError, output=got)
+
+
+def check_output(leaves: list[Any]) -> None:
+    """Refuse an output holding tensors in an object the runtime cannot see into (``output_error``)."""
+    opaque = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor) and hasattr(x, "__dict__")
+              and any(isinstance(v, torch.Tensor) for v in vars(x).values())]
+    if opaque:
+        raise output_error(f"tensors inside {opaque[:4]}")

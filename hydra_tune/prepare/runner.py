@@ -31,7 +31,8 @@ from .bridge import Bridge, token
 from .driver import Driver, float_leaf
 from .guard import PendingGuard
 from .optimizer import direct
-from .refusals import HookCheck, MergeCheck, SlotCheck, check_autocast, check_backward, check_inputs, check_unchanged
+from .refusals import (HookCheck, MergeCheck, SlotCheck, check_autocast, check_backward, check_inputs, check_output,
+                       check_unchanged, output_error)
 from .streams import current_generator
 
 _names = itertools.count(1)
@@ -39,8 +40,12 @@ _names = itertools.count(1)
 
 def _profile_loss(out: Any, batch: Any) -> torch.Tensor:
     """The loss the plan is measured with (the user's own is computed in their loop): the output's float sum."""
-    leaves = [t for t in tree_flatten(out)[0] if float_leaf(t)]
-    return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]
+    leaves = tree_flatten(out)[0]
+    check_output(leaves)
+    floats = [t for t in leaves if float_leaf(t)]
+    if not floats:
+        raise output_error(f"no floating-point tensor among {[type(t).__name__ for t in leaves][:4]}")
+    return sum(t.float().sum() for t in floats)  # type: ignore[return-value]
 
 
 class PreparedTask(ModelTask):
@@ -180,6 +185,8 @@ class Runner:
         if "rng" in got:
             stream.set_state(got["rng"])
         out = got["out"]
+        if type(out) is not torch.Tensor:
+            check_output(tree_flatten(out)[0])
         if train:
             driver.forwards += 1
             driver.pending = driver.forwards

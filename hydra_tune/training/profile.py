@@ -41,6 +41,7 @@ from .pystate import ModuleState
 from .residency import offloading
 from .shard import ShardExec
 from .store import tree_bytes
+from .trees import open_dataclasses
 
 
 def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
@@ -57,6 +58,7 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             out = ex.run(carry_dev, copies, dev)
             dev.sync()
             fwd_seconds = time.perf_counter() - t0  # what recomputing it costs: the value of keeping it
+            open_dataclasses(out)  # a dataclass output's tensors are moved and joined as a tuple's from now on
             fwd_peak = acct.peak - base
             del copies, carry_dev
         copies = ex.load(dev, grad=True)
@@ -146,6 +148,7 @@ def _forked_rng(where: torch.device) -> contextlib.AbstractContextManager[Any]:
 def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed: int,
                 autocast: torch.dtype | None) -> list[StageCost]:
     rng = TaskRNG(seed)
+    open_dataclasses(batch)
     carry = cut.prepare(batch)
     stages = _scratch_stages(cut.stages)
     before = ModuleState.take(m for s in stages for m in s.module.modules())

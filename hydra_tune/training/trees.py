@@ -8,14 +8,21 @@ costs a dozen Python calls even for one tensor, as much as a small layer's forwa
 list of leaves that are tensors, numbers, strings or None, takes the short path; anything else (dicts, named
 tuples, nested containers, tensor subclasses) goes through torch's pytree, so the result is always what
 ``tree_map``/``tree_flatten`` give.
+
+A dataclass holding tensors (a custom model output, ``Out(logits=..., aux=...)``) is a leaf to torch's pytree: its
+tensors would not be moved, detached or joined to the user's graph. ``open_dataclasses(tree)`` registers the
+dataclass types among a tree's leaves with torch's pytree (their init fields, as torch's ``register_dataclass``),
+once per type and process; the cost profile calls it on every stage's batch and output, before any unit runs.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map  # torch's own pytree walk: there is no public one
+import torch.utils._pytree as pytree  # torch's own pytree walk: there is no public one
+from torch.utils._pytree import tree_flatten, tree_map
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (int, float, bool, str, type(None))
@@ -50,3 +57,22 @@ def tensor_leaves(tree: Any) -> list[Any]:
     if _flat(tree):
         return list(tree)
     return tree_flatten(tree)[0]
+
+
+_OPENED: set[type] = set()  # dataclass types this process registered with torch's pytree (or found registered)
+
+
+def open_dataclasses(tree: Any) -> None:
+    """Register the dataclass types among ``tree``'s leaves with torch's pytree (repeated until none is left: a
+    dataclass may hold another); types torch cannot rebuild from their fields stay leaves."""
+    while True:
+        new = {type(leaf) for leaf in tree_flatten(tree)[0]
+               if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and type(leaf) not in _OPENED}
+        if not new:
+            return
+        for cls in new:
+            _OPENED.add(cls)
+            try:
+                pytree.register_dataclass(cls)
+            except (ValueError, TypeError):  # registered already (by the user), or fields it cannot take
+                pass
