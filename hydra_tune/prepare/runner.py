@@ -185,8 +185,6 @@ class Runner:
         if "rng" in got:
             stream.set_state(got["rng"])
         out = got["out"]
-        if type(out) is not torch.Tensor:
-            check_output(tree_flatten(out)[0])
         if train:
             driver.forwards += 1
             driver.pending = driver.forwards
@@ -213,6 +211,8 @@ class Runner:
         """The output's float tensors through the bridge: they require grad, and their backward runs B units."""
         lone = type(out) is torch.Tensor
         leaves, spec = ([out], None) if lone else tree_flatten(out)
+        if not lone:
+            check_output(leaves)  # (tensors in an object it cannot see into would get no gradients)
         where = [i for i, t in enumerate(leaves) if float_leaf(t)]
         if not where:
             return out

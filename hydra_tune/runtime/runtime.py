@@ -294,6 +294,7 @@ class Runtime:
             task.state.home.release(wait=CLOSE_WAIT)
             # its model gets private copies of what others still share (a model only its factory made and held:
             # when handle.model() asks for it, the user cannot reach it before); the last holder frees the pool's
+            # entries
             lazy = not task.state.model_reachable
             task.state.privatize = self.shared.release(task.name, task.state.model, lazy=lazy)
             self._gate.recharge({SHARED_POOL: self.shared.nbytes()})
