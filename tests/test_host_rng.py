@@ -123,3 +123,25 @@ def test_a_prepared_loop_with_stochastic_depth_drawn_by_python_trains_exactly():
     with ht.Runtime(devices=["cpu"], device_memory="30KiB") as rt:
         got = run(rt)
     assert got[1] == want[1] and all(torch.equal(want[0][k], got[0][k]) for k in want[0])
+
+
+def test_hydra_tune_writes_the_generators_only_where_its_code_drew_and_the_data_check_gives_no_verdict_across():
+    # CI failure: a node server set its generators for one task's build (from the client's streams) while another
+    # task's sample batch was checked for global draws: that task's plain data was refused
+    from hydra_tune.training.data import _no_global_draws
+
+    before = host_rng.writes()
+    with host_rng.kept():
+        torch.randn(3)  # draws nothing from Python's or numpy's generators: they are not set back
+    assert host_rng.writes() == before
+    with host_rng.kept():
+        random.random()
+    assert host_rng.writes() == before + 1
+    with _no_global_draws("t", "train_data", check=True):
+        state = host_rng.states()
+        random.random()
+        host_rng.restore(state)   # (another thread's build, at the same moment)
+        random.random()           # no verdict across it
+    with pytest.raises(ValueError, match="draws no random numbers from the global generator of `random`"):
+        with _no_global_draws("t", "train_data", check=True):
+            random.random()

@@ -20,6 +20,11 @@ streams do not move (its process never runs the factory).
 numpy is read only when the process imported it. Reading both costs tens of microseconds, so a shard's recomputed
 forwards are watched at its first ``shard_state.HOST_CHECKS`` (2) only: one that drew nothing there is not
 snapshotted later (a forward that starts drawing only after its first steps is not replayed).
+
+The generators are one per process, so hydra_tune writes them only where the code it ran drew (a factory that drew
+at its first build, a profile or check that drew, a recompute of a forward that drew; a node server's builds from
+a client's streams): other threads read them too. ``writes()`` counts those writes: the check that a task's data
+draws nothing from them (data.py) does not conclude across one.
 """
 from __future__ import annotations
 
@@ -31,6 +36,13 @@ from collections.abc import Iterator
 from typing import Any
 
 _STARTS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # task -> first build's start
+_NO_DRAWS: dict[str, Any] = {}  # a task whose first build drew nothing: later builds leave the generators alone
+_writes = [0]  # restore() calls so far
+
+
+def writes() -> int:
+    """How many times hydra_tune has set the generators (see the module docstring)."""
+    return _writes[0]
 
 
 def states() -> dict[str, Any]:
@@ -45,6 +57,7 @@ def states() -> dict[str, Any]:
 
 def restore(saved: dict[str, Any]) -> None:
     """Put the generators back to ``saved`` (from ``states()``)."""
+    _writes[0] += 1
     random.setstate(saved["random"])
     np = sys.modules.get("numpy")
     if np is not None and "numpy.random" in saved:
@@ -54,12 +67,13 @@ def restore(saved: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
-    """Whatever runs inside leaves the generators as they were."""
+    """Whatever runs inside leaves the generators as they were (set back only when it drew)."""
     saved = states()
     try:
         yield
     finally:
-        restore(saved)
+        if states() != saved:
+            restore(saved)
 
 
 def start_from(task: Any, saved: dict[str, Any]) -> None:
@@ -74,7 +88,11 @@ def replayed(task: Any) -> Iterator[None]:
     call); a later one from where the first started, and puts back what it found."""
     start = _STARTS.get(task)
     if start is None:
-        _STARTS[task] = states()
+        start = states()
+        yield
+        _STARTS[task] = start if states() != start else _NO_DRAWS
+        return
+    if start is _NO_DRAWS:
         yield
         return
     now = states()
