@@ -92,15 +92,8 @@ def replayed(task: Any) -> Iterator[None]:
         yield
         _STARTS[task] = start if states() != start else _NO_DRAWS
         return
-    if start is _NO_DRAWS:
+    with replay(None if start is _NO_DRAWS else start):
         yield
-        return
-    now = states()
-    restore(start)
-    try:
-        yield
-    finally:
-        restore(now)
 
 
 @contextlib.contextmanager
