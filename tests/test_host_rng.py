@@ -145,3 +145,26 @@ def test_hydra_tune_writes_the_generators_only_where_its_code_drew_and_the_data_
     with pytest.raises(ValueError, match="draws no random numbers from the global generator of `random`"):
         with _no_global_draws("t", "train_data", check=True):
             random.random()
+
+
+def test_a_task_class_with_its_own_equality_is_remembered_by_identity_and_forgotten_with_it():
+    import gc
+    import weakref
+
+    class Comparable(ht.ModelTask):
+        def __eq__(self, other: object) -> bool:   # (unhashable then: __hash__ is None)
+            return isinstance(other, Comparable)
+
+    _seeded()
+    task = Comparable(_drawn_architecture, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), BATCHES,
+                      loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=1, name="comparable")
+    with host_rng.replayed(task):
+        first = _drawn_architecture()[0].out_features
+    with host_rng.replayed(task):
+        again = _drawn_architecture()[0].out_features
+    assert first == again
+    gone, key = weakref.ref(task), id(task)
+    assert key in host_rng._STARTS  # (its first build's start, kept for the second)
+    del task
+    gc.collect()
+    assert gone() is None and key not in host_rng._STARTS  # forgotten with the task

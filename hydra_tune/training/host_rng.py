@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-_STARTS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # task -> first build's start
+_STARTS: dict[int, dict[str, Any]] = {}  # id(task) -> its first build's start (by identity: a task may define ==)
 _NO_DRAWS: dict[str, Any] = {}  # a task whose first build drew nothing: later builds leave the generators alone
 _writes = [0]  # restore() calls so far
 
@@ -79,18 +79,24 @@ def kept() -> Iterator[None]:
 def start_from(task: Any, saved: dict[str, Any]) -> None:
     """``task``'s builds draw from ``saved`` (a client's ``states()`` at submit: a node server builds the task in
     another process, whose generators are not the client's), and put back what they found."""
-    _STARTS[task] = saved
+    _remember(task, saved)
+
+
+def _remember(task: Any, start: dict[str, Any]) -> None:
+    if id(task) not in _STARTS:
+        weakref.finalize(task, _STARTS.pop, id(task), None)  # forgotten with the task
+    _STARTS[id(task)] = start
 
 
 @contextlib.contextmanager
 def replayed(task: Any) -> Iterator[None]:
     """A build of ``task``'s model: its first draws from the generators as they are (as the plain loop's one
     call); a later one from where the first started, and puts back what it found."""
-    start = _STARTS.get(task)
+    start = _STARTS.get(id(task))
     if start is None:
         start = states()
         yield
-        _STARTS[task] = start if states() != start else _NO_DRAWS
+        _remember(task, start if states() != start else _NO_DRAWS)
         return
     with replay(None if start is _NO_DRAWS else start):
         yield
