@@ -83,6 +83,33 @@ def test_dropout_between_recurrent_layers_trains_exactly(kind):
     assert max_param_diff(want, got) == 0.0
 
 
+class Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.pool = nn.FractionalMaxPool2d(2, output_size=(2, 2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(torch.relu(self.conv(x.view(-1, 1, 4, 4)))).flatten(1))
+
+
+def test_fractional_max_pooling_draws_its_samples_from_the_tasks_stream():
+    # its random samples are drawn inside F.fractional_max_pool2d, a function the router does not know (a guard:
+    # whichever way the runtime routes it, the samples must come from the task's stream)
+    def task() -> ht.ModelTask:
+        return ht.ModelTask(Pooled, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)],
+                            loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=0, name="pooled")
+
+    want, _ = plain_train(task())
+    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
+        handle = rt.submit(task())
+        handle.result()
+        got = handle.model()
+    assert max_param_diff(want, got) == 0.0
+
+
 def test_a_prepared_loop_with_multi_head_attention_dropout_trains_exactly():
     def run(rt=None):
         torch.manual_seed(0)
@@ -110,10 +137,14 @@ def test_a_measured_draw_names_whether_the_router_would_see_it():
         return mode.seeded
 
     x = torch.randn(2, 4, 8)
+    # a composite function the router does not know draws inside (its random samples): the task keeps UnitMode
+    pool = nn.FractionalMaxPool2d(2, output_size=(2, 4))
+    assert dispatch.UNSEEN in seeded(lambda: pool(x.unsqueeze(0)))
+    # those it knows when they draw: run under UnitMode by the router itself (exact, the rest of the unit light)
     mha = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
-    assert dispatch.UNSEEN in seeded(lambda: mha(x, x, x, need_weights=False))
+    assert seeded(lambda: mha(x, x, x, need_weights=False)) <= dispatch.ROUTED
     lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.3)
-    assert dispatch.UNSEEN in seeded(lambda: lstm(x))
+    assert seeded(lambda: lstm(x)) <= dispatch.ROUTED
     assert seeded(lambda: F.dropout(x, 0.3)) <= dispatch.ROUTED  # what the router takes itself
     assert seeded(lambda: torch.ops.aten.bernoulli_(torch.empty(3), 0.5)) <= dispatch.ROUTED  # (by its name too)
     assert seeded(lambda: torch.randn_like(x)) <= dispatch.ROUTED

@@ -138,8 +138,8 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
                 # (torch.utils.checkpoint with dropout): the light router's function mode does not reach the
                 # recompute's draws, so the task keeps this mode
                 self.seeded.add(IN_BACKWARD)
-            if self.outermost is not None and self.outermost.name not in _RANDOM_NAMES:
-                self.seeded.add(UNSEEN)  # inside a function the router runs as it is (or outside any)
+            if self.outermost is not None and not self.outermost.routed:
+                self.seeded.add(UNSEEN)  # inside a call the router runs as it is (or outside any)
             self.draws += 1
             out = self._seeded(func, args, dict(kwargs))
         elif where == "meta" and _fills_self(func):
@@ -265,19 +265,57 @@ UNSEEN = "<drawn where the light router does not see>"
 
 
 class OutermostCall(TorchFunctionMode):
-    """Around a measured unit: the name of the torch function running at the outermost level now, the call a
-    function mode (the light router) is handed; the calls inside it reach no function mode. None between calls."""
+    """Around a measured unit: whether the torch call running at the outermost level now (the call a function
+    mode, the light router, is handed: the calls inside it reach no function mode) is one the router would run
+    under UnitMode (``routed``, as ``_routed`` decides); False between calls."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.name: str | None = None
+        self.routed = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        outer, self.name = self.name, getattr(func, "__name__", None)
+        kwargs = kwargs or {}
+        outer, self.routed = self.routed, _routed(func, args, kwargs)
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         finally:
-            self.name = outer
+            self.routed = outer
+
+
+def _mha_draws(args: tuple, kwargs: dict) -> bool:
+    """F.multi_head_attention_forward draws its attention dropout in training with ``dropout_p > 0``."""
+    p = args[10] if len(args) > 10 else kwargs.get("dropout_p", 0.0)
+    training = args[13] if len(args) > 13 else kwargs.get("training", True)
+    return bool(training) and p > 0
+
+
+def _rnn_draws(args: tuple, kwargs: dict) -> bool:
+    """torch.lstm / gru / rnn_* (as nn.RNNBase calls them, positionally) draw between layers when ``train`` and
+    ``dropout > 0``: ``(input, hx, params, has_biases, num_layers, dropout, train, ...)``, or packed,
+    ``(data, batch_sizes, hx, params, ...)`` one place later."""
+    at = 5 if isinstance(args[2], (list, tuple)) else 6
+    return bool(args[at + 1]) and args[at] > 0
+
+
+# Composite torch functions whose draws happen inside (out of a function mode's reach) only under some
+# arguments: the router runs such a call under UnitMode when they say it draws, else as it is
+_DRAWS_WHEN = {"multi_head_attention_forward": _mha_draws, "lstm": _rnn_draws, "gru": _rnn_draws,
+               "rnn_tanh": _rnn_draws, "rnn_relu": _rnn_draws}
+
+
+def _routed(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the light router runs this call under UnitMode: a function that may draw by its name, or one of
+    ``_DRAWS_WHEN`` called so that it draws (arguments it cannot read: routed)."""
+    name = getattr(func, "__name__", None)
+    if name in _RANDOM_NAMES:
+        return True
+    when = _DRAWS_WHEN.get(name)  # type: ignore[arg-type]
+    if when is None:
+        return False
+    try:
+        return when(args, kwargs)
+    except (IndexError, TypeError):
+        return True
 
 
 # The random aten ops those functions make (by base name): any other one seen in a measured segment means the
@@ -316,7 +354,7 @@ class RandomRouter(_SeedsGenerator, TorchFunctionMode):
             return out  # nn.Dropout's call, its four ops made here with the task's generator
         if func is sdpa.SDPA and (out := sdpa.routed_sdpa(args, kwargs, self.generator)) is not None:
             return out  # attention with dropout: torch's math path's calls made here with the task's generator
-        if getattr(func, "__name__", None) not in _RANDOM_NAMES or _op_device(args, kwargs).type != "cpu":
+        if not _routed(func, args, kwargs) or _op_device(args, kwargs).type != "cpu":
             # not random, or on an accelerator: a GPU's draws come from its own generator, which the device sets
             # to the task's stream for the unit (CudaDevice.unit_scope), so its ops need no interception
             return func(*args, **kwargs)
