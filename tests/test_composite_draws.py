@@ -148,3 +148,45 @@ def test_a_measured_draw_names_whether_the_router_would_see_it():
     assert seeded(lambda: F.dropout(x, 0.3)) <= dispatch.ROUTED  # what the router takes itself
     assert seeded(lambda: torch.ops.aten.bernoulli_(torch.empty(3), 0.5)) <= dispatch.ROUTED  # (by its name too)
     assert seeded(lambda: torch.randn_like(x)) <= dispatch.ROUTED
+
+
+def test_attention_with_no_dropout_is_not_a_draw():
+    # CPU attention's fused kernel is tagged as seeded whatever its dropout_p: with 0 it counted as a draw, kept
+    # its task off the light router and lent torch's global generator under its lock at every call (LLaMA's
+    # attention_dropout defaults to 0)
+    q = torch.randn(2, 2, 4, 8)
+
+    def drawn(p: float) -> tuple[set[str], int]:
+        with dispatch.UnitMode(torch.Generator().manual_seed(0)) as mode:
+            F.scaled_dot_product_attention(q, q, q, dropout_p=p)
+        return mode.seeded, mode.draws
+
+    assert drawn(0.0) == (set(), 0)
+    seeded, draws = drawn(0.3)
+    assert draws > 0 and seeded
+
+
+class Attending(nn.Module):
+    """Attention without dropout between layers with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.drop, self.head = nn.Linear(16, 48), nn.Dropout(0.2), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.drop(self.qkv(x)).view(x.shape[0], 2, 3, 8).unbind(2)
+        return self.head(F.scaled_dot_product_attention(q, k, v).flatten(1))
+
+
+def test_a_model_with_attention_without_dropout_trains_exactly():
+    def task() -> ht.ModelTask:
+        return ht.ModelTask(Attending, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)],
+                            loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=0, name="attending")
+
+    want, _ = plain_train(task())
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
+        handle = rt.submit(task())
+        handle.result()
+        got = handle.model()
+    assert max_param_diff(want, got) == 0.0

@@ -55,6 +55,23 @@ def _is_seeded(func: Any) -> bool:
     return known
 
 
+_dropout_at: dict[Any, int | None] = {}
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a seeded op draws here: one with a ``dropout_p`` argument (CPU attention's fused kernels) only when
+    it is above 0. Else it would count as a draw (keeping its task off the light router) and lend the global
+    generator under its lock at every attention call of a model with no attention dropout (LLaMA's default)."""
+    at = _dropout_at.get(func, -1)
+    if at == -1:
+        names = [a.name for a in func._schema.arguments]
+        at = _dropout_at[func] = names.index("dropout_p") if "dropout_p" in names else None
+    if at is None:
+        return True
+    p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+    return not isinstance(p, (int, float)) or p > 0
+
+
 _self_fills: dict[Any, bool] = {}
 _allocating: dict[Any, bool] = {}
 
@@ -130,7 +147,7 @@ class UnitMode(_SeedsGenerator, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        where = _op_device(args, kwargs).type if _is_seeded(func) else None
+        where = _op_device(args, kwargs).type if _is_seeded(func) and _draws(func, args, kwargs) else None
         if where == "cpu":
             self.seeded.add(func._schema.name.split("::")[-1])
             if torch._C._current_graph_task_id() != self._graph or _recomputed_in_backward():
