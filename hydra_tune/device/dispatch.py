@@ -353,11 +353,13 @@ _RANDOM_NAMES = frozenset((
 
 class RandomRouter(_SeedsGenerator, TorchFunctionMode):
     """A light stand-in for UnitMode on units whose memory need not be counted: only calls to functions that
-    may draw random numbers on the CPU are intercepted (a handful per layer, not every aten op), and those run
+    may draw random numbers on the CPU are intercepted (a handful per layer, not every aten op: ``_routed``, by
+    name or, for ``_DRAWS_WHEN``'s composite functions, by the arguments that make them draw), and those run
     under UnitMode (F.dropout's common case: its four tensor calls here, device/dropout.py); on accelerator
     tensors (dropout on CUDA) they run as they are: they draw from the device's generator, which holds the task's
     stream for the unit. Used for a task only after a UnitMode-measured segment of it saw nothing but ``ROUTED``
-    random aten ops (``UnitMode.seeded``): every draw of its units comes from a function it knows (CUDA: always)."""
+    random aten ops, each inside a call it routes (``UnitMode.seeded`` without ``UNSEEN``): every draw of its
+    units comes from a call it runs under UnitMode (CUDA: always)."""
 
     def __init__(self, cpu_generator: torch.Generator) -> None:
         super().__init__()
