@@ -287,11 +287,12 @@ def _one_sample_at_a_time() -> Iterator[bool]:
 
 @contextlib.contextmanager
 def _no_global_draws(task: str, what: str, check: bool) -> Iterator[None]:
-    before, written = (host_rng.states(), host_rng.writes()) if check else ({}, 0)
+    written = host_rng.writes()
+    before = host_rng.states() if check else {}
     yield
-    if check and host_rng.writes() != written:  # hydra_tune set them meanwhile (another task's build): no verdict
-        return
     after = host_rng.states() if check else {}
+    if host_rng.writes() != written:  # hydra_tune set them meanwhile (another task's build): no verdict
+        return
     for name in before:
         if name in after and after[name] != before[name]:
             raise rule_error(f"`{what}` draws no random numbers from the global generator of `{name}` in this "

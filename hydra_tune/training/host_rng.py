@@ -15,8 +15,9 @@ plain script do; what it keeps is that none of its own extra runs moves them.
 
 Rules: the first build runs from the streams as they are and leaves them as one call of the factory does; a later
 build of the same task (another thread, a re-plan) runs from where the first started and puts back what it found.
-A node server's builds run from the client's streams as they stood at submit (``start_from``); the client's own
-streams do not move (its process never runs the factory).
+A node server's builds after the first run from the client's streams as they stood at submit (``start_from``):
+the first (the meta build for admission) runs from the server's own, so that a factory that draws nothing costs
+no write; the client's own streams do not move (its process never runs the factory).
 numpy is read only when the process imported it. Reading both costs tens of microseconds, so a shard's recomputed
 forwards are watched at its first ``shard_state.HOST_CHECKS`` (2) only: one that drew nothing there is not
 snapshotted later (a forward that starts drawing only after its first steps is not replayed).
@@ -37,6 +38,10 @@ from typing import Any
 
 _STARTS: dict[int, dict[str, Any]] = {}  # id(task) -> its first build's start (by identity: a task may define ==)
 _NO_DRAWS: dict[str, Any] = {}  # a task whose first build drew nothing: later builds leave the generators alone
+
+
+class _Client(dict):
+    """A client's streams at submit (a node server's task), not yet known to be needed (``start_from``)."""
 _writes = [0]  # restore() calls so far
 
 
@@ -78,8 +83,9 @@ def kept() -> Iterator[None]:
 
 def start_from(task: Any, saved: dict[str, Any]) -> None:
     """``task``'s builds draw from ``saved`` (a client's ``states()`` at submit: a node server builds the task in
-    another process, whose generators are not the client's), and put back what they found."""
-    _remember(task, saved)
+    another process, whose generators are not the client's), and put back what they found; its first build, if
+    that draws nothing, makes its later ones leave the generators alone."""
+    _remember(task, _Client(saved))
 
 
 def _remember(task: Any, start: dict[str, Any]) -> None:
@@ -93,10 +99,11 @@ def replayed(task: Any) -> Iterator[None]:
     """A build of ``task``'s model: its first draws from the generators as they are (as the plain loop's one
     call); a later one from where the first started, and puts back what it found."""
     start = _STARTS.get(id(task))
-    if start is None:
-        start = states()
+    if start is None or isinstance(start, _Client):
+        before = states()
         yield
-        _remember(task, start if states() != start else _NO_DRAWS)
+        drew = states() != before
+        _remember(task, (dict(start) if start is not None else before) if drew else _NO_DRAWS)
         return
     with replay(None if start is _NO_DRAWS else start):
         yield
