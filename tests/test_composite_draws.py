@@ -37,6 +37,14 @@ class Attention(nn.Module):
         return h.flatten(1)
 
 
+def _trained(task: ht.ModelTask, devices: list[str], budget: str) -> nn.Module:
+    """``task`` trained on a fresh runtime of ``devices`` with ``budget`` each: its model."""
+    with ht.Runtime(devices=devices, device_memory=budget) as rt:
+        handle = rt.submit(task)
+        handle.result()
+        return handle.model()
+
+
 def _model(kind: str) -> nn.Module:
     layer = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True) if kind == "mha" else \
         nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True)
@@ -65,10 +73,7 @@ def _task(kind: str) -> ht.ModelTask:
 def test_attention_dropout_inside_multi_head_attention_trains_exactly(kind, budget):
     # before: max abs difference 0.005 (MultiheadAttention) and 0.039 (TransformerEncoderLayer)
     want, _ = plain_train(_task(kind))
-    with ht.Runtime(devices=["cpu", "cpu"], device_memory=budget) as rt:
-        handle = rt.submit(_task(kind))
-        handle.result()
-        got = handle.model()
+    got = _trained(_task(kind), ["cpu", "cpu"], budget)
     assert max_param_diff(want, got) == 0.0
 
 
@@ -76,10 +81,7 @@ def test_attention_dropout_inside_multi_head_attention_trains_exactly(kind, budg
 def test_dropout_between_recurrent_layers_trains_exactly(kind):
     # before: max abs difference 0.0014 (LSTM), 0.0060 (GRU), 0.018 (RNN)
     want, _ = plain_train(_task(kind))
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
-        handle = rt.submit(_task(kind))
-        handle.result()
-        got = handle.model()
+    got = _trained(_task(kind), ["cpu"], "64MiB")
     assert max_param_diff(want, got) == 0.0
 
 
@@ -103,10 +105,7 @@ def test_fractional_max_pooling_draws_its_samples_from_the_tasks_stream():
                             loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=0, name="pooled")
 
     want, _ = plain_train(task())
-    with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:
-        handle = rt.submit(task())
-        handle.result()
-        got = handle.model()
+    got = _trained(task(), ["cpu"], "64MiB")
     assert max_param_diff(want, got) == 0.0
 
 
@@ -185,8 +184,5 @@ def test_a_model_with_attention_without_dropout_trains_exactly():
                             loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=0, name="attending")
 
     want, _ = plain_train(task())
-    with ht.Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
-        handle = rt.submit(task())
-        handle.result()
-        got = handle.model()
+    got = _trained(task(), ["cpu", "cpu"], "64MiB")
     assert max_param_diff(want, got) == 0.0
