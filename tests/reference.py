@@ -69,6 +69,27 @@ def plain_train(task: Any) -> tuple[torch.nn.Module, list[float]]:
     return model, history
 
 
+def sgd_loop(make: Any, x: torch.Tensor, y: torch.Tensor, runtime: Any = None, batch: int = 8) -> torch.nn.Module:
+    """The classifier loop the prepared-loop tests share: ``torch.manual_seed(0)``, ``make()``, SGD (lr 0.1) on the
+    cross-entropy of ``x``/``y`` in minibatches of ``batch``; with ``runtime``, the model and optimizer prepared on
+    it first (the one adoption line). Returns the model (prepared or not)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if runtime is not None:
+        import hydra_tune as ht
+
+        model, opt = ht.prepare(model, opt, runtime=runtime)
+    for i in range(0, len(y), batch):
+        loss = F.cross_entropy(model(x[i:i + batch]), y[i:i + batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     diffs = [(p - q).abs().max().item() for p, q in zip(a.state_dict().values(), b.state_dict().values())
              if p.is_floating_point()]

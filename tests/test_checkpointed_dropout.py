@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, sgd_loop
 
 import hydra_tune as ht
 
@@ -53,16 +53,7 @@ def test_a_checkpointed_block_with_dropout_in_a_prepared_loop_trains_exactly():
     # before: a prepared backward's segment shared its forward's key, so it was never measured on its own and its
     # recompute's draws were never seen: the light router ran it, another mask (max abs difference 0.067)
     def run(rt=None):
-        torch.manual_seed(0)
-        model = Checkpointed(False)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        if rt is not None:
-            model, opt = ht.prepare(model, opt, runtime=rt)
-        for i in range(0, 48, 8):
-            loss = F.cross_entropy(model(X[i:i + 8]), Y[i:i + 8])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        model = sgd_loop(lambda: Checkpointed(False), X, Y, rt)
         return torch.cat([v.detach().flatten() for v in model.state_dict().values()])
     want = run()
     with ht.Runtime(devices=["cpu"], device_memory="64MiB") as rt:

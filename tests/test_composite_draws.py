@@ -3,7 +3,7 @@ attention dropout is drawn inside ``F.multi_head_attention_forward``, and the dr
 ``nn.LSTM``/``GRU``/``RNN`` inside ``torch.lstm`` & co. A function mode (the light router, dispatch.RandomRouter)
 is handed such a call whole and runs it as it is: the draws inside reach no function mode and drew from torch's
 global generator.
-A measured unit now notes the outermost call of each draw (``dispatch.OutermostCall``); one the router would not
+A measured unit now notes the outermost call of each draw (``draws.OutermostCall``); one the router would not
 see keeps its task on the full mode (``UnitMode``), so these models train bit-identical to the plain loop (CPU fp32),
 as ModelTasks and in prepared loops."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import max_param_diff, plain_train
+from reference import max_param_diff, plain_train, sgd_loop
 
 import hydra_tune as ht
-from hydra_tune.device import dispatch
+from hydra_tune.device import dispatch, draws
 
 X = torch.randn(48, 16, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 4, (48,), generator=torch.Generator().manual_seed(2))
@@ -111,16 +111,7 @@ def test_fractional_max_pooling_draws_its_samples_from_the_tasks_stream():
 
 def test_a_prepared_loop_with_multi_head_attention_dropout_trains_exactly():
     def run(rt=None):
-        torch.manual_seed(0)
-        model = _model("mha")
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        if rt is not None:
-            model, opt = ht.prepare(model, opt, runtime=rt)
-        for i in range(0, 48, 8):
-            loss = F.cross_entropy(model(X[i:i + 8]), Y[i:i + 8])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        model = sgd_loop(lambda: _model("mha"), X, Y, rt)
         return {k: v.clone() for k, v in model.state_dict().items()}
 
     want = run()
@@ -131,22 +122,22 @@ def test_a_prepared_loop_with_multi_head_attention_dropout_trains_exactly():
 
 def test_a_measured_draw_names_whether_the_router_would_see_it():
     def seeded(fn) -> set[str]:
-        with dispatch.UnitMode(torch.Generator().manual_seed(0)) as mode, dispatch.OutermostCall() as mode.outermost:
+        with dispatch.UnitMode(torch.Generator().manual_seed(0)) as mode, draws.OutermostCall() as mode.outermost:
             fn()
         return mode.seeded
 
     x = torch.randn(2, 4, 8)
     # a composite function the router does not know draws inside (its random samples): the task keeps UnitMode
     pool = nn.FractionalMaxPool2d(2, output_size=(2, 4))
-    assert dispatch.UNSEEN in seeded(lambda: pool(x.unsqueeze(0)))
+    assert draws.UNSEEN in seeded(lambda: pool(x.unsqueeze(0)))
     # those it knows when they draw: run under UnitMode by the router itself (exact, the rest of the unit light)
     mha = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
-    assert seeded(lambda: mha(x, x, x, need_weights=False)) <= dispatch.ROUTED
+    assert seeded(lambda: mha(x, x, x, need_weights=False)) <= draws.ROUTED
     lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.3)
-    assert seeded(lambda: lstm(x)) <= dispatch.ROUTED
-    assert seeded(lambda: F.dropout(x, 0.3)) <= dispatch.ROUTED  # what the router takes itself
-    assert seeded(lambda: torch.ops.aten.bernoulli_(torch.empty(3), 0.5)) <= dispatch.ROUTED  # (by its name too)
-    assert seeded(lambda: torch.randn_like(x)) <= dispatch.ROUTED
+    assert seeded(lambda: lstm(x)) <= draws.ROUTED
+    assert seeded(lambda: F.dropout(x, 0.3)) <= draws.ROUTED  # what the router takes itself
+    assert seeded(lambda: torch.ops.aten.bernoulli_(torch.empty(3), 0.5)) <= draws.ROUTED  # (by its name too)
+    assert seeded(lambda: torch.randn_like(x)) <= draws.ROUTED
 
 
 def test_attention_with_no_dropout_is_not_a_draw():

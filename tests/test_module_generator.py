@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import max_param_diff
+from reference import max_param_diff, sgd_loop
 from test_resume_exactness import _run
 from test_state_exactness import plain
 
@@ -82,16 +82,7 @@ def test_the_generators_state_survives_a_checkpoint(tmp_path, recompute):
 
 def test_a_prepared_loop_with_a_modules_own_generator_trains_exactly(recompute):
     def run(rt=None):
-        torch.manual_seed(0)
-        model = _net()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        if rt is not None:
-            model, opt = ht.prepare(model, opt, runtime=rt)
-        for i in range(0, 64, 8):
-            loss = F.cross_entropy(model(X[i:i + 8]), Y[i:i + 8])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        model = sgd_loop(_net, X, Y, rt)
         return {k: v.clone() for k, v in model.state_dict().items()}, _states(model)
 
     want = run()

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .dispatch import ROUTED, MemoryAccount, OutermostCall, UnitMode, router_for
+from .dispatch import MemoryAccount, UnitMode, router_for
+from .draws import ROUTED, OutermostCall
 from .offload import releases_graphs
 from .quiet import QuietUnits
 from .rng import TaskRNG
