@@ -188,10 +188,11 @@ class Clients:
             if not self._clients:
                 self._idle_since = time.monotonic()
         unfinished = [h for h in handles if not h.done()]
-        for h in unfinished:
-            h.cancel()
+        # Recorded before the cancels: whoever sees a task of this client cancelled also finds its departure.
         with self._lock:
             self._departures.append({"client": client.cid, "pid": client.pid, "at": at,
                                      "cancelled": [h.name for h in unfinished]})
+        for h in unfinished:
+            h.cancel()
         client.conn.close()
         server_log(f"client {client.cid} (pid {client.pid}) left; cancelled {len(unfinished)} unfinished task(s)")
