@@ -1,7 +1,7 @@
 """An exact, hashable key of what a measurement depends on (equal keys, equal results), and a bounded memo.
 
     keyer = Keyer()
-    key = keyer.key([s.module for s in cut.stages], loss_fn, autocast)   # raises Unkeyable
+    key = keyer.key([s.module for s in cut.stages], loss_fn, autocast)   # (digest, anchors); raises Unkeyable
     keyer.position(id(param))     # the tensor's place in the walk: the same place in an equal model
     memo = Memo(64); memo.get(key) or memo.put(key, measured)
 
@@ -12,8 +12,15 @@ values; functions by their code, defaults and closure contents (so two lambdas f
 captures are equal); objects by class and attributes. Hook dictionaries are keyed by registration order, not by
 torch's global handle numbers.
 
-Rules: equal keys only when every one of those is equal, so two models that differ in one layer width, one
-dropout rate, one frozen parameter or one hook get different keys. A value it cannot read exactly (an object
+A key is compact, since memos keep up to 64 keys each and a walk of a large model is a large nested tuple: the
+walk's structure and plain values (tuples, frozensets, ints, floats, strings, bytes) go into a BLAKE2b-256 digest
+of their ``marshal`` bytes (an exact encoding of those types: ``-0.0`` is not ``0.0``, ``1`` is not ``True``), every
+other leaf (classes by weak reference, dtypes, code objects, C functions, hashable objects) into the key's
+``anchors``, each once, compared as the leaf itself would be. Stricter than equality only where a miss is harmless
+(two equal frozensets iterated in another order measure again).
+
+Rules: equal keys only when every one of those is equal (up to a digest collision), so two models that differ in
+one layer width, one dropout rate, one frozen parameter or one hook get different keys. A value it cannot read exactly (an object
 without ``__dict__`` that is neither a known type nor hashable by value, an attribute that raises when read), a
 walk past ``LIMIT`` values (a module holding a dataset) or a tensor past ``DIGEST_LIMIT`` bytes to key by its
 values raises ``Unkeyable``: the caller then measures anew. Not seen: module-level globals
@@ -24,6 +31,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import marshal
 import threading
 import types
 import weakref
@@ -40,7 +48,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _PLAIN_TYPES = frozenset(_PLAIN)  # exact types: the fast path (subclasses take the isinstance one)
 _CONTAINERS = frozenset((tuple, list, dict, set, frozenset))
 # Values that are themselves the key: long-lived objects compared by identity (C functions and descriptors,
-# modules, enum members) or by value (torch's dtypes and devices); classes go in by weak reference (_held)
+# modules, enum members) or by value (torch's dtypes and devices): anchors; classes by weak reference (Keyer._held)
 _BY_IDENTITY = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
                 types.MethodWrapperType, types.GetSetDescriptorType, types.MemberDescriptorType,
                 types.ClassMethodDescriptorType, types.ModuleType, types.CodeType, torch.dtype, torch.device,
@@ -60,12 +68,6 @@ def _torch_own() -> frozenset[str]:
 _EMPTY_CELL = ("<empty cell>",)
 
 
-def _held(cls: type) -> Any:
-    """A class in a key: a weak reference (equal while the class lives, so a key keeps no user class, and through
-    its methods' closures no model, alive; a dead class's key matches nothing, not a new class at its address)."""
-    return weakref.ref(cls)
-
-
 class Unkeyable(Exception):
     """Something in the walk cannot be keyed exactly: measure instead of reusing a profile."""
 
@@ -79,19 +81,22 @@ class Keyer:
         self._tensors: dict[int, int] = {}   # id(tensor) -> its place among the tensors walked
         self._objects: dict[int, int] = {}   # id(object) -> its place among the objects walked
         self._alive: list[Any] = []          # what the ids above belong to, so no id is reused during the walk
+        self._anchors: dict[Any, int] = {}   # leaves that are no plain value -> their index (module docstring)
         self._left = limit
 
-    def key(self, *values: Any) -> tuple[Any, ...]:
-        """The key of ``values``; raises Unkeyable (also for anything that fails while it is read, a nesting
-        too deep for Python's recursion limit included)."""
+    def key(self, *values: Any) -> tuple[bytes, tuple[Any, ...]]:
+        """The key of ``values``: (digest, anchors); raises Unkeyable (also for anything that fails while it is
+        read, a nesting too deep for Python's recursion limit or marshal's included). Keys of one keyer share its
+        places and anchors: each holds the anchors of every earlier one too."""
         try:
-            out = tuple(self.value(v) for v in values)
-            hash(out)
-            return out
+            out = marshal.dumps(tuple(self.value(v) for v in values), 2)   # version 2: no back-references
+            anchors = tuple(self._anchors)
+            hash(anchors)
         except Unkeyable:
             raise
         except Exception as exc:  # noqa: BLE001  (an attribute that raises when read, an unhashable leaf)
             raise Unkeyable(f"{type(exc).__name__}: {exc}") from None
+        return hashlib.blake2b(out, digest_size=32).digest(), anchors
 
     def position(self, tensor_id: int) -> int:
         """The place of the tensor with this ``id`` among the tensors walked (KeyError: not walked)."""
@@ -101,26 +106,35 @@ class Keyer:
         return dict(self._tensors)
 
     # -- one value ------------------------------------------------------------------------------------------
+    def _anchor(self, leaf: Any) -> tuple[str, int]:
+        """A leaf that is no plain value, by its index among the anchors (equal leaves share one)."""
+        return "@", self._anchors.setdefault(leaf, len(self._anchors))
+
+    def _held(self, cls: type) -> tuple[str, int]:
+        """A class: a weak reference (equal while the class lives, so a key keeps no user class, and through its
+        methods' closures no model, alive; a dead class's key matches nothing, not a new class at its address)."""
+        return self._anchor(weakref.ref(cls))
+
     def value(self, v: Any) -> Any:
         self._left -= 1
         if self._left < 0:
             raise Unkeyable(f"more than {LIMIT} values to walk")
         kind = type(v)  # checks on the type: isinstance would read __class__ (slow on transformers' configs)
         if kind in _PLAIN_TYPES:
-            return kind, v  # True, 1 and 1.0 are equal in Python: the type keeps them apart
+            return v  # (True, 1 and 1.0 are equal in Python; marshal writes each with its type)
         if kind in _CONTAINERS:
             return self._container(v)
         seen = self._objects.get(id(v))
         if seen is not None:
             return "ref", seen
         if issubclass(kind, _PLAIN):
-            return _held(kind), v
+            return self._held(kind), self._anchor(v)
         if issubclass(kind, torch.Tensor):
             return self._tensor(v)
         if issubclass(kind, type):
-            return _held(v)
+            return self._held(v)
         if issubclass(kind, _BY_IDENTITY):
-            return v
+            return self._anchor(v)
         if issubclass(kind, (tuple, list, dict, set, frozenset)):
             return self._container(v)
         self._objects[id(v)] = len(self._objects)
@@ -135,7 +149,7 @@ class Keyer:
         else:
             items = tuple(self.value(x) for x in v)
         extra = getattr(v, "__dict__", None)  # a subclass's own attributes (a namedtuple has none)
-        return _held(type(v)), items, self._attrs(extra) if extra else None
+        return self._held(type(v)), items, self._attrs(extra) if extra else None
 
     def _tensor(self, t: torch.Tensor, values: bool | None = None) -> Any:
         """Layout and place; the values too (``values``; default: a tensor that is no parameter or buffer)."""
@@ -144,8 +158,8 @@ class Keyer:
             return "same tensor", place
         self._tensors[id(t)] = place = len(self._tensors)
         self._alive.append(t)
-        layout = (_held(type(t)), tuple(t.shape), t.dtype, t.stride() if t.layout == torch.strided else None,
-                  t.device.type, t.requires_grad, place)
+        layout = (self._held(type(t)), tuple(t.shape), self._anchor(t.dtype),
+                  t.stride() if t.layout == torch.strided else None, t.device.type, t.requires_grad, place)
         if values is None:
             values = self.values and not isinstance(t, nn.Parameter)
         return layout + (self._digest(t),) if values else layout
@@ -173,22 +187,22 @@ class Keyer:
         if isinstance(v, functools.partial):
             return "partial", self.value(v.func), self.value(v.args), self.value(v.keywords)
         if isinstance(v, (staticmethod, classmethod)):
-            return _held(type(v)), self.value(v.__func__)
+            return self._held(type(v)), self.value(v.__func__)
         if isinstance(v, property):
-            return _held(type(v)), self.value(v.fget), self.value(v.fset), self.value(v.fdel)
+            return self._held(type(v)), self.value(v.fget), self.value(v.fset), self.value(v.fdel)
         attrs = getattr(v, "__dict__", None)
         if attrs is not None:
-            return _held(type(v)), self._attrs(attrs), self._slots(v)
+            return self._held(type(v)), self._attrs(attrs), self._slots(v)
         slots = self._slots(v)
         if slots:
-            return _held(type(v)), slots
+            return self._held(type(v)), slots
         try:
             hash(v)
         except TypeError:
             raise Unkeyable(f"a {type(v).__name__} without attributes") from None
         if type(v).__eq__ is object.__eq__:
             raise Unkeyable(f"a {type(v).__name__} compared by identity")  # would never equal another model's
-        return _held(type(v)), v
+        return self._held(type(v)), self._anchor(v)
 
     def _slots(self, v: Any) -> tuple[Any, ...]:
         names = [n for cls in type(v).__mro__ for n in getattr(cls, "__slots__", ()) if n not in ("__dict__",
@@ -202,8 +216,8 @@ class Keyer:
                 cells.append(cell.cell_contents)
             except ValueError:  # an empty cell (a name assigned later)
                 cells.append(_EMPTY_CELL)
-        return ("function", f.__module__, f.__code__, self.value(f.__defaults__), self.value(f.__kwdefaults__),
-                self.value(cells))
+        return ("function", f.__module__, self._anchor(f.__code__), self.value(f.__defaults__),
+                self.value(f.__kwdefaults__), self.value(cells))
 
     def _attrs(self, own: dict[str, Any], skip: tuple[str, ...] = ()) -> tuple[Any, ...]:
         """An object's ``__dict__``; hook dictionaries (torch's modules and optimizers keep them by global handle
@@ -229,7 +243,7 @@ class Keyer:
         state = tuple((name, None if t is None else self._tensor(t, values=False))
                       for name, t in [*m._parameters.items(), *m._buffers.items()])
         children = tuple((name, self.value(x)) for name, x in m._modules.items())
-        return _held(type(m)), self._attrs(m.__dict__, _MODULE_OWN), state, children
+        return self._held(type(m)), self._attrs(m.__dict__, _MODULE_OWN), state, children
 
 
 class Memo:
