@@ -20,11 +20,11 @@ other leaf (classes by weak reference, dtypes, code objects, C functions, hashab
 (two equal frozensets iterated in another order measure again).
 
 Rules: equal keys only when every one of those is equal (up to a digest collision), so two models that differ in
-one layer width, one dropout rate, one frozen parameter or one hook get different keys. A value it cannot read exactly (an object
-without ``__dict__`` that is neither a known type nor hashable by value, an attribute that raises when read), a
-walk past ``LIMIT`` values (a module holding a dataset) or a tensor past ``DIGEST_LIMIT`` bytes to key by its
-values raises ``Unkeyable``: the caller then measures anew. Not seen: module-level globals
-that code reads at run time, and what a function's ``__globals__`` holds.
+one layer width, one dropout rate, one frozen parameter or one hook get different keys. A value it cannot read
+exactly (an object without ``__dict__`` that is neither a known type nor hashable by value, an attribute that
+raises when read), a walk past ``LIMIT`` values (a module holding a dataset) or a tensor past ``DIGEST_LIMIT`` bytes
+to key by its values raises ``Unkeyable``: the caller then measures anew. Not seen: module-level globals that code
+reads at run time, and what a function's ``__globals__`` holds.
 """
 from __future__ import annotations
 
