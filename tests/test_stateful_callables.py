@@ -51,6 +51,31 @@ class CountedAccuracy:
         return (out.argmax(-1) == batch[1]).sum(), batch[1].numel()
 
 
+class RunningMeanLoss(nn.Module):
+    """Cross-entropy over a running mean of the losses so far, kept in a buffer updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ce = nn.CrossEntropyLoss()
+        self.register_buffer("mean", torch.ones(()))
+
+    def forward(self, out: torch.Tensor, batch: tuple) -> torch.Tensor:
+        loss = self.ce(out, batch[1])
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * loss)
+        return loss / self.mean
+
+
+class TensorCountedAccuracy(CountedAccuracy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = torch.zeros((), dtype=torch.long)
+
+    def __call__(self, out: torch.Tensor, batch: tuple) -> tuple:
+        self.seen += batch[1].numel()
+        return super().__call__(out, batch)
+
+
 def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 4))
 
@@ -82,11 +107,14 @@ def plain(loss, metric) -> nn.Module:
 
 
 @pytest.mark.parametrize("budget", ["64MiB", "20KiB"])
-@pytest.mark.parametrize("kind", ["object", "closure"])
+@pytest.mark.parametrize("kind", ["object", "closure", "module"])
 def test_a_loss_and_a_metric_with_state_train_and_count_as_in_the_plain_loop(kind, budget):
     # before: the cost profile's loss call and the submit's metric check counted too: the warm-up ran a call
-    # ahead (weights 0.008 apart) and the history and counts held one entry more than the plain loop's
+    # ahead (weights 0.008 apart) and the history and counts held one entry more than the plain loop's; a loss
+    # module's buffer kept the profile's update (0.003 apart)
     def make():
+        if kind == "module":
+            return RunningMeanLoss(), TensorCountedAccuracy()
         return (WarmedLoss() if kind == "object" else closure_loss()), CountedAccuracy()
 
     loss, metric = make()
@@ -101,3 +129,5 @@ def test_a_loss_and_a_metric_with_state_train_and_count_as_in_the_plain_loop(kin
     assert got_metric.calls == metric.calls == 2
     if kind == "object":
         assert got_loss.calls == loss.calls and got_loss.history == loss.history
+    if kind == "module":
+        assert torch.equal(got_loss.mean, loss.mean) and torch.equal(got_metric.seen, metric.seen)

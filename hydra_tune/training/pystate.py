@@ -42,7 +42,7 @@ from torch.nn.modules import module as torch_module  # torch keeps the global mo
 from torch.utils.data import Dataset
 
 from .names import shared_name
-from .pystate_values import BIG, CONTAINERS, contents_of, put_contents, same_contents
+from .pystate_values import BIG, CONTAINERS, KeptTensors, contents_of, put_contents, same_contents
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -219,13 +219,15 @@ class ModuleState:
     """The Python state of some modules at one moment (see the module docstring for what counts)."""
 
     def __init__(self, entries: list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]],
-                 named: list[tuple[str, Any]] | None = None, layout: Any = None) -> None:
+                 named: list[tuple[str, Any]] | None = None, layout: Any = None,
+                 tensors: KeptTensors | None = None) -> None:
         # (holder, {key: value}, {key: contents} for the values that have any, else None): a task keeps its
         # model's as-built state for its whole life (checkpoint.py), so no per-key tuple is spent on scalars
         self._entries = entries
         self._named = named or []  # of_model, of_objects: the (label, object) pairs taken
         self._hooks = _hook_counts(self._named)  # (path, hook dict) -> hooks there then, where any (~90 KiB saved)
         self._layout = layout  # pystate_layout.Layout: the places of state as taken, for a quick ``changed``
+        self._tensors = tensors  # of_callables: their tensors' values, put back by ``restore`` too
 
     @classmethod
     def take(cls, modules: Iterable[nn.Module]) -> ModuleState:
@@ -250,18 +252,21 @@ class ModuleState:
         """The state of the user's callables hydra_tune calls more often than the plain loop (a task's loss in the
         cost profile, its metrics at submit), labelled as ``named`` gives them: a function's closure cells and
         attributes, a bound method's object, a callable object's attributes (a loss that counts its calls or
-        keeps a history); ``restore()`` puts it back."""
+        keeps a history), every module of a loss module, and their tensors' values (a running mean in a buffer);
+        ``restore()`` puts it back."""
         objects: list[tuple[str, Any]] = []
         cells: list[_Holder] = []
         for label, fn in named:
             code = fn.__func__ if isinstance(fn, types.MethodType) else fn
             owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
-            if hasattr(owner, "__dict__"):
+            if isinstance(owner, nn.Module):
+                objects += [(f"{label}.{path}" if path else label, m) for path, m in owner.named_modules()]
+            elif hasattr(owner, "__dict__"):
                 objects.append((label, owner))
             if isinstance(code, types.FunctionType):
                 cells += [_Holder(f"{label} closure", label, "", _Cell(cell, var), frozenset())
                           for var, cell in zip(code.__code__.co_freevars, code.__closure__ or ())]
-        return cls(_entries(_holders(objects) + cells, BIG))
+        return cls(_entries(_holders(objects) + cells, BIG), tensors=KeptTensors.of(named))
 
     @classmethod
     def _take(cls, named: Iterable[tuple[str, Any]], big: float, keep: list[tuple[str, Any]] | None = None,
@@ -388,6 +393,8 @@ class ModuleState:
                     put_contents(value, contents)
             elif d.how == "contents":
                 put_contents(d.recorded[0], d.recorded[1])
+        if self._tensors is not None:
+            self._tensors.restore()
 
 
 def _entries(holders: list[_Holder], big: float) -> list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]]:
