@@ -31,6 +31,9 @@ class TaskRNG:
         # None: no GPU ran the task yet (seed with ``seed``); a 0-d int64 tensor: a pending seed; else a GPU state
         self.accel_state: torch.Tensor | None = None
         self.router: Any = None  # the RandomRouter its units reuse (dispatch.router_for)
+        # its code draws from Python's or numpy's global generator (its profile saw it): a retried segment rewinds
+        # them too (training/host_rng.py ``mark``)
+        self.host_draws = False
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.cpu.get_state(), self.accel_state

@@ -53,6 +53,7 @@ class StageCost:
     fwd_seconds: float = 0.0  # measured time of its forward: what keeping its activations saves per minibatch
     off_fwd_peak: int = 0    # above the input, forward with saved activations sent to host (0: not measured)
     off_bwd_peak: int = 0    # above what that forward holds, its backward bringing them back
+    draws_host: bool = False  # its forward (or the loss) drew from Python's or numpy's global generator
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ import torch
 
 from ..device.devices import Device
 from ..errors import rule_error
+from ..training import host_rng
 from ..training.boundary import task_work
 from ..training.segments import Segment, Unit, segment_key
 from ..training.step import check_lazy
@@ -80,7 +81,9 @@ class Driver:
         self._closed = False
         self._told = False  # the task's error was raised in one of the user's calls already
         self._made = 0
-        self._attempt: tuple[Any, Callable[[], Segment]] | None = None  # the segment in flight: RNG, rebuild
+        # the segment in flight: RNG (and Python's generators where the task draws from them), rebuild (given the
+        # generators to go on from once a retried backward's forward replayed its draws)
+        self._attempt: tuple[Any, Callable[[dict[str, Any] | None], Segment]] | None = None
         self.forward_snap: Any = None  # the RNG state the latest training forward started from
         self.finished = False  # the chain ended: the state is back in host memory for good
         self.pending = 0   # the training forward awaiting its backward (its number), 0: none
@@ -223,11 +226,11 @@ class Driver:
     def open_forward(self, train: bool) -> Segment:
         """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``, from the task's RNG state now (kept: a
         retry, and a training forward's backward retried, start from it)."""
-        snap = self.state.rng.snapshot()
+        snap = self.state.rng.snapshot(), host_rng.mark(self.state.rng)
         if train:
             self.forward_snap = snap
-        self._attempt = (snap, lambda: self.segment(self._forward_list(train), train, follows=train))
-        return self._attempt[1]()
+        self._attempt = (snap, lambda now: self.segment(self._forward_list(train), train, follows=train))
+        return self._attempt[1](None)
 
     def open_backward(self, out_grads: list[Any]) -> Segment:
         """B(K-1)..B0 from the output's gradients. Retried after a device out-of-memory (its forward's kept
@@ -237,9 +240,13 @@ class Driver:
         def put() -> None:
             state.store.out_grads[len(state.execs) - 1] = out_grads
 
-        def again() -> Segment:
+        def again(now: dict[str, Any] | None) -> Segment:
             put()
-            return self.segment(self._forward_list(True) + self._backward_list(), True)
+            forward = self._forward_list(True)
+            if now is not None:  # the forward draws from Python's generators what it drew; after it they go on
+                kind, ex, run = forward[-1]  # from where the user's loop has them (it may have drawn since)
+                forward[-1] = (kind, ex, lambda d: (run(d), host_rng.restore(now))[0])
+            return self.segment(forward + self._backward_list(), True)
         put()
         self._attempt = (self.forward_snap, again)
         return self.segment(self._backward_list(), True)
@@ -250,12 +257,14 @@ class Driver:
         if self._attempt is None:
             raise RuntimeError(f"task {self.name!r} has no segment in flight to retry")
         snap, rebuild = self._attempt
-        state.rng.restore(snap)
+        now = host_rng.states() if snap[1] is not None else None  # (the backward's retry goes on from here)
+        state.rng.restore(snap[0])
+        host_rng.rewind(snap[1])
         state.store.reset_attempt()  # buffers and Python state as before the forward (undo kept since then)
         with direct():  # pending per-shard updates are applied first, where their entries are (before the new
             state.home.flush()  # shards are cut: their parameters are plain nn.Parameters again, guard.py)
             state.reshard(plan)
-        return rebuild()
+        return rebuild(now)
 
     def _forward_list(self, train: bool) -> list[tuple[str, Any, Callable[[Device], Any]]]:
         state = self.state

@@ -20,7 +20,9 @@ the first (the meta build for admission) runs from the server's own, so that a f
 no write; the client's own streams do not move (its process never runs the factory).
 numpy is read only when the process imported it. Reading both costs tens of microseconds, so a shard's recomputed
 forwards are watched at its first ``shard_state.HOST_CHECKS`` (2) only: one that drew nothing there is not
-snapshotted later (a forward that starts drawing only after its first steps is not replayed).
+snapshotted later (a forward that starts drawing only after its first steps is not replayed); a segment that may be
+retried (a device out-of-memory) is marked only for a task whose cost profile saw a stage draw
+(``TaskRNG.host_draws``).
 
 The generators are one per process, so hydra_tune writes them only where the code it ran drew (a factory that drew
 at its first build, a profile or check that drew, a recompute of a forward that drew; a node server's builds from
@@ -79,6 +81,18 @@ def kept() -> Iterator[None]:
     finally:
         if states() != saved:
             restore(saved)
+
+
+def mark(rng: Any) -> dict[str, Any] | None:
+    """Where a segment that may be retried (a device out-of-memory, an unrouted draw) starts, for a task whose code
+    draws from the generators (``TaskRNG.host_draws``); None for the others (no read: tens of microseconds)."""
+    return states() if rng.host_draws else None
+
+
+def rewind(saved: dict[str, Any] | None) -> None:
+    """A retried segment draws what its failed attempt drew (``saved`` from ``mark``)."""
+    if saved is not None:
+        restore(saved)
 
 
 def start_from(task: Any, saved: dict[str, Any]) -> None:

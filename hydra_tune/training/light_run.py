@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..device.devices import Device
 from ..device.quiet import UnroutedDraw
+from . import host_rng
 from .boundary import task_work
 from .replan import is_oom
 from .segments import segment_key
@@ -114,7 +115,7 @@ class LightRun:
     def _train(self, loop: TrainingLoop, ex: Any, key: Any, batch: Any, losses: list[float]) -> bool:
         state, device = loop.state, self.device
         loop.start_minibatch(batch)
-        snap = state.rng.snapshot()
+        snap = state.rng.snapshot(), host_rng.mark(state.rng)
         value = self._unit(loop, ex, key, "L", snap, lambda: ex.direct.forward_loss_backward(
             device, state.store, state.rng, state.task.loss, 1))
         if value is None:
@@ -141,7 +142,8 @@ class LightRun:
 
         def run() -> bool:
             loop.hold(batch)
-            value = self._unit(loop, ex, key, "E", state.rng.snapshot(), lambda: ex.direct.evaluate(
+            snap = state.rng.snapshot(), host_rng.mark(state.rng)
+            value = self._unit(loop, ex, key, "E", snap, lambda: ex.direct.evaluate(
                 device, state.store, state.rng, state.task.loss, loop.measuring(measured)))
             if value is not None:
                 losses.append(value)
@@ -175,7 +177,8 @@ class LightRun:
     def _undo(loop: TrainingLoop, ex: Any, snap: Any, kind: str = "L") -> None:
         if kind == "L":
             ex.direct.undo()
-        loop.state.rng.restore(snap)
+        loop.state.rng.restore(snap[0])
+        host_rng.rewind(snap[1])
         loop.state.store.reset_attempt()
 
     def finish(self) -> None:

@@ -38,6 +38,7 @@ import torch
 from ..device.devices import Device
 from ..policy.partition import Plan
 from ..task import check_batch
+from . import host_rng
 from .boundary import task_work
 from .checkpoint import Position
 from .data import close_workers, data_generators, is_factory, sampler_state
@@ -159,6 +160,7 @@ class TrainingLoop(LoopData):
         if attempt is None:
             raise RuntimeError(f"task {state.task.name!r} has no segment in flight to retry")
         state.rng.restore(attempt.rng)
+        host_rng.rewind(attempt.host)
         del attempt.losses[attempt.n_losses:]
         self._skipping = False
         state.store.reset_attempt()
@@ -269,7 +271,8 @@ class TrainingLoop(LoopData):
         store.carries[0] = self.state.cut.prepare(batch)
 
     def _attempted(self, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
-        self._attempt = Attempt(self.state.rng.snapshot(), losses, len(losses), rebuild)
+        rng = self.state.rng
+        self._attempt = Attempt(rng.snapshot(), losses, len(losses), rebuild, host_rng.mark(rng))
         return rebuild()
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:

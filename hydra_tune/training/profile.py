@@ -25,6 +25,7 @@ import contextlib
 import copy
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -158,8 +159,10 @@ def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed
     try:
         for k, stage in enumerate(stages):
             ex = ShardExec(k, [stage], autocast)
+            host = host_rng.states()
             cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng)
-            costs.append(cost)
+            # (a task whose code draws from them has them rewound with its RNG by a retry: TaskRNG.host_draws)
+            costs.append(replace(cost, draws_host=True) if host_rng.states() != host else cost)
     finally:
         lost = before.inplace()
         before.restore()

@@ -124,6 +124,7 @@ class TaskState:
                      evaluate=task.eval_data is not None)
         check_metrics_run(task, model, sample, UnitMode)  # each metric tried once, on a copy of the model
         costs = measure_costs(cut, sample, task.loss, task.seed, AUTOCAST_DTYPES[task.precision], device)
+        rng.host_draws = any(c.draws_host for c in costs)
         try:
             plan = partition(costs, budget, bandwidth=bandwidth, keep=keep)
         except PlanError as exc:
