@@ -65,6 +65,36 @@ class NeedsConfig(nn.Module):
         self.layer = nn.Linear(config, config)
 
 
+class ScalesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x.mul_(0.5))
+
+
+class StageAddsToItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.second(self.first(x).add_(1.0))
+
+    def hydra_stages(self):
+        return [self.first, _AddOne(self.second)]
+
+
+class _AddOne(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x.add_(1.0))
+
+
 def scheduler_without_optimizer():
     return None
 
@@ -157,6 +187,18 @@ AT_SUBMIT = [
      "the model holds no TorchScript module (torch.jit.script / torch.jit.trace): the runtime runs each stage over "
      "device copies of its parameters, bound into the Python modules must hold, but got (task='t', "
      "scripted=['(the model)', '0', '1', '2']). Fix: pass the Python module (script or trace it once trained)."),
+    ("forward-changes-its-batch",  # before: trained on the batch as it was every epoch, the plain loop on halves
+     dict(model=ScalesItsInput), ValueError,
+     "the model's forward changes no tensor of its input batch in place (a unit runs it on the batch's device copy, "
+     "so the batch would not change as it does in the plain loop, where a batch reused by a later epoch arrives "
+     "changed) must hold, but got (stage='ScalesItsInput'). Fix: change a copy (`x = x * 0.5` instead of "
+     "`x.mul_(0.5)`, or `x = x.clone()` first)."),
+    ("stage-changes-its-input",  # before: torch's "a leaf Variable that requires grad is being used in an in-place"
+     dict(model=StageAddsToItsInput), ValueError,
+     "a stage after the first changes no tensor of its input in place (each stage's input is where the gradient for "
+     "the stage before it collects) must hold, but got (stage='1:_AddOne'). Fix: make that change out of place (`x "
+     "= x + 1` instead of `x.add_(1)`), or declare stages so that the module doing it is in the stage before (a "
+     "module with `inplace=True` joins it by itself)."),
     ("optimizer-factory-returns-list",
      dict(optimizer=returns_param_list), TypeError,
      "`optimizer(model)` returns a torch.optim.Optimizer must hold, but got (task='t', returned='list'). Fix: "

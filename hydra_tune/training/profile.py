@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 
 from ..device.devices import CpuDevice, Device
 from ..device.rng import TaskRNG
+from ..errors import rule_error
 from ..policy.partition import StageCost
 from ..stages import ModelStages, Stage
 from . import host_rng
@@ -42,7 +43,7 @@ from .pystate import ModuleState
 from .residency import offloading
 from .shard import ShardExec
 from .store import tree_bytes
-from .trees import open_dataclasses
+from .trees import open_dataclasses, tensor_leaves
 
 
 def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
@@ -52,6 +53,7 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
         with torch.no_grad():
             copies = ex.load(dev, grad=False)
             carry_dev = ex.to_device(dev, carry)
+            versions = _versions(carry_dev) if ex.index == 0 else None
             base = acct.current
             acct.reset_peak()
             dev.sync()
@@ -59,6 +61,8 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             out = ex.run(carry_dev, copies, dev)
             dev.sync()
             fwd_seconds = time.perf_counter() - t0  # what recomputing it costs: the value of keeping it
+            if versions is not None and _versions(carry_dev) != versions:
+                raise _input_changed(ex)
             open_dataclasses(out)  # a dataclass output's tensors are moved and joined as a tuple's from now on
             fwd_peak = acct.peak - base
             del copies, carry_dev
@@ -66,7 +70,12 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
         carry_dev, _ = ex.grad_inputs(dev, carry)
         base = acct.current
         acct.reset_peak()
-        out_g = ex.run(carry_dev, copies, dev)
+        try:
+            out_g = ex.run(carry_dev, copies, dev)
+        except RuntimeError as exc:
+            if ex.index > 0 and "leaf Variable that requires grad is being used in an in-place" in str(exc):
+                raise _input_changed(ex) from exc  # (its input is a leaf here, collecting the gradient to send back)
+            raise
         if last:
             out_g = ex.loss(dev, loss_fn, out_g, batch)
         saved = acct.current - base
@@ -79,6 +88,26 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
     cost = StageCost(ex.names[0], params, buffers, tree_bytes(carry), tree_bytes(out), fwd_peak, saved,
                      grad_fwd_peak, bwd_peak, fwd_seconds, off_fwd_peak, off_bwd_peak)
     return cost, out
+
+
+def _versions(tree: Any) -> list[int]:
+    return [t._version for t in tensor_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _input_changed(ex: ShardExec) -> Exception:
+    """The first stage changed a tensor of its batch in place: the plain loop's batch tensors change with it (a
+    list of batches reused every epoch then trains on changed data), while a unit changes its device copy. A later
+    stage changed its input in place: a unit's input is a leaf of its own graph (the gradient to send back
+    collects there), which autograd refuses to change in place."""
+    if ex.index == 0:
+        return rule_error("the model's forward changes no tensor of its input batch in place (a unit runs it on the "
+                          "batch's device copy, so the batch would not change as it does in the plain loop, where a "
+                          "batch reused by a later epoch arrives changed)", "change a copy (`x = x * 0.5` instead "
+                          "of `x.mul_(0.5)`, or `x = x.clone()` first)", stage=ex.names[0])
+    return rule_error("a stage after the first changes no tensor of its input in place (each stage's input is where "
+                      "the gradient for the stage before it collects)", "make that change out of place (`x = x + 1` "
+                      "instead of `x.add_(1)`), or declare stages so that the module doing it is in the stage before "
+                      "(a module with `inplace=True` joins it by itself)", stage=ex.names[0])
 
 
 def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any) -> tuple[int, int]:
