@@ -131,3 +131,58 @@ def test_a_loss_and_a_metric_with_state_train_and_count_as_in_the_plain_loop(kin
         assert got_loss.calls == loss.calls and got_loss.history == loss.history
     if kind == "module":
         assert torch.equal(got_loss.mean, loss.mean) and torch.equal(got_metric.seen, metric.seen)
+
+
+class DistillationLoss(nn.Module):
+    """Cross-entropy plus a KL term towards a teacher whose parameters were left trainable (its gradients add up
+    over the plain loop's backwards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, out: torch.Tensor, batch: tuple) -> torch.Tensor:
+        soft = F.softmax(self.teacher(batch[0]), -1)
+        return F.cross_entropy(out, batch[1]) + F.kl_div(F.log_softmax(out, -1), soft, reduction="batchmean")
+
+
+def _teacher_run(loss: DistillationLoss, rt=None) -> nn.Module:
+    task = ht.ModelTask(_model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), TRAIN, loss=loss, epochs=2,
+                        seed=0, name="distilled")
+    if rt is None:
+        torch.manual_seed(0)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            for batch in TRAIN:
+                opt.zero_grad()
+                loss(model(batch[0]), batch).backward()
+                opt.step()
+        return model
+    handle = rt.submit(task)
+    handle.result()
+    return handle.model()
+
+
+def test_a_distillation_losss_teacher_gets_the_plain_loops_gradients():
+    # before: the cost profile's backward through the loss added to the teacher's gradients (0.058 apart)
+    torch.manual_seed(4)
+    plain_loss = DistillationLoss()
+    ours = DistillationLoss()
+    ours.load_state_dict(plain_loss.state_dict())
+    want = _teacher_run(plain_loss)
+    PROFILES.clear()
+    with ht.Runtime(devices=["cpu"]) as rt:
+        got = _teacher_run(ours, rt)
+    assert max_param_diff(want, got) == 0.0
+    for a, b in zip(plain_loss.teacher.parameters(), ours.teacher.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_tensor_too_large_to_copy_that_the_loss_changes_is_named(monkeypatch):
+    from hydra_tune.training import pystate_values
+
+    monkeypatch.setattr(pystate_values, "COPY_LIMIT", 0)   # every tensor is "too large" here
+    PROFILES.clear()
+    with ht.Runtime(devices=["cpu"]) as rt, pytest.warns(RuntimeWarning, match=r"\['loss\.mean'\]"):
+        rt.submit(_task(RunningMeanLoss(), CountedAccuracy())).result()

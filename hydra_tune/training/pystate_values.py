@@ -68,53 +68,78 @@ def put_contents(value: Any, old: Any) -> None:
         value.update(old)
 
 
+COPY_LIMIT = 4 << 20  # bytes: a larger tensor of a callable is not copied before such a call, only watched
+
+
 class KeptTensors:
     """The tensors a user's callables hold (a loss module's buffers and parameters, tensor attributes, tensors in
-    closure cells, one object deep), with copies of their values and gradients, for calls the plain loop never
-    makes (the cost profile's loss call, the metric check at submit): ``restore`` puts back what such a call changed
-    in place (a loss keeping a running mean in a buffer).
+    closure cells, one object deep) and their gradients, for calls the plain loop never makes (the cost profile's
+    loss call, the metric check at submit): ``restore`` puts back what such a call changed (a loss keeping a running
+    mean in a buffer, a gradient a backward set). Tensors past ``COPY_LIMIT`` bytes (a distillation loss's
+    teacher) are not copied: one changed in place cannot be put back, and ``restore`` warns, naming it.
 
         kept = KeptTensors.of([("loss", loss_fn)]); loss_fn(out, batch).backward(); kept.restore()
     """
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._kept = [(t, t._version, t.detach().clone(), t.grad, None if t.grad is None else t.grad.detach().clone())
-                      for t in tensors]
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._kept = [(name, t, t._version, _copy(t), t.grad, None if t.grad is None else t.grad._version,
+                       None if t.grad is None else _copy(t.grad)) for name, t in tensors]
 
     @classmethod
     def of(cls, named: list[tuple[str, Any]]) -> KeptTensors:
-        found: dict[int, torch.Tensor] = {}
-        for _, fn in named:
+        found: dict[int, tuple[str, torch.Tensor]] = {}
+        for label, fn in named:
             owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
-            _tensors_in(owner, found, depth=2)
+            _tensors_in(label, owner, found, depth=2)
             for cell in getattr(getattr(fn, "__func__", fn), "__closure__", None) or ():
                 try:
-                    _tensors_in(cell.cell_contents, found, depth=1)
+                    _tensors_in(f"{label} closure", cell.cell_contents, found, depth=1)
                 except ValueError:  # an empty cell
                     pass
         return cls(list(found.values()))
 
     def restore(self) -> None:
+        lost = []
         with torch.no_grad():
-            for t, version, values, grad, grad_values in self._kept:
-                if t._version != version:
-                    t.copy_(values)
-                if t.grad is not grad or (grad is not None and not torch.equal(grad, grad_values)):
-                    t.grad = grad_values
+            for name, t, version, values, grad, grad_version, grad_values in self._kept:
+                if t._version != version and not _put(t, values):
+                    lost.append(name)
+                if t.grad is not grad:  # set by a backward (None before), or replaced
+                    t.grad = grad
+                if grad is not None and grad._version != grad_version and not _put(grad, grad_values):
+                    lost.append(f"{name}.grad")
+        if lost:
+            import warnings
+
+            warnings.warn(f"hydra_tune called the task's loss or metrics once more than the plain loop does (its cost "
+                          f"profile, its metric check), and that call changed tensors too large to have been copied "
+                          f"first ({COPY_LIMIT >> 20} MiB): {lost}. They keep the change; compute such updates out "
+                          "of place, or keep them outside the loss", RuntimeWarning, stacklevel=3)
 
 
-def _tensors_in(value: Any, found: dict[int, torch.Tensor], depth: int) -> None:
-    """Tensors of ``value``: itself, a module's parameters and buffers and its modules' tensor attributes, an
-    object's tensor attributes (and those of the objects it holds, ``depth`` levels)."""
+def _put(t: torch.Tensor, values: torch.Tensor | None) -> bool:
+    if values is None:
+        return False
+    t.copy_(values)
+    return True
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor | None:
+    return t.detach().clone() if t.numel() * t.element_size() <= COPY_LIMIT else None
+
+
+def _tensors_in(label: str, value: Any, found: dict[int, tuple[str, torch.Tensor]], depth: int) -> None:
+    """Tensors of ``value``, named from ``label``: itself, a module's parameters and buffers and its modules' tensor
+    attributes, an object's tensor attributes (and those of the objects it holds, ``depth`` levels)."""
     if isinstance(value, torch.Tensor):
-        found.setdefault(id(value), value)
+        found.setdefault(id(value), (label, value))
     elif isinstance(value, torch.nn.Module):
-        for t in itertools.chain(value.parameters(), value.buffers()):
-            found.setdefault(id(t), t)
-        for m in value.modules():
-            for v in vars(m).values():
+        for name, t in itertools.chain(value.named_parameters(), value.named_buffers()):
+            found.setdefault(id(t), (f"{label}.{name}", t))
+        for path, m in value.named_modules():
+            for k, v in vars(m).items():
                 if isinstance(v, torch.Tensor):
-                    found.setdefault(id(v), v)
+                    found.setdefault(id(v), (f"{label}.{path}.{k}" if path else f"{label}.{k}", v))
     elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType)):
-        for v in list(vars(value).values()):
-            _tensors_in(v, found, depth - 1)
+        for k, v in list(vars(value).items()):
+            _tensors_in(f"{label}.{k}", v, found, depth - 1)
