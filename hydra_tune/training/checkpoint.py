@@ -74,6 +74,9 @@ class Position:
     data_python: list[Any] | None = None
     # at an epoch end: the metrics that epoch emitted (a task resumed from its last epoch's end emits them again)
     metrics: dict[str, Any] | None = None
+    # Python's and numpy's global generators (host_rng.states) for a task whose forward or loss draws from them
+    # (TaskRNG.host_draws), else None: a resume sets them back, as a resumed Hugging Face Trainer does
+    host_rng: dict[str, Any] | None = None
 
     def is_final(self, epochs: int | None) -> bool:
         """Whether this is the end of the last of ``epochs``: nothing is left to train (never, with no limit)."""

@@ -22,7 +22,7 @@ numpy is read only when the process imported it. Reading both costs tens of micr
 forwards are watched at its first ``shard_state.HOST_CHECKS`` (2) only: one that drew nothing there is not
 snapshotted later (a forward that starts drawing only after its first steps is not replayed); a segment that may be
 retried (a device out-of-memory) is marked only for a task whose cost profile saw a stage draw
-(``TaskRNG.host_draws``).
+(``TaskRNG.host_draws``), as is a step boundary a checkpoint may take (its resume sets them back).
 
 The generators are one per process, so hydra_tune writes them only where the code it ran drew (a factory that drew
 at its first build, a profile or check that drew, a recompute of a forward that drew; a node server's builds from

@@ -130,8 +130,8 @@ class TrainingLoop(LoopData):
                 data_rng = [g.get_state() for g in data_generators(state.train_iterable)]
                 data_py = None if self._samplers is None else self._samplers.changes(frozen=True)
                 state.reach_boundary(Position(epoch + 1, 0, state.steps, samples, [], snap[0], *snap,
-                                              data_rng=data_rng, data_python=data_py,
-                                              metrics=emitted), epoch_end=True)
+                                              data_rng=data_rng, data_python=data_py, metrics=emitted,
+                                              host_rng=host_rng.mark(state.rng)), epoch_end=True)
         state.home.flush()  # the final model, whole (lazy per-shard updates applied)
         state.finish_requests()
 
@@ -212,7 +212,8 @@ class TrainingLoop(LoopData):
                 if not here or state.requests_waiting():  # (trained here: no one waits at it, light_run.py)
                     state.reach_boundary(Position(epoch, state.batch_in_epoch, state.steps, run.samples,
                                                   list(run.losses), epoch_rng, *rng.snapshot(), skipped=run.skipped,
-                                                  data_rng=self._data_rng, data_python=self._data_py),
+                                                  data_rng=self._data_rng, data_python=self._data_py,
+                                                  host_rng=host_rng.mark(rng)),
                                          epoch_end=False)
                 if task.max_steps is not None and state.steps >= task.max_steps:
                     break

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..device.dispatch import UnitMode
 from ..device.seeding import seeding_to
+from . import host_rng
 from .boundary import task_work
 from .checkpoint import put_entries
 from .data import data_generators, epoch_data, restore_generators, set_epoch
@@ -52,6 +53,7 @@ class LoopData:
         resume, self.state.resume = self.state.resume, None
         if resume is not None:
             self.state.rng.restore((resume.rng, resume.accel_rng))
+            host_rng.rewind(resume.host_rng)
 
     def _batches(self, data: Any, what: str) -> Iterator[Any]:
         # Data loading draws random numbers on the host (a data factory, shuffling, workers' base seed): it runs in
