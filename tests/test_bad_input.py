@@ -250,6 +250,11 @@ AT_SUBMIT = [
      dict(loss=lambda out, b: F.mse_loss(out, b[1]).item()), TypeError,
      "the loss is a tensor must hold, but got (source=\"the task's `loss`\", type='float'). Fix: return the loss "
      "tensor itself (not `.item()` or a number), or give the model labels so `outputs.loss` is set."),
+    ("loss-detached",  # before: torch's "element 0 of tensors does not require grad and does not have a grad_fn"
+     dict(loss=lambda out, b: F.mse_loss(out, b[1]).detach()), ValueError,
+     "a training loss is computed from the model's outputs (it requires grad) must hold, but got (source=\"the "
+     "task's `loss`\", requires_grad=False). Fix: return the loss tensor itself, not `.detach()`ed or rebuilt "
+     "with torch.tensor(...) from numbers."),
     ("no-loss-and-no-outputs-loss",
      dict(loss=None), ValueError,
      "`loss` is given or the model's outputs carry `.loss` must hold, but got (outputs='Tensor', loss=None). Fix: "

@@ -27,6 +27,10 @@ def check_loss(loss: object, where: str) -> torch.Tensor:
         raise rule_error("the loss is a floating-point scalar (numel == 1) tensor", "reduce it to one number, e.g. "
                          "`.mean()`, and keep it floating point", source=where, shape=tuple(loss.shape),
                          dtype=loss.dtype)
+    if torch.is_grad_enabled() and not loss.requires_grad:  # (a training loss: evaluation runs under no_grad)
+        raise rule_error("a training loss is computed from the model's outputs (it requires grad)", "return the "
+                         "loss tensor itself, not `.detach()`ed or rebuilt with torch.tensor(...) from numbers",
+                         source=where, requires_grad=False)
     return loss
 
 
