@@ -3,10 +3,12 @@ the old contents are put back.
 
     kept = contents_of(value, BIG)              # a container's shallow copy, a tensor's version, a generator's state
     if not same_contents(kept, value): put_contents(value, kept)
+    tensors = KeptTensors.of([("loss", loss_fn)]); ...; tensors.restore()   # a user's callables' tensors
 
 Rules: a container longer than ``big`` is kept as its length only (copying it every unit would cost): changed, it
 cannot be put back, nor can a tensor changed in place (its version moved); a ``torch.Generator`` is put back with
-``set_state``.
+``set_state``. The tensors of a user's callables (``KeptTensors``), around the rare calls the plain loop never
+makes, are copied up to ``COPY_LIMIT`` bytes each and put back.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import collections
 import copy
 import itertools
 import types
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -109,8 +112,6 @@ class KeptTensors:
                 if grad is not None and grad._version != grad_version and not _put(grad, grad_values):
                     lost.append(f"{name}.grad")
         if lost:
-            import warnings
-
             warnings.warn(f"hydra_tune called the task's loss or metrics once more than the plain loop does (its cost "
                           f"profile, its metric check), and that call changed tensors too large to have been copied "
                           f"first ({COPY_LIMIT >> 20} MiB): {lost}. They keep the change; compute such updates out "
