@@ -140,7 +140,7 @@ def test_refill_from_the_copy_thread_is_recorded_and_joined():
 
 def test_offload_copy_out_holds_its_source_until_its_event_and_the_copy_back_waits_for_it():
     copier, rec = _copier()
-    x = torch.randn(64, 32)
+    x = torch.randn(64, 32, requires_grad=True) * 1.0   # an activation (with history): copied out at its save
     src = x.t()
     hooks = Offloader(copier)
     packed = hooks.pack(src)
@@ -148,11 +148,11 @@ def test_offload_copy_out_holds_its_source_until_its_event_and_the_copy_back_wai
     assert ("wait-stream", "out", "compute") in rec.log and rec.recorded(src, "out")
     assert packed.span.source is not None, "the source was let go before its copy out completed"
     ev.done = True
-    hooks.pack(torch.randn(300))  # any later pack lets landed sources go
+    hooks.pack(torch.randn(300, requires_grad=True) * 1.0)  # any later pack lets landed sources go
     assert packed.span.source is None
     back = hooks.unpack(packed)
     assert ("wait", "compute", ev) in rec.log
-    assert back.stride() == src.stride() and torch.equal(back, src)
+    assert back.stride() == src.stride() and torch.equal(back, src.detach())
     hooks.settle()
     assert all(s.source is None for s in hooks._flying) and hooks._flying == []
 

@@ -24,6 +24,10 @@ Rules (each one a way the CUDA autograd engine has crashed or could read wrong v
   retry, a cancelled task, a dropped graph).
 * A saved tensor changed in place before the backward reads it raises, as plain PyTorch's autograd does (hooks turn
   its version check off): the offloaded copy holds the old values, the tensor the new ones.
+* A saved tensor with no autograd history (no ``grad_fn``, no ``requires_grad``: masks, indices, statistics) is
+  copied out at the forward's end, not at its save: torch saves an op's arguments before the op runs, and an op that
+  fills one of them saves it unfilled, with no version change to tell (``rrelu``'s ``noise``, its random slopes: a
+  copy at its save held garbage). Activations with history are copied at once (no op writes those unseen).
 """
 from __future__ import annotations
 
@@ -59,8 +63,8 @@ class _Packed:
 
     __slots__ = ("span", "dtype", "offset", "size", "stride", "source", "version")
 
-    def __init__(self, span: _Span, t: torch.Tensor, source: weakref.ref[torch.Tensor]) -> None:
-        self.span = span
+    def __init__(self, span: _Span | None, t: torch.Tensor, source: weakref.ref[torch.Tensor]) -> None:
+        self.span = span  # None until copied out (``Offloader._copy_pending``)
         self.dtype = t.dtype
         self.offset = t.storage_offset()
         self.size = tuple(t.shape)
@@ -114,6 +118,7 @@ class Offloader:
         self._spans: dict[int, _Span] = {}  # storage id -> its host copy, while a tensor over it is alive
         self._flying: list[_Span] = []  # spans whose source is still held
         self._held: set[int] = set()  # storages the graph still references as they are (not moved)
+        self._pending: list[tuple[torch.Tensor, _Packed]] = []  # saved, to copy out at the end (module rules)
 
     def references(self, t: torch.Tensor) -> bool:
         """Whether the graph saved a tensor over ``t``'s storage as it is (not moved): its bytes must stay."""
@@ -130,6 +135,21 @@ class Offloader:
         if kept or not _movable(t, self.device, self.copier.offload_min_bytes):
             self._held.add(key)
             return _AsIs(t, checked=not kept)
+        packed = _Packed(None, t, weakref.ref(t))
+        if t.grad_fn is None and not t.requires_grad:  # maybe an argument its op has yet to fill (module rules)
+            self._pending.append((t, packed))
+        else:
+            packed.span = self._span(t)
+        return packed
+
+    def _copy_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for t, packed in pending:
+            packed.span = self._span(t)
+
+    def _span(self, t: torch.Tensor) -> _Span:
+        """The host copy of ``t``'s storage: made now, or the one made earlier while unwritten since."""
+        key = t.untyped_storage()._cdata
         self._land(wait=False)
         span = self._spans.get(key)
         if span is None or span.version != t._version or not any(
@@ -142,9 +162,8 @@ class Offloader:
             self._spans[key] = span
             if event is not None:
                 self._flying.append(span)
-        source = weakref.ref(t)
-        span.users.append(source)
-        return _Packed(span, t, source)
+        span.users.append(weakref.ref(t))
+        return span
 
     def unpack(self, x: Any) -> torch.Tensor:
         if isinstance(x, _AsIs):
@@ -154,6 +173,8 @@ class Offloader:
         source = x.source()
         if source is not None and source._version != x.version:
             raise _changed_in_place(source, x.version)
+        if x.span is None:  # (a backward within the forward that saved it: its ops have run)
+            self._copy_pending()
         span = x.span
         if span.on_device is None:
             span.on_device = self.copier.unstash(span.host, span.event, span.device)
@@ -173,7 +194,8 @@ class Offloader:
         self._flying = still
 
     def settle(self) -> None:
-        """Wait until every copy out has landed; hold no source and no storage id any more."""
+        """Copy out what waits, wait until every copy out has landed; hold no source and no storage id any more."""
+        self._copy_pending()
         self._land(wait=True)
         self._spans.clear()
 
