@@ -54,6 +54,7 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             copies = ex.load(dev, grad=False)
             carry_dev = ex.to_device(dev, carry)
             versions = _versions(carry_dev) if ex.index == 0 else None
+            weights = {id(p): copies[id(p)]._version for p in ex.params}
             base = acct.current
             acct.reset_peak()
             dev.sync()
@@ -63,6 +64,8 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             fwd_seconds = time.perf_counter() - t0  # what recomputing it costs: the value of keeping it
             if versions is not None and _versions(carry_dev) != versions:
                 raise _input_changed(ex)
+            if any(copies[key]._version != v for key, v in weights.items()):
+                raise _weights_changed(ex, [key for key, v in weights.items() if copies[key]._version != v])
             open_dataclasses(out)  # a dataclass output's tensors are moved and joined as a tuple's from now on
             fwd_peak = acct.peak - base
             del copies, carry_dev
@@ -108,6 +111,16 @@ def _input_changed(ex: ShardExec) -> Exception:
                       "the gradient for the stage before it collects)", "make that change out of place (`x = x + 1` "
                       "instead of `x.add_(1)`), or declare stages so that the module doing it is in the stage before "
                       "(a module with `inplace=True` joins it by itself)", stage=ex.names[0])
+
+
+def _weights_changed(ex: ShardExec, keys: list[int]) -> Exception:
+    """A forward wrote into parameters (nn.Embedding's ``max_norm`` renormalizes the rows it looks up): units run
+    on device copies and the step updates the task's own parameters, so the change would be lost."""
+    names = {id(p): f"{stage.name}.{name}" for stage in ex.stages for name, p in stage.module.named_parameters()}
+    return rule_error("the model's forward changes no parameter in place (units run it on device copies of the "
+                      "parameters, and the optimizer steps the task's own)", "leave the parameters to the optimizer:"
+                      " for nn.Embedding, pass max_norm=None (it renormalizes the rows it looks up in its forward)",
+                      parameters=[names.get(k, "?") for k in keys])
 
 
 def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any) -> tuple[int, int]:
