@@ -3,6 +3,7 @@
     set_cpu_threads(devices)        # before the device workers start
     cpu_threads(2) == 1             # on 2 cores: each of 2 CPU devices gets one
     release_idle_pool()             # a thread about to wait for the devices frees its idle OpenMP workers
+    adopt_thread_count()            # first in a thread the runtime starts: the process's count, not OpenMP's default
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from ..errors import rule_error
 from .devices import CpuDevice, Device
 
-__all__ = ["CPU_THREADS_ENV", "cpu_threads", "release_idle_pool", "set_cpu_threads"]
+__all__ = ["CPU_THREADS_ENV", "adopt_thread_count", "cpu_threads", "release_idle_pool", "set_cpu_threads"]
 
 CPU_THREADS_ENV = "HYDRA_TUNE_CPU_THREADS"
 
@@ -50,6 +51,15 @@ def set_cpu_threads(devices: Sequence[Device]) -> None:
     threads = cpu_threads(sum(isinstance(d, CpuDevice) for d in devices))
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
+
+
+def adopt_thread_count() -> None:
+    """First thing in a thread the runtime starts (device workers, task host threads, the admission thread): the
+    thread takes the process's intra-op count. Why: OpenMP's count is per thread, and a new thread keeps the
+    library's default (every core) until torch reads its own count there; what torch does not run through its
+    own parallel loops first (MKL's FFT) ran with that default, and a multi-threaded FFT rounds otherwise than
+    the plain loop's, in the last bits (tests/test_cpu_threads.py). Reading the count applies it."""
+    torch.get_num_threads()
 
 
 def release_idle_pool() -> bool:

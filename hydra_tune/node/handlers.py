@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..device.threads import adopt_thread_count
 from ..errors import RuntimeClosed, rule_error
 from ..runtime.runtime import Runtime
 from ..training import host_rng
@@ -51,6 +52,7 @@ class Handlers:
             threading.Thread(target=self._answer, args=(client, op, rid, args), daemon=True).start()
 
     def _answer(self, client: Client, op: str, rid: int, args: list[Any]) -> None:
+        adopt_thread_count()  # (a submit builds the client's model here: the server's count, as its devices use)
         try:
             handler = self._ops.get(op)
             if handler is None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..device.threads import adopt_thread_count
 from ..errors import RuntimeClosed, TaskCancelled, detach_frames, rule_error
 from ..policy.admission import HostAdmission, measured_capacity
 from ..task import ModelTask
@@ -207,6 +208,7 @@ class HostGate:
         return need > 0 and self._hooks.room(need)
 
     def _run(self) -> None:
+        adopt_thread_count()
         while True:
             with self._cv:
                 while True:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from ..device.threads import adopt_thread_count
+
 
 class HostThread:
     """The thread that runs ``work`` on request for task ``name`` (see the module docstring)."""
@@ -56,6 +58,7 @@ class HostThread:
         return not self.alive
 
     def _run(self) -> None:
+        adopt_thread_count()  # (the optimizer's step and the data run here: torch's count, as in the plain loop)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending or self._stopped)

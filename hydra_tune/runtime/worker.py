@@ -29,7 +29,7 @@ from typing import Any
 
 from ..device.devices import Device
 from ..device.quiet import UnroutedDraw
-from ..device.threads import release_idle_pool
+from ..device.threads import adopt_thread_count, release_idle_pool
 from ..errors import TaskCancelled
 from ..training.light_run import LightRun, RunHooks, Span
 from ..training.replan import is_oom, replan
@@ -106,6 +106,7 @@ class DeviceWorker:
 
     # -- the compute thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
+        adopt_thread_count()
         try:
             self.device.start(elsewhere=[lambda fn: self._copier.submit(fn).result()])  # the copy thread warms too
         except BaseException as exc:  # reported to the runtime, which is waiting for this device
