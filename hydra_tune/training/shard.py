@@ -48,7 +48,7 @@ from .pystate import inert_modules
 from .pystate_layout import Snapshots
 from .residency import Kept, ShardCache, offloading
 from .shard_state import ShardPythonState
-from .store import HostStore
+from .store import HostStore, put_buffer
 from .trees import map_tensors, tensor_leaves
 
 
@@ -204,7 +204,7 @@ class ShardExec(ShardPythonState):
                     store.undo[k] = (self.buffers[k], store.buffers[self.index][k] if recompute else
                                      self.buffers[k].clone())
             for k in changed:
-                self.buffers[k].copy_(back[k])
+                put_buffer(self.buffers[k], back[k])
 
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,

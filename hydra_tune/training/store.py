@@ -21,6 +21,14 @@ from ..errors import rule_error
 from .build import sparse_gradient
 
 
+def put_buffer(host: torch.Tensor, value: torch.Tensor) -> None:
+    """``host`` (a model's buffer, kept as the same tensor) takes ``value``'s values, and its shape where a forward
+    changed that (a quantization observer's running min/max, made per channel at its first forward)."""
+    if host.shape != value.shape:
+        host.resize_(value.shape)
+    host.copy_(value)
+
+
 def tree_bytes(tree: Any) -> int:
     """Bytes the tensors of a pytree occupy once copied to a device (a view counts its own elements, not its
     base's storage; the same tensor twice counts once)."""
@@ -105,7 +113,7 @@ class HostStore:
         for before in reversed(self._state_undo):  # the earliest snapshot of a module is put back last
             before.restore()
         for host, old in self.undo.values():
-            host.copy_(old)
+            put_buffer(host, old)
         first = self.carries.get(0)
         batch, scale = self.batch, self.loss_scale
         self.clear()
