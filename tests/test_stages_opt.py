@@ -83,9 +83,20 @@ def test_opt_explicit_position_ids_and_no_labels():
     assert torch.equal(carry.logits, model(**batch).logits)
 
 
-def test_opt_layerdrop_is_rejected_and_unknown_keys_explained():
-    with pytest.raises(ValueError, match=r"layerdrop == 0. must hold, but got \(layerdrop=0.2\). Fix: set"):
-        extract_stages(make_opt(layerdrop=0.2))
+def test_opt_with_layerdrop_runs_as_one_stage_and_trains_as_the_plain_loop():
+    # before: refused, with a fix ("train it unsharded") that no setting gave
+    with pytest.warns(UserWarning, match=r"runs OPTForCausalLM as one stage: config.layerdrop=0.5 skips random"):
+        assert extract_stages(make_opt(layerdrop=0.5)).family == "whole"
+    task = ht.ModelTask(lambda: make_opt(layerdrop=0.5), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                        lm_batches(3, seed=1), epochs=2, seed=3, name="layerdrop")
+    want, _ = plain_train(task)
+    with ht.Runtime(devices=["cpu"]) as rt, pytest.warns(UserWarning, match="one stage"):
+        handle = rt.submit(task)
+        handle.result()
+    assert max_param_diff(want, handle.model()) == 0.0
+
+
+def test_opt_unknown_keys_are_explained():
     cut = extract_stages(make_opt(num_hidden_layers=2))
     with pytest.raises(TypeError, match=r"only keys in .* Fix: drop \['token_type_ids'\]"):
         cut.prepare({"input_ids": torch.zeros(1, 4, dtype=torch.long), "token_type_ids": torch.zeros(1)})

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .base import ModelStages, Stage, WholeModel, call_with_batch, identity, token_batches
+from .base import ModelStages, NotCuttable, Stage, WholeModel, call_with_batch, identity, token_batches
 from .peft import is_peft_model
 
 __all__ = ["extract_stages", "FAMILIES", "ModelStages", "Stage", "call_with_batch", "token_batches"]
@@ -59,7 +59,11 @@ def extract_stages(model: nn.Module, stages: Callable[[nn.Module], Any] | None =
         warnings.warn(f"hydra_tune runs {cls.__name__} as one stage: {more}, which its parts alone would not run. "
                       "Declare its stages (ModelTask(stages=...)) to cut it.", stacklevel=3)
     else:
-        cut = _known_cut(model, family) if family is not None or sequential else None
+        try:
+            cut = _known_cut(model, family) if family is not None or sequential else None
+        except NotCuttable as exc:
+            warnings.warn(f"hydra_tune runs {cls.__name__} as one stage: {exc}", stacklevel=3)
+            cut = None
         skipped = _skipped_containers(model, cut) if cut is not None else []
         if cut is not None and not skipped:
             return cut

@@ -46,6 +46,10 @@ class ModelStages:
         return {k: v if k in self.value_keys else meta(v) for k, v in batch.items()}
 
 
+class NotCuttable(Exception):
+    """A family's model whose stages would not repeat its forward (OPT's ``layerdrop``): it runs as one stage."""
+
+
 def call_with_batch(model: nn.Module, batch: Any) -> Any:
     """The batch convention: dict -> model(**batch); (inputs, target) -> model(inputs); tensor -> model(t)."""
     if isinstance(batch, dict):

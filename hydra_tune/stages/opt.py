@@ -12,8 +12,8 @@ _remove_final_layer_norm). ``lm_head.weight`` is ``embed_tokens.weight`` when th
 sums the two stages' gradient contributions like autograd does.
 With ``config.use_cache`` (OPT's default) the model fills a DynamicCache even in training, which makes keys and
 values contiguous copies and so changes sdpa's gradient bits; each layer stage passes a fresh DynamicCache of its
-own too (dropped when the stage returns). Unsupported: ``layerdrop > 0`` (each forward skips random layers, so a
-shard's recompute and a skipped layer's optimizer step would differ from plain training) -> ValueError.
+own too (dropped when the stage returns). Not cut: ``layerdrop > 0`` (each forward skips random layers, which
+the stages do not repeat) -> ``NotCuttable``: the model runs as one stage, with a warning (stages/__init__.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import ModelStages, Stage, build_mask, outputs_checked, token_batches
+from .base import ModelStages, NotCuttable, Stage, build_mask, outputs_checked, token_batches
 from .compat import call_renamed, keep_all_positions
 
 
@@ -119,9 +119,8 @@ def opt_stages(model: nn.Module) -> ModelStages:
     """Cut an ``OPTForCausalLM`` into 'embed', 'layers.<i>' per decoder layer, and 'head'."""
     layerdrop = getattr(model.config, "layerdrop", 0.0)
     if layerdrop and layerdrop > 0.0:
-        raise ValueError(f"OPT with `layerdrop > 0` skips random layers on every training forward, which stages "
-                         f"cannot replay, so `layerdrop == 0` must hold, but got (layerdrop={layerdrop}). Fix: set "
-                         f"config.layerdrop = 0.0, or train it unsharded (a budget that fits the whole model).")
+        raise NotCuttable(f"config.layerdrop={layerdrop} skips random layers in every training forward, which its "
+                          "stages do not repeat; set config.layerdrop = 0.0 to cut it")
     decoder = model.model.decoder
     stages = [Stage("embed", _Embed(model))]
     stages += [Stage(f"layers.{i}", _Layer(layer, decoder)) for i, layer in enumerate(decoder.layers)]
