@@ -209,7 +209,8 @@ def test_restore_after_failure_is_bit_identical(local_ray, tmp_path):
     assert r.metrics["train_loss"] == direct[-1]["train_loss"]
 
 
-@pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")
+@pytest.mark.serial   # one CI run in six of stop 41, beside the parallel run's other worker, ended a trial at epoch
+@pytest.mark.filterwarnings("ignore:Consider boosting PBT performance")   # 3 (no error); alone it passed every time
 def test_pbt_exploit_restores_other_trials_checkpoints(local_ray, tmp_path):
     from ray.tune.schedulers import PopulationBasedTraining
 
