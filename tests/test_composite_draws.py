@@ -61,11 +61,16 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x.view(x.shape[0], 4, 4))[0][:, -1])
 
 
-def _task(kind: str) -> ht.ModelTask:
-    make = (lambda: Recurrent(kind)) if kind in ("LSTM", "GRU", "RNN") else (lambda: _model(kind))
+def _task_of(make, name: str) -> ht.ModelTask:
+    """A task training ``make()`` on the six batches of X, Y, two epochs, SGD."""
     return ht.ModelTask(make, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                         [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)], loss=lambda o, b: F.cross_entropy(o, b[1]),
-                        epochs=2, seed=0, name=f"composite-{kind}")
+                        epochs=2, seed=0, name=name)
+
+
+def _task(kind: str) -> ht.ModelTask:
+    make = (lambda: Recurrent(kind)) if kind in ("LSTM", "GRU", "RNN") else (lambda: _model(kind))
+    return _task_of(make, f"composite-{kind}")
 
 
 @pytest.mark.parametrize("kind", ["mha", "encoder-layer"])
@@ -99,13 +104,8 @@ class Pooled(nn.Module):
 def test_fractional_max_pooling_draws_its_samples_from_the_tasks_stream():
     # its random samples are drawn inside F.fractional_max_pool2d, a function the router does not know (a guard:
     # whichever way the runtime routes it, the samples must come from the task's stream)
-    def task() -> ht.ModelTask:
-        return ht.ModelTask(Pooled, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                            [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)],
-                            loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=0, name="pooled")
-
-    want, _ = plain_train(task())
-    got = _trained(task(), ["cpu"], "64MiB")
+    want, _ = plain_train(_task_of(Pooled, "pooled"))
+    got = _trained(_task_of(Pooled, "pooled"), ["cpu"], "64MiB")
     assert max_param_diff(want, got) == 0.0
 
 
@@ -169,11 +169,6 @@ class Attending(nn.Module):
 
 
 def test_a_model_with_attention_without_dropout_trains_exactly():
-    def task() -> ht.ModelTask:
-        return ht.ModelTask(Attending, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                            [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)],
-                            loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=0, name="attending")
-
-    want, _ = plain_train(task())
-    got = _trained(task(), ["cpu", "cpu"], "64MiB")
+    want, _ = plain_train(_task_of(Attending, "attending"))
+    got = _trained(_task_of(Attending, "attending"), ["cpu", "cpu"], "64MiB")
     assert max_param_diff(want, got) == 0.0

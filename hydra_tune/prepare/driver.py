@@ -226,7 +226,7 @@ class Driver:
     def open_forward(self, train: bool) -> Segment:
         """F0..F(K-1) (``train``) or E0..E(K-1) over ``store.batch``, from the task's RNG state now (kept: a
         retry, and a training forward's backward retried, start from it)."""
-        snap = self.state.rng.snapshot(), host_rng.mark(self.state.rng)
+        snap = host_rng.retry_point(self.state.rng)
         if train:
             self.forward_snap = snap
         self._attempt = (snap, lambda now: self.segment(self._forward_list(train), train, follows=train))
@@ -258,8 +258,7 @@ class Driver:
             raise RuntimeError(f"task {self.name!r} has no segment in flight to retry")
         snap, rebuild = self._attempt
         now = host_rng.states() if snap[1] is not None else None  # (the backward's retry goes on from here)
-        state.rng.restore(snap[0])
-        host_rng.rewind(snap[1])
+        host_rng.back_to(state.rng, snap)
         state.store.reset_attempt()  # buffers and Python state as before the forward (undo kept since then)
         with direct():  # pending per-shard updates are applied first, where their entries are (before the new
             state.home.flush()  # shards are cut: their parameters are plain nn.Parameters again, guard.py)

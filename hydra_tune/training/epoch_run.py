@@ -1,7 +1,7 @@
 """What the training loop (loop.py) keeps about one epoch's run and about the segment in flight.
 
     run = EpochRun(losses=[], skip=0, samples=0)       # one epoch's losses, samples, minibatches since the step
-    attempt = Attempt(rng, losses, len(losses), rebuild, host)   # where a retried segment starts over from
+    attempt = Attempt(point, losses, len(losses), rebuild)   # where a retried segment starts over from
     batch_size(batch)                                   # the leading dimension of its first tensor (1: none)
 """
 from __future__ import annotations
@@ -21,11 +21,10 @@ class Attempt:
     """Where the segment in flight began: the task's RNG state, the losses list and its length, and how to build
     the segment's units again (over the task's current shards)."""
 
-    rng: Any
+    rng: Any  # host_rng.retry_point: the task's streams and, where it draws from them, Python's and numpy's
     losses: list[float]
     n_losses: int
     rebuild: Callable[[], Segment]
-    host: dict[str, Any] | None = None  # Python's and numpy's generators, for a task that draws from them
 
 
 @dataclass

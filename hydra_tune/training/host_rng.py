@@ -3,6 +3,7 @@
     with replayed(task): model = task.model()      # every build of a task's model draws what its first one drew
     with kept(): costs = profile(model)            # hydra_tune's own runs of the model leave the streams as they were
     start = states(); ...; replay(start)           # a recomputed forward draws what its forward drew
+    point = retry_point(rng); ...; back_to(rng, point)   # a retried segment draws what its failed one drew
 
 Why: torch's draws come from the task's own stream (device/dispatch.py), the same for every build and replayed for a
 recompute. Python's and numpy's global generators are one per process: a factory drawing from them (an
@@ -93,6 +94,17 @@ def rewind(saved: dict[str, Any] | None) -> None:
     """A retried segment draws what its failed attempt drew (``saved`` from ``mark``)."""
     if saved is not None:
         restore(saved)
+
+
+def retry_point(rng: Any) -> tuple[Any, dict[str, Any] | None]:
+    """Where a segment that may be retried starts: the task's torch streams (``TaskRNG.snapshot``) and ``mark``."""
+    return rng.snapshot(), mark(rng)
+
+
+def back_to(rng: Any, point: tuple[Any, dict[str, Any] | None]) -> None:
+    """Start a retried segment over from ``point`` (``retry_point``): both kinds of generator."""
+    rng.restore(point[0])
+    rewind(point[1])
 
 
 def start_from(task: Any, saved: dict[str, Any]) -> None:

@@ -115,7 +115,7 @@ class LightRun:
     def _train(self, loop: TrainingLoop, ex: Any, key: Any, batch: Any, losses: list[float]) -> bool:
         state, device = loop.state, self.device
         loop.start_minibatch(batch)
-        snap = state.rng.snapshot(), host_rng.mark(state.rng)
+        snap = host_rng.retry_point(state.rng)
         value = self._unit(loop, ex, key, "L", snap, lambda: ex.direct.forward_loss_backward(
             device, state.store, state.rng, state.task.loss, 1))
         if value is None:
@@ -142,7 +142,7 @@ class LightRun:
 
         def run() -> bool:
             loop.hold(batch)
-            snap = state.rng.snapshot(), host_rng.mark(state.rng)
+            snap = host_rng.retry_point(state.rng)
             value = self._unit(loop, ex, key, "E", snap, lambda: ex.direct.evaluate(
                 device, state.store, state.rng, state.task.loss, loop.measuring(measured)))
             if value is not None:
@@ -177,8 +177,7 @@ class LightRun:
     def _undo(loop: TrainingLoop, ex: Any, snap: Any, kind: str = "L") -> None:
         if kind == "L":
             ex.direct.undo()
-        loop.state.rng.restore(snap[0])
-        host_rng.rewind(snap[1])
+        host_rng.back_to(loop.state.rng, snap)
         loop.state.store.reset_attempt()
 
     def finish(self) -> None:

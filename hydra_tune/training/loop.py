@@ -159,8 +159,7 @@ class TrainingLoop(LoopData):
         attempt, state = self._attempt, self.state
         if attempt is None:
             raise RuntimeError(f"task {state.task.name!r} has no segment in flight to retry")
-        state.rng.restore(attempt.rng)
-        host_rng.rewind(attempt.host)
+        host_rng.back_to(state.rng, attempt.rng)
         del attempt.losses[attempt.n_losses:]
         self._skipping = False
         state.store.reset_attempt()
@@ -272,8 +271,7 @@ class TrainingLoop(LoopData):
         store.carries[0] = self.state.cut.prepare(batch)
 
     def _attempted(self, losses: list[float], rebuild: Callable[[], Segment]) -> Segment:
-        rng = self.state.rng
-        self._attempt = Attempt(rng.snapshot(), losses, len(losses), rebuild, host_rng.mark(rng))
+        self._attempt = Attempt(host_rng.retry_point(self.state.rng), losses, len(losses), rebuild)
         return rebuild()
 
     def _train_segment(self, batch: Any, losses: list[float]) -> Segment:

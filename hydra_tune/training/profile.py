@@ -198,13 +198,14 @@ def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed
     loss_state = ModuleState.of_callables([("loss", loss_fn)]) if loss_fn is not None else None
     shared = _SharedTensors(cut.stages)
     costs = []
+    host = host_rng.states()
     try:
         for k, stage in enumerate(stages):
             ex = ShardExec(k, [stage], autocast)
-            host = host_rng.states()
             cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng)
             # (a task whose code draws from them has them rewound with its RNG by a retry: TaskRNG.host_draws)
-            costs.append(replace(cost, draws_host=True) if host_rng.states() != host else cost)
+            at_start, host = host, host_rng.states()
+            costs.append(replace(cost, draws_host=True) if host != at_start else cost)
     finally:
         lost = before.inplace()
         before.restore()
