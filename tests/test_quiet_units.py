@@ -102,7 +102,7 @@ def test_guard_raises_on_a_draw_and_routes_the_key_from_then_on() -> None:
         with quiet.guarded(key, TaskRNG(0)):
             torch.rand(2)
     assert not quiet.allows(key)
-    assert quiet.counts == {"quiet": 1, "reruns": 1}
+    assert quiet.counts == {"quiet": 1, "reruns": 1, "fast_path_reruns": 0}
 
 
 def test_a_unit_that_fails_keeps_its_own_error_and_its_key_quiet() -> None:
@@ -114,7 +114,7 @@ def test_a_unit_that_fails_keeps_its_own_error_and_its_key_quiet() -> None:
         with quiet.guarded(key, TaskRNG(0)):
             torch.rand(2)  # a draw too: the error in flight is what the caller sees
             raise torch.OutOfMemoryError("test")
-    assert quiet.allows(key) and quiet.counts == {"quiet": 0, "reruns": 0}
+    assert quiet.allows(key) and quiet.counts == {"quiet": 0, "reruns": 0, "fast_path_reruns": 0}
     assert quiet.scoped_stages() == frozenset()  # no unit running: nothing routed
 
 
@@ -140,7 +140,7 @@ def test_a_draw_outside_every_stage_keeps_the_segment_on_the_router() -> None:
     model, device = _run(task)
     plain, _ = plain_train(task)
     assert max_param_diff(model, plain) == 0.0
-    assert device["unrouted"] == {"quiet": 0, "reruns": 0}
+    assert device["unrouted"] == {"quiet": 0, "reruns": 0, "fast_path_reruns": 0}
 
 
 def test_foreign_draw_during_an_unrouted_unit_costs_a_rerun_not_exactness() -> None:
@@ -200,4 +200,4 @@ def test_a_lend_that_starts_during_a_quiet_unit_counts_as_a_move():
         with quiet.guarded(key, TaskRNG(0)):
             dispatch._LENT.append(True)  # another task lends the global generator its state now
     assert dispatch.global_rng_state() is None and not quiet.allows(key)
-    assert quiet.counts == {"quiet": 0, "reruns": 1}
+    assert quiet.counts == {"quiet": 0, "reruns": 1, "fast_path_reruns": 0}

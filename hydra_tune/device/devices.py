@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from ..errors import rule_error
 from .dispatch import MemoryAccount, UnitMode, router_for
 from .draws import ROUTED, OutermostCall
 from .offload import releases_graphs
-from .quiet import QuietUnits
+from .quiet import QuietUnits, UnroutedDraw
 from .rng import TaskRNG
 from .seeding import OnDevice, seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
@@ -160,6 +161,16 @@ class Device:
         nothing around it), or None: ask ``stage_scope`` for every stage."""
         return frozenset()
 
+    def unrouted_draw(self, stage: str) -> BaseException:
+        """The error for a draw from torch's global CPU generator in stage ``stage``, made while the unit's function
+        modes were set aside for a module's inference fast path (fastpath.py). A device with no mode that routes
+        every draw (CUDA) cannot give it the task's stream: the error names the fix."""
+        return rule_error("a stage holding a module with torch's inference fast path (nn.MultiheadAttention, "
+                          "nn.TransformerEncoderLayer) in eval mode draws no CPU random numbers on this device",
+                          "draw on the GPU (device=...) in that stage, or call "
+                          "torch.backends.mha.set_fastpath_enabled(False) before training (then the stage runs "
+                          "routed, as every other)", kind=RuntimeError, stage=stage, device=self.name)
+
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         """Count ``tensors`` (made outside any unit, e.g. by an optimizer step on this device) as this device's
         memory until they are freed. CUDA counts every allocation itself: nothing to do."""
@@ -256,6 +267,14 @@ class CpuDevice(Device):
 
     def scoped_stages(self) -> frozenset[str] | None:
         return self.quiet.scoped_stages()
+
+    def unrouted_draw(self, stage: str) -> BaseException:
+        # the task's units run counted from now on: UnitMode routes every draw, with our function modes aside too
+        self._unrouted.add(self._task)
+        self.quiet.counts["fast_path_reruns"] += 1
+        return UnroutedDraw(f"stage {stage!r} drew from torch's global CPU generator while a module's inference "
+                            "fast path ran without the router (fastpath.py); the minibatch runs again counted, "
+                            "its draws routed to the task's stream")
 
     def hold(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:

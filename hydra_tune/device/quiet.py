@@ -49,7 +49,7 @@ class QuietUnits:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stages: dict[Hashable, frozenset[str]] = {}  # key -> names of the stages that drew
-        self.counts = {"quiet": 0, "reruns": 0}
+        self.counts = {"quiet": 0, "reruns": 0, "fast_path_reruns": 0}  # (the last: fastpath.py)
         self._mode: dispatch.UnitMode | None = None  # the measured unit's mode, while one runs
         self._drawing: set[str] = set()
         self._inside = 0  # draws seen inside stages, in the measured unit

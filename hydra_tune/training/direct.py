@@ -39,6 +39,7 @@ import torch
 
 from ..device.devices import Device
 from ..device.dispatch import paused_accounting, plain_call
+from ..device.fastpath import native_scope
 from ..device.rng import TaskRNG
 from ..errors import rule_error
 from .loss import LossFn, model_loss
@@ -184,12 +185,15 @@ class DirectPath:
         """The stages in order on ``carry``, each in its stage scope (quiet units route the stages that draw)."""
         scoped = device.scoped_stages()  # most stages: nothing to enter (a quiet unit routes those that draw)
         try:
-            for stage in ex.stages:
-                if scoped is not None and stage.name not in scoped:
+            for stage, fast in zip(ex.stages, ex.fast):
+                if fast:  # torch's inference fast paths see no function mode of ours (fastpath.py)
+                    with device.stage_scope(stage.name), native_scope(fast, device, stage.name):
+                        carry = stage.module(carry)
+                elif scoped is not None and stage.name not in scoped:
                     carry = stage.module(carry)
-                    continue
-                with device.stage_scope(stage.name):
-                    carry = stage.module(carry)
+                else:
+                    with device.stage_scope(stage.name):
+                        carry = stage.module(carry)
         finally:
             replaced = [attr for slots, attr, p in self._slots if slots.get(attr) is not p]
             if replaced:

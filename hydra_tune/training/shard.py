@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten  # torch's own pytree walk: there i
 
 from ..device.devices import Device
 from ..device.dispatch import bookkeeping, paused_accounting, plain_call
+from ..device.fastpath import fast_path_modules, native_scope
 from ..device.rng import TaskRNG
 from ..errors import rule_error
 from ..stages import Stage
@@ -86,6 +87,7 @@ class ShardExec(ShardPythonState):
         self.pooled: set[int] = set()
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
+        self.fast = tuple(fast_path_modules(s.module) for s in self.stages)  # each stage's (fastpath.py)
         self._inert = inert_modules(self.modules)
         self._snapshots = Snapshots(self.modules)  # their Python state before a unit (when not all inert)
         self.plain_tensors = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors.values())
@@ -161,8 +163,9 @@ class ShardExec(ShardPythonState):
         """The shard's forward over ``copies`` (bind.py); a buffer the forward assigns a new tensor replaces its
         copy in ``copies``, for the next stage and the write-back."""
         with self.precision(device):
-            for stage, bound in zip(self.stages, self._bound):
-                with device.stage_scope(stage.name):  # a quiet unit routes the stages that draw (quiet.py)
+            for stage, bound, fast in zip(self.stages, self._bound, self.fast):
+                # a quiet unit routes the stages that draw (quiet.py); torch's fast paths see no mode of ours
+                with device.stage_scope(stage.name), native_scope(fast, device, stage.name):
                     carry, after = bound.call(carry, copies)
                 for name, key in bound.binding:  # (two names of one slot: the first replaces, the second is it)
                     if after[name] is not copies[key]:
