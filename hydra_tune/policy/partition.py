@@ -5,10 +5,13 @@
     plan = partition(costs, budget=4096)            # fewest shards whose every unit fits, or PlanError
     [s.names for s in plan.shards]
 
-Units of a shard i..j: a forward without autograd (F), or a forward with autograd followed by backward
-(B: recompute + backward; L: the last shard's forward + loss + backward). Their peak device bytes:
+Units of a shard i..j: an eval forward without autograd (E), a training forward with autograd whose graph goes
+at its end (F: some kernels compute otherwise without autograd, so F runs as the plain loop's forward does), or
+a forward with autograd followed by backward (B: recompute + backward; L: the last shard's forward + loss +
+backward). Their peak device bytes:
 
-    F = P + Bf + in_i + max_k (fwd_peak_k + [k > i] * in_k)
+    E = P + Bf + in_i + max_k (fwd_peak_k + [k > i] * in_k)
+    F = P + Bf + in_i + max_k (sum_{m<k} saved_m + grad_fwd_peak_k)
     B = P + Bf + in_i + max( max_k (sum_{m<k} saved_m + grad_fwd_peak_k),
                              sum_k saved_k + max_k (G_{>k} + bwd_peak_k) )
     offloading F and B = P + Bf + in_i + max( max_k (off_fwd_peak_k + [k > i] * in_k),
@@ -63,7 +66,7 @@ class Shard:
     stop: int           # one past the last stage index
     names: tuple[str, ...]
     state_bytes: int    # parameters + buffers copied in for every unit
-    forward_peak: int   # F unit
+    forward_peak: int   # E unit (a forward without autograd)
     backward_peak: int  # B or L unit
     kept_bytes: int = 0       # a forward with autograd keeps this much on the device (input + saved tensors)
     fwd_seconds: float = 0.0  # measured: the recompute a kept forward saves
@@ -71,6 +74,7 @@ class Shard:
     output_bytes: int = 0
     off_forward_peak: int = 0   # F unit when its forward offloads (saved activations leave as they are made)
     off_backward_peak: int = 0  # its B unit (they come back one stage at a time)
+    train_forward_peak: int = 0  # F unit: a forward with autograd, its graph let go at the end (<= backward_peak)
 
     @property
     def offload_peak(self) -> int:
@@ -81,7 +85,9 @@ class Shard:
         "offload"; kept forwards hold their graph, counted by the plan's held bytes)."""
         if mode == "offload" and kind in ("F", "B"):
             return self.off_forward_peak if kind == "F" else self.off_backward_peak
-        return self.forward_peak if kind in ("F", "E") else self.backward_peak
+        if kind == "F":
+            return self.train_forward_peak or self.forward_peak
+        return self.forward_peak if kind == "E" else self.backward_peak
 
     @property
     def offload_bytes(self) -> int:
@@ -203,7 +209,7 @@ def shard_of(costs: Sequence[StageCost], start: int, stop: int, index: int = 0) 
     return Shard(index, start, stop, tuple(c.name for c in part), state, fwd, bwd,
                  kept_bytes=part[0].input_bytes + kept, fwd_seconds=sum(c.fwd_seconds for c in part),
                  input_bytes=part[0].input_bytes, output_bytes=part[-1].output_bytes,
-                 off_forward_peak=off_fwd, off_backward_peak=base + off_bwd)
+                 off_forward_peak=off_fwd, off_backward_peak=base + off_bwd, train_forward_peak=base + grad_fwd)
 
 
 def _greedy(costs: Sequence[StageCost], limit: int | None, state_cap: int | None = None) -> list[Shard] | int:

@@ -27,6 +27,7 @@ autograd being on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,31 @@ def _is_float(t: object) -> bool:
 
 
 _NULL = contextlib.nullcontext()  # (reusable: one object, not one per unit)
+
+
+class CarryLeaves(list):
+    """A later shard's input carry tensors (``tensor_leaves`` order), the floating ones autograd leaves; ``grads``:
+    each one's gradient as the backward hands it to the leaf (None: none reached it). Why not ``.grad``: autograd
+    copies a leaf's gradient into the leaf's own strides, and the plain loop hands the op before it the gradient in
+    the layout it was made in; some kernels' summation order follows that layout (tests/test_carry_layout.py)."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self, tensors: list[Any]) -> None:
+        super().__init__(tensors)
+        self.grads: list[torch.Tensor | None] = [None] * len(tensors)
+
+
+def _took(grads: list[torch.Tensor | None], i: int, grad: torch.Tensor) -> None:
+    """Carry leaf ``i``'s tensor hook: its gradient, summed over the backward's calls (one, normally). Kept as a new
+    tensor over its storage: the gradient itself keeps one reference, so ``.grad`` takes it over without a copy
+    where the layouts agree (and ``_drop_grad`` lets go of the copy where they do not)."""
+    held = grads[i]
+    grads[i] = grad.detach() if held is None else held + grad
+
+
+def _drop_grad(leaf: torch.Tensor) -> None:
+    leaf.grad = None
 
 
 class ShardExec(ShardPythonState):
@@ -212,7 +238,8 @@ class ShardExec(ShardPythonState):
     # -- units ----------------------------------------------------------------------------------------------
     def forward(self, device: Device, store: HostStore, rng: TaskRNG, train: bool = True, keep: bool = False,
                 offload: bool = False, droppable: bool = False, light: bool = False) -> None:
-        """F: the output carry becomes the next shard's input in host memory. Plain: no autograd (B recomputes).
+        """F: the output carry becomes the next shard's input in host memory. Plain: its graph is let go at the
+        unit's end (B recomputes).
         ``keep``: the graph stays on the device, parameter bytes released until B refills them; ``droppable``:
         what a recompute needs is saved too, so the graph may be dropped before B, and its parameter bytes stay
         until another task runs there (residency.Kept ``loaded``: B, next, needs no refill). ``offload``:
@@ -228,9 +255,14 @@ class ShardExec(ShardPythonState):
             if keep or offload:
                 self._forward_keep(device, store, rng, offload, droppable)
                 return
-            with device.unit_scope(rng) as mode, torch.no_grad():
-                copies = self.load(device, grad=False)
-                carry = self.to_device(device, store.carries[self.index], self.carry_kind)
+            # a training forward runs with autograd, as in the plain loop: some kernels compute otherwise without
+            # it (the CPU's LSTM; CUDA's attention backends); its graph goes at the unit's end (B recomputes)
+            with device.unit_scope(rng) as mode, _NULL if train else torch.no_grad():
+                copies = self.load(device, grad=train)
+                if train:
+                    carry, _ = self.grad_inputs(device, store.carries[self.index])
+                else:
+                    carry = self.to_device(device, store.carries[self.index], self.carry_kind)
                 out = self.run(carry, copies, device)
                 self._write_back_buffers(copies, device, store, mode, recompute=train)
                 with paused_accounting(mode):
@@ -384,14 +416,17 @@ class ShardExec(ShardPythonState):
         """What the input carry is, for the copy counters: the first shard's is the batch."""
         return "batches" if self.index == 0 else "activations"
 
-    def grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, list[Any]]:
+    def grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, CarryLeaves]:
         """Device copy of the input carry whose floating tensors are leaves that collect input gradients."""
         carry = self.to_device(device, host_carry, self.carry_kind)
-        leaves = tensor_leaves(carry)
+        leaves = CarryLeaves(tensor_leaves(carry))
         if self.index > 0:
-            for t in leaves:
+            for i, t in enumerate(leaves):
                 if _is_float(t):
                     t.requires_grad_(True)
+                    t.register_hook(functools.partial(_took, leaves.grads, i))  # (not a method: no cycle
+                    # through the leaf's hooks, which would keep its device bytes until Python's collector ran)
+                    t.register_post_accumulate_grad_hook(_drop_grad)  # (its copy in the leaf's strides: unused)
         return carry, leaves
 
     @bookkeeping
@@ -406,9 +441,8 @@ class ShardExec(ShardPythonState):
             grads = [(p, g if resident else copier.to_host(g, wait=False, what="state")) for p in self.params
                      if (g := copies[id(p)].grad) is not None]
             if self.index > 0:
-                store.out_grads[self.index - 1] = [
-                    copier.to_host(t.grad, wait=False) if _is_float(t) and t.grad is not None else None
-                    for t in leaves]
+                store.out_grads[self.index - 1] = [None if g is None else copier.to_host(g, wait=False)
+                                                   for g in leaves.grads]
             if self.index > 0 or (grads and not resident):  # something was copied out
                 copier.wait_copies_out()
             for p, g in grads:

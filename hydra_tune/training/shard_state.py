@@ -94,10 +94,10 @@ class ShardPythonState:
             by_recompute = before.changed_names()
         finally:
             now.restore()
-        if by_recompute != by_forward:  # e.g. state updated only under torch.is_grad_enabled(): F runs without
+        if by_recompute != by_forward:  # e.g. state updated on every other call of a counter kept elsewhere
             raise rule_error(
                 "a forward that its shard's backward recomputes changes the same Python state when recomputed (the "
-                "F unit runs it without autograd, the recompute with it)", "update such state the same way with "
-                "and without autograd (no branch on torch.is_grad_enabled() or x.requires_grad around it)",
+                "recompute runs from the state the F unit started from)", "make the forward's state updates depend "
+                "only on the module's own state and its inputs (not on a counter or flag kept outside the model)",
                 forward_changed=by_forward, recompute_changed=by_recompute, shard=list(self.names))
 
