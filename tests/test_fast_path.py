@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from reference import plain_train
 
 import hydra_tune as ht
+from hydra_tune.device import dispatch
 from hydra_tune.device.fastpath import fast_path_modules
 
 X = torch.randn(32, 12, 16, generator=torch.Generator().manual_seed(1))
@@ -149,12 +150,16 @@ def _freezing_loop(prepare=None) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_a_draw_beside_an_eval_mode_attention_is_routed_after_a_rerun():
+@pytest.mark.parametrize("lent", [False, True])
+def test_a_draw_beside_an_eval_mode_attention_is_routed_after_a_rerun(lent, monkeypatch):
+    """The first minibatch after the switch drew with the router set aside (the stage was routed: quietly, or with
+    the whole unit once a task lent the global generator, ``lent``), reran counted, and the task stayed counted."""
+    # lent: as after an earlier task in this process lent it (then quiet units stop for the process); else as in a
+    # fresh process whatever ran in this one before
+    monkeypatch.setattr(dispatch, "_LENT", [True] if lent else [])
     plain = _freezing_loop()
     with ht.Runtime(devices=["cpu"]) as rt:
         ours = _freezing_loop(lambda m, o: ht.prepare(m, o, runtime=rt))
         counts = rt.stats()["devices"][0]["unrouted"]
     assert all(torch.equal(plain[k], ours[k]) for k in plain)
-    # its first epoch ran quiet, routing that stage; the first minibatch after the switch drew with the router set
-    # aside, reran counted, and the task stayed counted
-    assert counts["quiet"] > 0 and counts["fast_path_reruns"] == 1
+    assert counts["fast_path_reruns"] == 1 and (counts["quiet"] == 0) == lent

@@ -200,3 +200,16 @@ def test_copies_out_keep_a_dense_layout():
     copier, _ = _copier()
     back = copier.to_host(x.t())  # a carry copied out, as the next shard's copy in will see it
     assert back.stride() == x.t().stride() and torch.equal(back, x.t())
+
+
+def test_spread_carries_keep_their_strides_through_the_cuda_copier():
+    """A strided slice and a broadcast view come back with their sizes and strides (the span they read copied as
+    one run, on the copy stream like any carry): tests/test_carry_layout.py shows why the layout matters."""
+    copier, rec = _copier()
+    x = torch.arange(32.0).reshape(4, 8)
+    for view in (x[:, ::2], x[:, :1].expand(4, 8), x[1:, 2:5]):
+        dev = copier.to_device(view)
+        back = copier.to_host(dev)
+        assert dev.stride() == back.stride() == view.stride()
+        assert torch.equal(dev, view) and torch.equal(back, view) and dev.data_ptr() != view.data_ptr()
+        assert rec.recorded(dev, "compute")

@@ -34,6 +34,22 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
                                                                 t.shape, t.stride())
 
 
+def _spread(t: torch.Tensor) -> bool:
+    """Whether ``t`` has gaps or shared elements in its storage span (a strided slice, a broadcast view): a plain
+    copy would make it contiguous, and some kernels' summation order follows the layout they are handed."""
+    return t.numel() > 1 and not _dense(t)
+
+
+def _over_span(t: torch.Tensor, copy: Any) -> torch.Tensor:
+    """A copy of spread ``t`` with its sizes and strides: ``copy`` (a copier's method) copies the storage span
+    ``t`` reads, as one contiguous run, and the result views that copy as ``t`` viewed its storage. A new tensor,
+    not a view (autograd treats it as any copied carry)."""
+    span = 1 + sum(stride * (size - 1) for size, stride in zip(t.shape, t.stride()))
+    flat = copy(t.detach().as_strided((span,), (1,)))
+    return torch.empty(0, dtype=t.dtype, device=flat.device).set_(flat.untyped_storage(), flat.storage_offset(),
+                                                                   t.shape, t.stride())
+
+
 class _Charged:
     """``HostCopier.charged_to``'s block: a class, as every unit and segment enters one."""
 
@@ -84,6 +100,8 @@ class HostCopier:
             task.waited()
 
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
+        if _spread(t):  # its layout kept, as the plain loop's next op would see it (so in every copy below)
+            return _over_span(t, lambda flat: self.to_device(flat, what))
         self._count(t, "h2d", what)
         src = t.detach()
         if src.device == self.device or src.device.type == "meta":  # a footprint's meta model stays on meta
@@ -93,6 +111,8 @@ class HostCopier:
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
         """A copy in host memory; with ``wait=False`` it may still be in flight (CUDA) until the device's next
         waiting copy out or ``wait_copies_out()``, which every unit makes before it ends."""
+        if _spread(t):
+            return _over_span(t, lambda flat: self.to_host(flat, wait, what))
         self._count(t, "d2h", what)
         if wait:
             self._waited()
@@ -279,6 +299,8 @@ class CudaCopier(HostCopier):
             compute.wait_event(done)
 
     def to_device(self, t: torch.Tensor, what: str = "activations") -> torch.Tensor:
+        if _spread(t):
+            return _over_span(t, lambda flat: self.to_device(flat, what))
         self._count(t, "h2d", what)
         src = self.cuda.pin(t.detach())
         compute = self.cuda.current()
@@ -340,6 +362,8 @@ class CudaCopier(HostCopier):
             event.synchronize()
 
     def to_host(self, t: torch.Tensor, wait: bool = True, what: str = "activations") -> torch.Tensor:
+        if _spread(t):
+            return _over_span(t, lambda flat: self.to_host(flat, wait, what))
         self._count(t, "d2h", what)
         out = self.cuda.pinned_like(t)
         out.copy_(t.detach(), non_blocking=True)
