@@ -102,11 +102,11 @@ def _frozen_encoder_head() -> nn.Module:
     return nn.Sequential(FrozenFeatures(), Pool(), nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
 
 
-def _encoder_task(**kw) -> ht.ModelTask:
+def _encoder_task(model=None) -> ht.ModelTask:
     batches = [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 32, 8)]
-    return ht.ModelTask(_frozen_encoder_head, lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
+    return ht.ModelTask(model or _frozen_encoder_head, lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
                                                                         lr=0.1, momentum=0.9),
-                        batches, loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=2, seed=3, **kw)
+                        batches, loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=2, seed=3)
 
 
 def test_frozen_eval_mode_encoder_in_a_trained_model_is_bit_identical():
@@ -163,3 +163,23 @@ def test_a_draw_beside_an_eval_mode_attention_is_routed_after_a_rerun(lent, monk
         counts = rt.stats()["devices"][0]["unrouted"]
     assert all(torch.equal(plain[k], ours[k]) for k in plain)
     assert counts["fast_path_reruns"] == 1 and (counts["quiet"] == 0) == lent
+
+
+def _frozen_prefix_model() -> nn.Module:
+    """Frozen layers before the frozen eval-mode encoder: the encoder's input requires no gradient in the plain loop
+    (nothing before it trains), so its fast path runs there."""
+    return nn.Sequential(nn.Linear(16, 512).requires_grad_(False), nn.Linear(512, 16).requires_grad_(False),
+                         FrozenFeatures(), Pool(), nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+
+
+def test_a_carry_computed_from_frozen_weights_alone_requires_no_gradient_in_its_shard():
+    """Before, every later shard's input required a gradient: the encoder there took its composite path (7e-8 off)
+    and the frozen Linear's stage was planned with its input's gradient (it alone needed 460 KiB: no plan fit)."""
+    plain, _ = plain_train(_encoder_task(_frozen_prefix_model))
+    with ht.Runtime(devices=["cpu"], device_memory="300KiB") as rt:
+        handle = rt.submit(_encoder_task(_frozen_prefix_model))
+        handle.result()
+        shards = rt.stats()["tasks"][handle.name]["shards"]
+        got = handle.model()
+    assert [s[0] for s in shards[:3]] == ["0:Linear", "1:Linear", "2:FrozenFeatures"], shards
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), got.state_dict().values()))

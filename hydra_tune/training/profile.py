@@ -41,13 +41,13 @@ from . import host_rng
 from .profile_cache import PROFILES
 from .pystate import ModuleState
 from .residency import offloading
-from .shard import ShardExec
+from .shard import ShardExec, output_needs
 from .store import tree_bytes
 from .trees import open_dataclasses, tensor_leaves
 
 
 def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
-                rng: TaskRNG) -> tuple[StageCost, Any]:
+                rng: TaskRNG, needs: tuple[bool, ...] | None) -> tuple[StageCost, Any, tuple[bool, ...] | None]:
     acct = dev.account
     with dev.unit_scope(rng) as mode:
         with torch.no_grad():
@@ -70,7 +70,7 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             fwd_peak = acct.peak - base
             del copies, carry_dev
         copies = ex.load(dev, grad=True)
-        carry_dev, _ = ex.grad_inputs(dev, carry)
+        carry_dev, _ = ex.grad_inputs(dev, carry, needs)
         base = acct.current
         acct.reset_peak()
         try:
@@ -79,18 +79,19 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
             if ex.index > 0 and "leaf Variable that requires grad is being used in an in-place" in str(exc):
                 raise _input_changed(ex) from exc  # (its input is a leaf here, collecting the gradient to send back)
             raise
+        needs_out = None if last else output_needs(out_g)
         if last:
             out_g = ex.loss(dev, loss_fn, out_g, batch)
         saved = acct.current - base
         grad_fwd_peak = acct.peak - base
         bwd_peak = _backward_peak(dev, out_g)
         del out_g
-        off_fwd_peak, off_bwd_peak = (0, 0) if last else _offload_peaks(ex, dev, carry, mode)
+        off_fwd_peak, off_bwd_peak = (0, 0) if last else _offload_peaks(ex, dev, carry, mode, needs)
     params = tuple((id(p), p.numel() * p.element_size(), p.requires_grad) for p in ex.params)
     buffers = sum(b.numel() * b.element_size() for b in ex.buffers.values())
     cost = StageCost(ex.names[0], params, buffers, tree_bytes(carry), tree_bytes(out), fwd_peak, saved,
                      grad_fwd_peak, bwd_peak, fwd_seconds, off_fwd_peak, off_bwd_peak)
-    return cost, out
+    return cost, out, needs_out
 
 
 def _versions(tree: Any) -> list[int]:
@@ -123,12 +124,13 @@ def _weights_changed(ex: ShardExec, keys: list[int]) -> Exception:
                       parameters=[names.get(k, "?") for k in keys])
 
 
-def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any) -> tuple[int, int]:
+def _offload_peaks(ex: ShardExec, dev: CpuDevice, carry: Any, mode: Any,
+                   needs: tuple[bool, ...] | None) -> tuple[int, int]:
     """Peaks of the stage's forward with its saved activations sent to host memory, and of its backward
     bringing them back (each above what is held when it starts)."""
     acct = dev.account
     copies = ex.load(dev, grad=True)
-    carry_dev, _ = ex.grad_inputs(dev, carry)
+    carry_dev, _ = ex.grad_inputs(dev, carry, needs)
     base = acct.current
     acct.reset_peak()
     with offloading(dev, copies, mode):
@@ -200,9 +202,10 @@ def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed
     costs = []
     host = host_rng.states()
     try:
+        needs = None  # which of a stage's input tensors require a gradient (the stage before's output)
         for k, stage in enumerate(stages):
             ex = ShardExec(k, [stage], autocast)
-            cost, carry = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng)
+            cost, carry, needs = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng, needs)
             # (a task whose code draws from them has them rewound with its RNG by a retry: TaskRNG.host_draws)
             at_start, host = host, host_rng.states()
             costs.append(replace(cost, draws_host=True) if host != at_start else cost)

@@ -86,6 +86,12 @@ def _drop_grad(leaf: torch.Tensor) -> None:
     leaf.grad = None
 
 
+def output_needs(out: Any) -> tuple[bool, ...]:
+    """Which of a shard's output tensors (``tensor_leaves`` order) require a gradient: the next shard's input
+    leaves that collect one (``grad_inputs``)."""
+    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensor_leaves(out))
+
+
 class ShardExec(ShardPythonState):
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
@@ -260,10 +266,12 @@ class ShardExec(ShardPythonState):
             with device.unit_scope(rng) as mode, _NULL if train else torch.no_grad():
                 copies = self.load(device, grad=train)
                 if train:
-                    carry, _ = self.grad_inputs(device, store.carries[self.index])
+                    carry, _ = self.grad_inputs(device, store.carries[self.index], store.needs.get(self.index))
                 else:
                     carry = self.to_device(device, store.carries[self.index], self.carry_kind)
                 out = self.run(carry, copies, device)
+                if train:
+                    store.needs[self.index + 1] = output_needs(out)
                 self._write_back_buffers(copies, device, store, mode, recompute=train)
                 with paused_accounting(mode):
                     store.carries[self.index + 1] = map_tensors(device.copier.to_host, out)
@@ -276,13 +284,14 @@ class ShardExec(ShardPythonState):
             resident = self.resident(device)
             if device.resident is not None:
                 device.resident.drop(self)  # their storage is released below: no longer a valid resident copy
-            carry, leaves = self.grad_inputs(device, store.carries[self.index])
+            carry, leaves = self.grad_inputs(device, store.carries[self.index], store.needs.get(self.index))
             if offload:
                 with offloading(device, copies, mode) as hooks:
                     out = self.run(carry, copies, device)
             else:
                 out = self.run(carry, copies, device)
             self._write_back_buffers(copies, device, store, mode, recompute=droppable)
+            store.needs[self.index + 1] = output_needs(out)
             with paused_accounting(mode):
                 store.carries[self.index + 1] = map_tensors(lambda t: device.copier.to_host(t.detach()), out)
             # a resident shard's parameter bytes are its state: they stay; a pooled copy is other tasks' too
@@ -344,7 +353,7 @@ class ShardExec(ShardPythonState):
             return self.direct.forward_loss_backward(device, store, rng, loss_fn, scale)
         with self.python_state(device, store), device.unit_scope(rng) as mode:
             copies = self.load(device, grad=True)
-            carry, leaves = self.grad_inputs(device, store.carries[self.index])
+            carry, leaves = self.grad_inputs(device, store.carries[self.index], store.needs.get(self.index))
             out = self.run(carry, copies, device)
             loss = self.loss(device, loss_fn, out, store.batch)
             del out  # e.g. the logits: free them before the backward, as the profile measured it
@@ -382,7 +391,7 @@ class ShardExec(ShardPythonState):
             replay.restore(snap)
             with device.unit_scope(replay) as mode:
                 copies = self.load(device, grad=True, buffers=store.buffers.pop(self.index, None))
-                carry, leaves = self.grad_inputs(device, store.carries[self.index])
+                carry, leaves = self.grad_inputs(device, store.carries[self.index], store.needs.get(self.index))
                 with self._replaying(store.states.pop(self.index, None)), \
                         host_rng.replay(store.host_rng.pop(self.index, None)):
                     out = self.run(carry, copies, device)
@@ -416,13 +425,17 @@ class ShardExec(ShardPythonState):
         """What the input carry is, for the copy counters: the first shard's is the batch."""
         return "batches" if self.index == 0 else "activations"
 
-    def grad_inputs(self, device: Device, host_carry: Any) -> tuple[Any, CarryLeaves]:
-        """Device copy of the input carry whose floating tensors are leaves that collect input gradients."""
+    def grad_inputs(self, device: Device, host_carry: Any,
+                    needs: tuple[bool, ...] | None = None) -> tuple[Any, CarryLeaves]:
+        """Device copy of the input carry whose floating tensors are leaves that collect input gradients: those
+        that required one in the plain loop (``needs``, from the shard before's output: ``output_needs``; None:
+        every floating one). A carry the plain loop computed from frozen weights alone needs none: autograd
+        makes none for it, and kernels that choose by ``requires_grad`` (the attention fast paths) choose the same."""
         carry = self.to_device(device, host_carry, self.carry_kind)
         leaves = CarryLeaves(tensor_leaves(carry))
         if self.index > 0:
             for i, t in enumerate(leaves):
-                if _is_float(t):
+                if _is_float(t) and (needs is None or i >= len(needs) or needs[i]):
                     t.requires_grad_(True)
                     t.register_hook(functools.partial(_took, leaves.grads, i))  # (not a method: no cycle
                     # through the leaf's hooks, which would keep its device bytes until Python's collector ran)

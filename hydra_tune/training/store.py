@@ -53,6 +53,7 @@ class HostStore:
         self.undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host buffer -> its value before the batch
         self.states: dict[int, Any] = {}             # shard -> pystate.ModuleState its F unit started from
         self.host_rng: dict[int, Any] = {}           # shard -> Python's and numpy's RNG its F unit drew from
+        self.needs: dict[int, tuple[bool, ...]] = {}  # shard -> which input carry tensors require a gradient
         self._state_undo: list[Any] = []             # ModuleStates before the units that changed Python state
         self._lost: list[str] = []                   # tensor attributes changed in place (a retry cannot undo)
         self._pending: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
