@@ -37,7 +37,7 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 def _spread(t: torch.Tensor) -> bool:
     """Whether ``t`` has gaps or shared elements in its storage span (a strided slice, a broadcast view): a plain
     copy would make it contiguous, and some kernels' summation order follows the layout they are handed."""
-    return t.numel() > 1 and not _dense(t)
+    return t.layout is torch.strided and not t.is_nested and t.numel() > 1 and not _dense(t)
 
 
 def _over_span(t: torch.Tensor, copy: Any) -> torch.Tensor:
