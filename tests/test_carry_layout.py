@@ -4,7 +4,7 @@ Some kernels' summation order follows their inputs' memory layout (a mean over a
 weight gradient, GroupNorm's backward). Between shards the carry's gradient used to be read from the input leaf's
 ``.grad``, which autograd copies into the leaf's own strides (its layout rule for ``.grad``): where the plain loop
 handed the previous op a contiguous gradient, the previous shard got a transposed one, and the weights ended
-~1e-8 off (tests below fail before the fix: shard.py ``CarryLeaves``).
+~1e-8 off (tests below fail before the fix: training/carry.py ``CarryLeaves``).
 """
 from __future__ import annotations
 

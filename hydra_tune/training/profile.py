@@ -41,7 +41,8 @@ from . import host_rng
 from .profile_cache import PROFILES
 from .pystate import ModuleState
 from .residency import offloading
-from .shard import ShardExec, output_needs
+from .carry import output_needs
+from .shard import ShardExec
 from .store import tree_bytes
 from .trees import open_dataclasses, tensor_leaves
 

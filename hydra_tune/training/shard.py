@@ -27,7 +27,6 @@ autograd being on.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from ..errors import rule_error
 from ..stages import Stage
 from . import host_rng
 from .bind import Bound
+from .carry import CarryLeaves, output_needs
 from .direct import DirectPath, backward_outputs
 from .loss import LossFn, model_loss
 from .names import shared_name
@@ -59,37 +59,6 @@ def _is_float(t: object) -> bool:
 
 
 _NULL = contextlib.nullcontext()  # (reusable: one object, not one per unit)
-
-
-class CarryLeaves(list):
-    """A later shard's input carry tensors (``tensor_leaves`` order), the floating ones autograd leaves; ``grads``:
-    each one's gradient as the backward hands it to the leaf (None: none reached it). Why not ``.grad``: autograd
-    copies a leaf's gradient into the leaf's own strides, and the plain loop hands the op before it the gradient in
-    the layout it was made in; some kernels' summation order follows that layout (tests/test_carry_layout.py)."""
-
-    __slots__ = ("grads",)
-
-    def __init__(self, tensors: list[Any]) -> None:
-        super().__init__(tensors)
-        self.grads: list[torch.Tensor | None] = [None] * len(tensors)
-
-
-def _took(grads: list[torch.Tensor | None], i: int, grad: torch.Tensor) -> None:
-    """Carry leaf ``i``'s tensor hook: its gradient, summed over the backward's calls (one, normally). Kept as a new
-    tensor over its storage: the gradient itself keeps one reference, so ``.grad`` takes it over without a copy
-    where the layouts agree (and ``_drop_grad`` lets go of the copy where they do not)."""
-    held = grads[i]
-    grads[i] = grad.detach() if held is None else held + grad
-
-
-def _drop_grad(leaf: torch.Tensor) -> None:
-    leaf.grad = None
-
-
-def output_needs(out: Any) -> tuple[bool, ...]:
-    """Which of a shard's output tensors (``tensor_leaves`` order) require a gradient: the next shard's input
-    leaves that collect one (``grad_inputs``)."""
-    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensor_leaves(out))
 
 
 class ShardExec(ShardPythonState):
@@ -434,12 +403,7 @@ class ShardExec(ShardPythonState):
         carry = self.to_device(device, host_carry, self.carry_kind)
         leaves = CarryLeaves(tensor_leaves(carry))
         if self.index > 0:
-            for i, t in enumerate(leaves):
-                if _is_float(t) and (needs is None or i >= len(needs) or needs[i]):
-                    t.requires_grad_(True)
-                    t.register_hook(functools.partial(_took, leaves.grads, i))  # (not a method: no cycle
-                    # through the leaf's hooks, which would keep its device bytes until Python's collector ran)
-                    t.register_post_accumulate_grad_hook(_drop_grad)  # (its copy in the leaf's strides: unused)
+            leaves.collect(needs)
         return carry, leaves
 
     @bookkeeping
