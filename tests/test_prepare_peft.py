@@ -88,8 +88,11 @@ def test_a_first_call_inside_disable_adapter_is_refused_naming_it(rt):
 
 
 @pytest.mark.parametrize("budget", ["64MiB", "256KiB"], ids=["resident", "tight-budget"])
-def test_a_trial_unfreezing_part_of_a_shared_base_trains_exactly_beside_one_that_does_not(budget):
-    # before: the unfreezing trial's step was refused (its LayerNorms were held once with the other trial's)
+@pytest.mark.parametrize("first", ["B", "A"], ids=["other-brought-the-base", "unfreezer-brought-the-base"])
+def test_a_trial_unfreezing_part_of_a_shared_base_trains_exactly_beside_one_that_does_not(budget, first):
+    # before: the unfreezing trial's step was refused (its LayerNorms were held once with the other trial's); and
+    # when the unfreezing trial was the one whose weights the pool took, each of its steps moved the pooled
+    # tensor's in-place counter (shared with its parameter), so B's next unit failed reading them as written
     def loop(rt=None, name=None):
         torch.manual_seed(0)
         model = lora_bert()()
@@ -121,8 +124,13 @@ def test_a_trial_unfreezing_part_of_a_shared_base_trains_exactly_beside_one_that
         want[thaw] = weights(model)
     with ht.Runtime(devices=["cpu"], device_memory=budget) as rt:
         (a, a_opt), (b, b_opt) = loop(rt, name="A"), loop(rt, name="B")
-        steps(b, b_opt, False, range(2))
-        steps(a, a_opt, True, range(4))   # B holds the base meanwhile: A's LayerNorms are copied for it
+        if first == "A":  # A's first call submits it: the pool takes A's weights, B's point at them
+            steps(a, a_opt, True, range(1))
+            steps(b, b_opt, False, range(2))
+            steps(a, a_opt, True, range(1, 4))
+        else:
+            steps(b, b_opt, False, range(2))
+            steps(a, a_opt, True, range(4))   # B holds the base meanwhile: A's LayerNorms are copied for it
         steps(b, b_opt, False, range(2, 4))
         pool = rt.stats()["shared_frozen"]
         got = {True: weights(a), False: weights(b)}

@@ -175,20 +175,30 @@ def _max_diff(a: nn.Module, b: dict[str, torch.Tensor]) -> float:
     return max((b[k] - v).abs().max().item() for k, v in a.state_dict().items())
 
 
-def test_a_trial_that_unfreezes_a_shared_base_in_its_loop_gets_its_own_copy_and_leaves_the_others_alone():
+@pytest.mark.parametrize("budget,first", [(None, "B"), (None, "A"), ("7KiB", "A")],
+                         ids=["B-brought-the-base", "A-brought-the-base", "A-brought-it-aliased-on-a-cpu-device"])
+def test_a_trial_that_unfreezes_a_shared_base_in_its_loop_gets_its_own_copy_and_leaves_the_others_alone(budget,
+                                                                                                        first):
     # two prepared trials share the frozen layer (one tensor); trial A unfreezes it mid-loop and adds it to its
     # optimizer. At first A's step wrote the shared tensor (trial B trained on from A's values, max diff 0.044);
     # then A's step was refused. Now A's layer becomes its own copy: A trains as the plain unfreezing loop does,
-    # B as the plain frozen one
+    # B as the plain frozen one. When A brought the base (its first call came first), the pool's tensor shared A's
+    # parameter's in-place counter: A's steps after the thaw moved it, and a CPU device handing B the pooled tensor
+    # itself (too small a budget to keep a copy) refused B's next unit as a write into shared weights
     plain_a, plain_b = _frozen_base(), _frozen_base()
     _thawing_loop(plain_a, _trainable(plain_a), 4, thaw_at=2)
     _thawing_loop(plain_b, _trainable(plain_b), 4)
-    with ht.Runtime(devices=["cpu"]) as rt:
+    with ht.Runtime(devices=["cpu"], device_memory=budget) as rt:
         a, b = _frozen_base(), _frozen_base()
         a, a_opt = ht.prepare(a, _trainable(a), runtime=rt, name="A")
         b, b_opt = ht.prepare(b, _trainable(b), runtime=rt, name="B")
-        _thawing_loop(b, b_opt, 2)
-        _thawing_loop(a, a_opt, 4, thaw_at=2)
+        if first == "A":
+            _thawing_loop(a, a_opt, 1)
+            _thawing_loop(b, b_opt, 2)
+            _thawing_loop(a, a_opt, 4, thaw_at=2, start=1)
+        else:
+            _thawing_loop(b, b_opt, 2)
+            _thawing_loop(a, a_opt, 4, thaw_at=2)
         pool = rt.stats()["shared_frozen"]
         _thawing_loop(b, b_opt, 4, start=2)  # B goes on from where it was, its frozen layer as it was built
         got_a = {k: v.clone() for k, v in a.state_dict().items()}

@@ -24,7 +24,9 @@ Rules:
   tasks go on with the values they were built with. With no clean copy left the entry is poisoned: every holder
   fails at its next step naming the writer, and no device copy is made from it (a unit needing one raises).
   Units never see a host write: they run on the pool's device copies, and a device copy written in place by a
-  forward is refused when next handed out. A CPU device (a stand-in whose "device copy" is host memory too) that
+  forward is refused when next handed out. The pool's tensor has an in-place counter of its own (not the counter
+  of the parameter it was taken from, which its task may make trainable and step): a write through it (a CPU
+  device's unit reading it in place) is caught at the holders' next check like a write through a parameter. A CPU device (a stand-in whose "device copy" is host memory too) that
   cannot keep its copy (``DEVICE_SHARE`` of its budget) gets the pooled host tensor itself instead of a new copy
   per unit: a forward writing into it moves the pool's counter, and with no clean copy to restore from the entry
   is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either).
@@ -78,6 +80,15 @@ class _Entry:
     def written(self) -> list[str]:
         return [f"{task}: {name}" for task, name, p, v in self.params if p._version != v]
 
+
+
+def _own_counter(p: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``p``'s storage with an in-place counter of its own: the pool's tensor. (``p.detach()`` would
+    share ``p``'s counter: once its task made ``p`` trainable and its own, every step of ``p`` moved the pool's
+    counter, and the other holders' device copies read as written: tests/test_prepare_proxy.py.)"""
+    with torch.no_grad():
+        return torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(),
+                                                                   p.shape, p.stride())
 
 
 @dataclass
@@ -186,7 +197,8 @@ class SharedFrozen(SharedDeviceCopies):
                     if prepare is not None:
                         prepare([p])
                     key = (probe, next(self._ids))
-                    entry = self._entries[key] = _Entry(p.detach(), p.numel() * p.element_size(), p._version)
+                    tensor = _own_counter(p)
+                    entry = self._entries[key] = _Entry(tensor, p.numel() * p.element_size(), tensor._version)
                     self._by_ptr[p.data_ptr()] = key
                     self._index.setdefault(probe, []).append(key)
                 if key in self._retained:  # kept after its last holder: found by this later task
@@ -337,7 +349,9 @@ class SharedFrozen(SharedDeviceCopies):
                 written = [(t, n) for t, n, p, v in entry.params if p._version != v]
                 for t, n in written:  # the writer fails at its own next check, whoever restores it
                     self._wrote.setdefault(t, []).append(n)
-                if written and not entry.poisoned:
+                # a write through the pooled tensor itself: a CPU device's unit that read it in place wrote it
+                by_unit = entry.tensor._version != entry.version
+                if (written or by_unit) and not entry.poisoned:
                     clean = [c for c, v in entry.devices.values()  # not the host tensor itself (CPU devices)
                              if c._version == v and c.untyped_storage().nbytes()
                              and c.data_ptr() != entry.tensor.data_ptr()]
@@ -345,8 +359,12 @@ class SharedFrozen(SharedDeviceCopies):
                         with torch.no_grad():
                             entry.tensor.copy_(clean[0].to(entry.tensor.device))
                         entry.params = [(t, n, p, p._version) for t, n, p, _ in entry.params]
+                        entry.version = entry.tensor._version
+                        entry.devices = {d: (c, c._version) if c.data_ptr() == entry.tensor.data_ptr() else (c, v)
+                                         for d, (c, v) in entry.devices.items()}
                     else:
-                        entry.poisoned = ", ".join(f"{t}: {n}" for t, n in written)
+                        entry.poisoned = ", ".join([f"{t}: {n}" for t, n in written]
+                                                   or ["a unit writing into the pooled tensor in place"])
                 if entry.poisoned:
                     poisoned.append(entry.poisoned)
             own = self._wrote.pop(task, [])
