@@ -8,6 +8,8 @@ in front of a trained head shifted the head's weights.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -183,3 +185,43 @@ def test_a_carry_computed_from_frozen_weights_alone_requires_no_gradient_in_its_
         got = handle.model()
     assert [s[0] for s in shards[:3]] == ["0:Linear", "1:Linear", "2:FrozenFeatures"], shards
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), got.state_dict().values()))
+
+
+class _RecordingDevice:
+    """What ``native_scope`` asks of a device: the error for an unrouted draw (a CUDA device's names the fix)."""
+
+    name = "cuda:0"
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def unrouted_draw(self, stage: str) -> BaseException:
+        self.asked.append(stage)
+        return RuntimeError(f"unrouted draw in {stage}")
+
+
+def test_the_router_is_set_aside_around_an_eval_mode_attention_and_a_draw_there_raises_the_devices_error(
+        monkeypatch):
+    """The scope the CUDA device's units get (the router around the whole unit, no UnitMode): the attention sees
+    no mode, the router is back after the stage, and a CPU draw meanwhile raises the device's error."""
+    from hydra_tune.device.dispatch import router_for
+    from hydra_tune.device.fastpath import native_scope
+    from hydra_tune.device.rng import TaskRNG
+
+    monkeypatch.setattr(dispatch, "_LENT", [])
+    attn = SelfAttention().eval()
+    fast, device = fast_path_modules(attn), _RecordingDevice()
+    router = router_for(TaskRNG(0))
+    with router:
+        with native_scope(fast, device, "0:SelfAttention"):
+            assert not torch._C._is_torch_function_mode_enabled()
+            with torch.no_grad():
+                attn(X[:2])
+        assert torch._C._len_torch_function_stack() == 1          # the router is back
+        with pytest.raises(RuntimeError, match="unrouted draw in 0:SelfAttention"):
+            with native_scope(fast, device, "0:SelfAttention"):
+                torch.rand(3)                                       # a draw from the global generator
+        assert torch._C._len_torch_function_stack() == 1
+    assert device.asked == ["0:SelfAttention"]
+    attn.train()
+    assert isinstance(native_scope(fast, device, "x"), type(contextlib.nullcontext()))  # training: nothing set aside
