@@ -106,9 +106,10 @@ def _frozen_encoder_head() -> nn.Module:
 
 def _encoder_task(model=None) -> ht.ModelTask:
     batches = [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 32, 8)]
-    return ht.ModelTask(model or _frozen_encoder_head, lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
-                                                                        lr=0.1, momentum=0.9),
-                        batches, loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=2, seed=3)
+    def optimizer(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    return ht.ModelTask(model or _frozen_encoder_head, optimizer, batches,
+                        loss=lambda out, b: F.cross_entropy(out, b[1]), epochs=2, seed=3)
 
 
 def test_frozen_eval_mode_encoder_in_a_trained_model_is_bit_identical():

@@ -1,7 +1,7 @@
 """Modules with torch's inference fast path take it inside a unit exactly when the plain loop would.
 
     fast = fast_path_modules(stage.module)          # once per stage (ShardExec): its nn.MultiheadAttention & co.
-    with native_scope(fast, device):                # around the stage's call in a unit
+    with native_scope(fast, device, stage.name):    # around the stage's call in a unit
         carry = stage.module(carry)
 
 Why: ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` run a fused kernel in

@@ -27,11 +27,13 @@ import torch
 from .counts import CopyCounts
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s storage with its own version counter: writing it does not invalidate autograd's
-    saved references to ``t`` (whose storage we refill with the very values it held)."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
-                                                                t.shape, t.stride())
+def alias(t: torch.Tensor, shape: Any = None, stride: Any = None) -> torch.Tensor:
+    """A tensor over ``t``'s storage with its own version counter (not a view; ``shape``/``stride``: viewed so
+    instead of as ``t``): writing it does not invalidate autograd's saved references to ``t`` (whose storage we
+    refill with the very values it held), and steps of ``t`` do not move its counter (the shared frozen pool)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape if shape is None else shape,
+        t.stride() if stride is None else stride)
 
 
 def _spread(t: torch.Tensor) -> bool:
@@ -45,9 +47,7 @@ def _over_span(t: torch.Tensor, copy: Any) -> torch.Tensor:
     ``t`` reads, as one contiguous run, and the result views that copy as ``t`` viewed its storage. A new tensor,
     not a view (autograd treats it as any copied carry)."""
     span = 1 + sum(stride * (size - 1) for size, stride in zip(t.shape, t.stride()))
-    flat = copy(t.detach().as_strided((span,), (1,)))
-    return torch.empty(0, dtype=t.dtype, device=flat.device).set_(flat.untyped_storage(), flat.storage_offset(),
-                                                                   t.shape, t.stride())
+    return alias(copy(t.detach().as_strided((span,), (1,))), t.shape, t.stride())
 
 
 class _Charged:
@@ -182,7 +182,7 @@ class HostCopier:
 
     def _fill(self, t: torch.Tensor, src: torch.Tensor) -> None:
         t.untyped_storage().resize_(t.numel() * t.element_size())  # device copies are dense, at offset 0
-        _alias(t).copy_(src)
+        alias(t).copy_(src)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -326,7 +326,7 @@ class CudaCopier(HostCopier):
             # Allocated from the copy stream's pool: a block the compute stream freed may still be read by its
             # queued kernels, so it must not be written here before they ran.
             t.untyped_storage().resize_(t.numel() * t.element_size())
-            dst = _alias(t)
+            dst = alias(t)
             dst.copy_(src, non_blocking=True)
         self._join(compute)
         self.cuda.record(dst, compute)  # freed later by the compute stream: the allocator waits for its use

@@ -38,10 +38,10 @@ from ..errors import rule_error
 from ..policy.partition import StageCost
 from ..stages import ModelStages, Stage
 from . import host_rng
+from .carry import output_needs
 from .profile_cache import PROFILES
 from .pystate import ModuleState
 from .residency import offloading
-from .carry import output_needs
 from .shard import ShardExec
 from .store import tree_bytes
 from .trees import open_dataclasses, tensor_leaves

@@ -26,10 +26,11 @@ Rules:
   Units never see a host write: they run on the pool's device copies, and a device copy written in place by a
   forward is refused when next handed out. The pool's tensor has an in-place counter of its own (not the counter
   of the parameter it was taken from, which its task may make trainable and step): a write through it (a CPU
-  device's unit reading it in place) is caught at the holders' next check like a write through a parameter. A CPU device (a stand-in whose "device copy" is host memory too) that
-  cannot keep its copy (``DEVICE_SHARE`` of its budget) gets the pooled host tensor itself instead of a new copy
-  per unit: a forward writing into it moves the pool's counter, and with no clean copy to restore from the entry
-  is poisoned (every holder fails, naming the writer; a copy that was not kept could not restore it either).
+  device's unit reading it in place) is caught at the holders' next check like a write through a parameter.
+  A CPU device (a stand-in whose "device copy" is host memory too) that cannot keep its copy (``DEVICE_SHARE``
+  of its budget) gets the pooled host tensor itself instead of a new copy per unit: a forward writing into it
+  moves the pool's counter, and with no clean copy to restore from the entry is poisoned (every holder fails,
+  naming the writer; a copy that was not kept could not restore it either).
   CPU devices share one address space: a CPU device takes another CPU device's kept copy (one clean copy serves
   them all). Writes through ``.data`` are not seen by version counters: hydra_tune cannot detect them (tasks
   must not write into frozen weights).
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..device.streams import alias
 from ..errors import rule_error
 from .names import shared_name
 from .shared_frozen_copies import DEVICE_SHARE, WRITE_FIX, WRITE_RULE, SharedDeviceCopies, on_host
@@ -80,15 +82,6 @@ class _Entry:
     def written(self) -> list[str]:
         return [f"{task}: {name}" for task, name, p, v in self.params if p._version != v]
 
-
-
-def _own_counter(p: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``p``'s storage with an in-place counter of its own: the pool's tensor. (``p.detach()`` would
-    share ``p``'s counter: once its task made ``p`` trainable and its own, every step of ``p`` moved the pool's
-    counter, and the other holders' device copies read as written: tests/test_prepare_proxy.py.)"""
-    with torch.no_grad():
-        return torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(),
-                                                                   p.shape, p.stride())
 
 
 @dataclass
@@ -197,7 +190,9 @@ class SharedFrozen(SharedDeviceCopies):
                     if prepare is not None:
                         prepare([p])
                     key = (probe, next(self._ids))
-                    tensor = _own_counter(p)
+                    # a counter of its own (``p.detach()`` shares p's: once its task made p trainable and stepped
+                    # it, the others' device copies read as written: tests/test_prepare_proxy.py)
+                    tensor = alias(p)
                     entry = self._entries[key] = _Entry(tensor, p.numel() * p.element_size(), tensor._version)
                     self._by_ptr[p.data_ptr()] = key
                     self._index.setdefault(probe, []).append(key)
