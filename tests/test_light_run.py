@@ -13,6 +13,7 @@ from test_light_path import _ce, _correct, _mlp  # the same tiny task as the lig
 
 import hydra_tune as ht
 from hydra_tune.device import dispatch
+from hydra_tune.runtime import picker
 
 
 @pytest.fixture(autouse=True)
@@ -168,3 +169,22 @@ def test_a_run_that_lasts_to_the_tasks_end_counts_its_units_before_the_task_ends
     assert record["steps"] == 40 and sum(u.kind == "L" for u in units) == 40
     assert record["units"] == 40 == stats["devices"][0]["units"]
     assert record["inline_units"] >= 30, record
+
+
+@pytest.mark.parametrize("policy", ["lrtf", "fifo"])
+def test_a_turn_starts_in_a_run_not_with_a_segment(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    # With no turn the policy is asked before every minibatch and gives the device to another task each time. A run
+    # the policy ends hands its task over (Segment.handover): the device that takes it next trains that minibatch
+    # in a run too. Before, every such minibatch became a segment of its own, which costs a small model about half
+    # a minibatch more (benchmarks/small_trials.py: one per policy turn).
+    monkeypatch.setattr(picker, "TURN", 0.0)
+    tasks = [_task(name=f"t{i}", seed=i, eval_data=None) for i in range(3)]
+    models, stats, units = _run(*tasks)
+    for task, model in zip(tasks, models):
+        assert max_param_diff(model, plain_train(task)[0]) == 0.0, task.name
+    order = [u.task for u in sorted(units, key=lambda u: u.start)]
+    assert sum(a != b for a, b in zip(order, order[1:])) >= 12, "the tasks did not take turns"
+    for task in tasks:
+        record = stats["tasks"][task.name]
+        # the segments: the one measured op by op, the first run unmeasured (light_path.py needs no gradient yet)
+        assert record["units"] == 36 and record["units"] - record["inline_units"] <= 3, record

@@ -93,6 +93,8 @@ class Openings:
         live = self._tasks.get(task.name) is task
         if live and status is None:
             task.segment = segment
+            if segment is not None and segment.handover:  # the policy gave the device to another task: queued
+                task.kept_by = None
             if task.kept_by is not None:
                 if not here:
                     self.cond.notify_all()  # the device waiting for it takes it
@@ -130,15 +132,16 @@ class Openings:
             task.lent, task.lent_by = index, threading.get_ident()
             return self._lenders[index]
 
-    def keeps(self, task: Admitted, index: int) -> bool:
+    def keeps(self, task: Admitted, index: int, granted: bool = False) -> bool:
         """Whether device ``index``, opening ``task``'s next segment itself (``open_here``), goes on with it now (a
         kept light task's next minibatch in the device's thread: training/light_run.py): it is not cancelled, the
-        board is open, and its policy turn holds there (``Picker.holds``) or, that turn over, the policy asked now
-        as at a segment's end picks it again (its turn starts anew: no segment just to hand the device back)."""
+        board is open, and the policy picked it just now (``granted``), or its policy turn holds there
+        (``Picker.holds``), or, that turn over, the policy asked now as at a segment's end picks it again (its
+        turn starts anew: no segment just to hand the device back)."""
         with self._lock:
             if self._closed or self._tasks.get(task.name) is not task or task.handle.cancel_requested:
                 return False
-            if self._picker.holds(task, index, self._idle, bool(self._ready)):
+            if granted or self._picker.holds(task, index, self._idle, bool(self._ready)):
                 return True
             state = task.state
             return state is not None and any(state.remaining().values()) and self._picks(task, index)

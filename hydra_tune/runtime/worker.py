@@ -148,6 +148,11 @@ class DeviceWorker:
         being opened)."""
         segment = task.segment
         task.segment = None
+        if segment.handover:  # no units: this device, the policy's pick, opens the task's next segment (loop.py)
+            if self._inline(task):
+                return self._open_here(task, picked=True), False
+            self.board.ran(task, self.index, True)
+            return task, True
         following: Following = []
         failure = self._run_open(task, segment, following)
         if failure is not None:
@@ -188,11 +193,13 @@ class DeviceWorker:
                 return False
             segment, task.segment = task.segment, None  # the same minibatch again, here
 
-    def _open_here(self, task: Admitted) -> Admitted | None:
+    def _open_here(self, task: Admitted, picked: bool = False) -> Admitted | None:
         """Open kept ``task``'s next segment in this thread; its loop first trains here the minibatches it may,
-        while the policy keeps the device on it (training/light_run.py)."""
+        while the policy keeps the device on it (training/light_run.py). ``picked``: the policy gave the device to
+        the task just now (a handed-over task), so its first minibatch is its turn's whatever the turn's length."""
         scope = _LightScope(self, task)
-        light = LightRun(self.device, lambda: self.board.keeps(task, self.index), RunHooks(scope.begin, scope.end))
+        light = LightRun(self.device, lambda granted: self.board.keeps(task, self.index, granted),
+                         RunHooks(scope.begin, scope.end), picked)
         try:
             with task.state.inline(light):
                 return self.board.open_here(task, self.index, spent=lambda: light.seconds)
@@ -319,7 +326,8 @@ class DeviceWorker:
         states = self.device.states
         if states is not None:
             states.prefetched(task.state.home)  # its state, if here, is not evicted before it runs
-        if not self._copies(task, task.segment.units[0]):  # type: ignore[union-attr]
+        segment = task.segment
+        if segment is None or segment.handover or not self._copies(task, segment.units[0]):
             return task, None
         plan, budget = current.state.plan, self.device.plan_budget
         held = states.total() if states is not None else 0

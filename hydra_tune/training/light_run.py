@@ -30,6 +30,9 @@ Rules (otherwise the minibatch goes the general way, as a segment, from its star
   the step counts come at ``finish``;
 - a minibatch trained here reaches its step boundary only when a checkpoint or snapshot waits there (a request
   that comes later waits for the next boundary, as one a few microseconds later would);
+- when the policy gives the device to another task, the run declines with ``released`` set and the loop hands the
+  task over (``Segment.handover``, loop.py ``_light``): the device the policy gives it next opens it itself and
+  tries its minibatch in a run there, so the turn starts with no segment;
 - a run lasts as long as the policy keeps picking the task (a lone trial: to its end), so what it deferred is done
   every ``REFRESH`` seconds too: the stats, the trace, the step counts and the estimates lag a run by no more.
 """
@@ -71,10 +74,13 @@ class RunHooks:
 class LightRun:
     """One device opening's run of a kept light task's minibatches (see the module docstring)."""
 
-    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "_began", "_last", "seconds")
+    __slots__ = ("device", "_keeps", "_hooks", "_spans", "_steps", "_loop", "_began", "_last", "seconds", "released",
+                 "_granted")
 
-    def __init__(self, device: Device, keeps: Callable[[], bool], hooks: RunHooks) -> None:
-        self.device, self._keeps, self._hooks = device, keeps, hooks
+    def __init__(self, device: Device, keeps: Callable[[bool], bool], hooks: RunHooks, picked: bool = False) -> None:
+        # ``keeps(granted)``: whether the policy keeps the device on the task (``granted``: it was picked just now;
+        # ``picked``: so is the run's first ask, for a handed-over task)
+        self.device, self._keeps, self._hooks, self._granted = device, keeps, hooks, picked
         self._spans: list[Span] = []
         self._steps = 0  # optimizer steps taken here, not yet counted in the task's state home
         self._loop: TrainingLoop | None = None  # set at the first minibatch trained here
@@ -84,20 +90,30 @@ class LightRun:
         # worker's INLINE_OPEN and the keep wait read it, and a run may now last many turns)
         self.seconds = 0.0
         self._last: float | None = None  # when the last unit here ended
+        # the last ``train``/``evaluate`` declined only because the policy gave the device to another task: the
+        # loop hands the task over (``Segment.handover``) rather than making the minibatch a segment
+        self.released = False
 
     def train(self, loop: TrainingLoop, batch: Any, losses: list[float]) -> bool:
         """Train and step ``batch`` here (its loss to ``losses``); False: nothing was done, the general path trains
         it."""
         state, device = loop.state, self.device
+        self.released = False
         if (state.task.grad_accumulation != 1 or state.scaler is not None or len(state.execs) != 1
                 or state.resume is not None or state.requests_waiting()):
             return False
         ex, home = state.execs[0], state.home
         if (not ex.direct.applies(device) or home.step_device() is not device or home.has_pending()
-                or not loop.steps_quietly() or not self._keeps()):
+                or not loop.steps_quietly() or not self._kept()):
             return False
         key = (state.task.name, segment_key(True, batch))
         return self._timed(key, lambda: self._train(loop, ex, key, batch, losses))
+
+    def _kept(self) -> bool:
+        """Whether the policy keeps the device on the task (else ``released``)."""
+        granted, self._granted = self._granted, False
+        self.released = not self._keeps(granted)
+        return not self.released
 
     def _timed(self, key: Any, run: Callable[[], bool]) -> bool:
         """``run()`` unless the device would measure segment ``key`` op by op (the general path does), its time
@@ -133,10 +149,11 @@ class LightRun:
         """Run eval ``batch``'s unit here (its loss to ``losses``, its metrics to ``measured``) when the rules
         hold; False: nothing was done, the general path runs it."""
         state, device = loop.state, self.device
+        self.released = False
         if len(state.execs) != 1 or state.requests_waiting():
             return False
         ex = state.execs[0]
-        if not ex.direct.applies(device, train=False) or not self._keeps():
+        if not ex.direct.applies(device, train=False) or not self._kept():
             return False
         key = (state.task.name, segment_key(False, batch))
 

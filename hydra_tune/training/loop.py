@@ -183,7 +183,7 @@ class TrainingLoop(LoopData):
                         break  # checkpointed at its last step: the task only ends its epoch, as it did then
                 continue
             # trained and stepped in the device's thread that opens this chain now, or a segment (light_run.py)
-            here = self.inline is not None and self.inline.train(self, batch, run.losses)
+            here = yield from self._light(True, lambda light: light.train(self, batch, run.losses))
             if not here:
                 yield self._train_segment(batch, run.losses)
                 if self._skipping:  # nonfinite_loss="skip_step": as `optimizer.zero_grad(); continue`
@@ -243,6 +243,20 @@ class TrainingLoop(LoopData):
         self._emit(metrics)
 
     # -- segments -------------------------------------------------------------------------------------------
+    def _light(self, train: bool, attempt: Callable[[LightRun], bool]) -> Generator[Segment, None, bool]:
+        """Whether ``attempt`` ran the minibatch in a light run of the device opening this chain; one the policy
+        just gave to another task hands it over first (``Segment.handover``), then the next device attempts it."""
+        light = self.inline
+        if light is None:
+            return False
+        if attempt(light):
+            return True
+        if not light.released:
+            return False
+        yield Segment(self.state.task.name, self.made, (), train, handover=True)
+        light = self.inline  # (the device that took it, or None: its host thread opened it)
+        return light is not None and attempt(light)
+
     def _segment(self, units: list[UnitSpec], train: bool) -> Segment:
         self.made += 1
         name = self.state.task.name
@@ -353,7 +367,7 @@ class TrainingLoop(LoopData):
                 state.eval_in_epoch += 1
                 state.leave_boundary()  # an evaluation forward may change what the model holds, too
                 measured: list[dict[str, Any]] = []  # a retried segment's measures are replaced, not added
-                if self.inline is None or not self.inline.evaluate(self, batch, losses, measured):
+                if not (yield from self._light(False, lambda light: light.evaluate(self, batch, losses, measured))):
                     yield self._begin(batch, losses, lambda: self._eval_units(losses, measured))
                 state.home.settle()
                 for m in measured[-1:]:

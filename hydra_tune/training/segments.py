@@ -47,6 +47,10 @@ class Segment:
     # the task's next segment completes this one, right after its caller's own short work (a prepared training
     # forward: its backward is the loop's next call): the device runs it before any other (scheduler.py)
     follows: bool = False
+    # no units: a light run's minibatch whose device the policy gave to another task (loop.py ``_light``); the
+    # device that takes the task next opens its next segment itself, as one kept on it does, and tries a light
+    # run there first (the minibatch becomes a segment of its own only if that declines too)
+    handover: bool = False
 
     def __str__(self) -> str:
         return " ".join(str(u) for u in self.units)
