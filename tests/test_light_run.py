@@ -171,14 +171,14 @@ def test_a_run_that_lasts_to_the_tasks_end_counts_its_units_before_the_task_ends
     assert record["inline_units"] >= 30, record
 
 
-@pytest.mark.parametrize("policy", ["lrtf", "fifo"])
-def test_a_turn_starts_in_a_run_not_with_a_segment(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
-    # With no turn the policy is asked before every minibatch and gives the device to another task each time. A run
-    # the policy ends hands its task over (Segment.handover): the device that takes it next trains that minibatch
-    # in a run too. Before, every such minibatch became a segment of its own, which costs a small model about half
-    # a minibatch more (benchmarks/small_trials.py: one per policy turn).
+def test_a_turn_starts_in_a_run_not_with_a_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With no turn, LRTF is asked before every minibatch of a run and gives the device to another task each time. A
+    # run the policy ends hands its task over (Segment.handover): the device that takes it next trains that
+    # minibatch in a run too. Before, each such minibatch became a segment of its own (a small model's costs about
+    # half a minibatch more: benchmarks/small_trials.py). (FIFO and round-robin end a turn at a segment's end, where
+    # the task's host thread opens its next one: no run starts there, before or now.)
     monkeypatch.setattr(picker, "TURN", 0.0)
-    tasks = [_task(name=f"t{i}", seed=i, eval_data=None) for i in range(3)]
+    tasks = [_task(name=f"t{i}", seed=i) for i in range(3)]
     models, stats, units = _run(*tasks)
     for task, model in zip(tasks, models):
         assert max_param_diff(model, plain_train(task)[0]) == 0.0, task.name
@@ -186,5 +186,6 @@ def test_a_turn_starts_in_a_run_not_with_a_segment(monkeypatch: pytest.MonkeyPat
     assert sum(a != b for a, b in zip(order, order[1:])) >= 12, "the tasks did not take turns"
     for task in tasks:
         record = stats["tasks"][task.name]
-        # the segments: the one measured op by op, the first run unmeasured (light_path.py needs no gradient yet)
-        assert record["units"] == 36 and record["units"] - record["inline_units"] <= 3, record
+        # the segments: those measured op by op (a train and an eval one), the first of each unmeasured and a few
+        # more as tasks start and end (before: 13 to 16 of 45)
+        assert record["units"] == 45 and record["units"] - record["inline_units"] <= 8, record
