@@ -26,9 +26,11 @@ AFFINITY = 0.3
 
 # A task LRTF picked for a device keeps it, without the policy being asked again, for this many seconds of short
 # segments while no other device waits for ready work: asking (every ready task's record, then a sort) after each
-# segment of a small model cost about a tenth of the segment. A segment longer than this asks every time. FIFO and
+# segment of a small model cost about a tenth of the segment, and each change of task about a millisecond more (the
+# other task's light run set up and its state warmed in the caches): 0.1 s against 0.02 took 4-5% off 40 small
+# trials on one device (benchmarks/small_trials.py's MLP). A segment longer than this asks every time. FIFO and
 # round-robin take turns per segment, as they say.
-TURN = 0.02
+TURN = 0.1
 
 
 class Picker:
