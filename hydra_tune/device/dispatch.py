@@ -210,6 +210,13 @@ def global_rng_state() -> bytes | None:
     return None if _LENT else state
 
 
+def unmoved(before: bytes | None) -> bool:
+    """Whether torch's global CPU generator is known not to have moved since ``before = global_rng_state()`` (a
+    state lent to a task on either side reads None: not known unmoved)."""
+    after = global_rng_state()
+    return before is not None and after is not None and after == before
+
+
 def draw_global_seed() -> int:
     """A seed in [0, 2**62) drawn from torch's global generator, under the lock a UnitMode holds while it lends that
     generator a task's state (``_seeded``): a draw outside the lock could take numbers from the lent state, moving

@@ -88,6 +88,5 @@ class _OwnModesAside:
             torch._C._push_on_torch_function_stack(mode)
         if kind is not None or not self.guarded:
             return
-        after = dispatch.global_rng_state()
-        if self.before is None or after is None or after != self.before:
+        if not dispatch.unmoved(self.before):
             raise self.device.unrouted_draw(self.stage)

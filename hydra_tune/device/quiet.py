@@ -152,7 +152,6 @@ class _Guarded:
         self.quiet.leave()
         if kind is not None:  # the unit's own error (an out-of-memory, say) is what its retry handles
             return
-        after = dispatch.global_rng_state()
-        if self.before is None or after is None or self.before != after:  # moved, or lent: not known unmoved
+        if not dispatch.unmoved(self.before):  # moved, or lent: not known unmoved
             raise self.quiet.moved(self.key)
         self.quiet.counts["quiet"] += 1

@@ -54,10 +54,6 @@ from .store import HostStore, put_buffer
 from .trees import map_tensors, tensor_leaves
 
 
-def _is_float(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
 _NULL = contextlib.nullcontext()  # (reusable: one object, not one per unit)
 
 
