@@ -232,12 +232,13 @@ class StateCache:
             return True
         with self._lock:
             held = sum(h.held_bytes() for h in self._homes)
-            victims = self._victims(home, keep)
             running = self._running.store if self._running is not None else None
         graphs = self.graphs.nbytes(running)
         over = held + graphs + need - budget
         if over <= 0:
             return True
+        with self._lock:  # (ranked only when something must go: most segments of a kept task find room)
+            victims = self._victims(home, keep)
         spare = (home.store, running)  # (the running task's graphs are inside its peak; its own it needs now)
         if optional and self.graphs.nbytes(*spare) + sum(v.entry_bytes(g) for _, v, g in victims) < over:
             return False
