@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from .seeding import OnDevice, seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
 
 _NULL = contextlib.nullcontext()  # (reusable)
+# classes of equal tasks (training/measure_class.py) whose measured segments a CPU device remembers, the latest
+MEASURED_CLASSES = 64
 
 
 class Device:
@@ -133,6 +136,11 @@ class Device:
         caller sets ``measuring`` to the answer. CUDA measures itself: never."""
         return False
 
+    def shares(self, key: Any) -> bool:
+        """Whether a task may run segment ``key`` of its class of equal tasks (training/measure_class.py) as the
+        class measured it here. Never: a device that measures nothing (CUDA) keeps its records by task."""
+        return False
+
     def forget(self, task: str) -> None:
         """``task`` ended: drop what ``measure`` learned of it (a later task may take its name)."""
 
@@ -199,6 +207,7 @@ class CpuDevice(Device):
         self.measuring = True
         self._measured: dict[Any, set[Any]] = {}  # task -> the segment keys measured
         self._unrouted: set[Any] = set()
+        self._classes: OrderedDict[Any, None] = OrderedDict()  # the classes measured, the latest last
         self._task: Any = None
         self._key: Any = None
         self.quiet = QuietUnits()  # segment keys measured to draw nothing: run with no router (quiet.py)
@@ -223,12 +232,26 @@ class CpuDevice(Device):
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
         self.quiet.begin_segment()
         self._measured.setdefault(self._task, set()).add(key)
+        if not isinstance(self._task, str):  # a class of equal tasks (training/measure_class.py): outlives them
+            self._classes[self._task] = None
+            self._classes.move_to_end(self._task)
+            while len(self._classes) > MEASURED_CLASSES:
+                self.forget(self._classes.popitem(last=False)[0])
         return counted
+
+    def shares(self, key: Any) -> bool:
+        # not measured yet (the asking task measures it for its class), or measured with every draw inside a stage
+        # it routes and none the router does not know: its units then run quiet, guarded (quiet.py), so a task of
+        # the class that draws elsewhere is caught and rerun, never wrong. Else each task is measured as its own.
+        if key not in self._measured.get(key[0], ()):
+            return True
+        return key[0] not in self._unrouted and self.quiet.allows(key)
 
     def sync(self) -> None:
         """Wait for the work queued on this device (a CPU stand-in's is done)."""
 
-    def forget(self, task: str) -> None:
+    def forget(self, task: Any) -> None:
+        # (a task's name, or a class of equal tasks no longer among the latest MEASURED_CLASSES)
         # Else a later task of that name and batch shapes would skip being measured, and could run on the light
         # router with a random op it does not know; and the records would grow with every task the runtime saw.
         self._measured.pop(task, None)

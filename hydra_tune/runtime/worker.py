@@ -32,6 +32,7 @@ from ..device.quiet import UnroutedDraw
 from ..device.threads import adopt_thread_count, release_idle_pool
 from ..errors import TaskCancelled
 from ..training.light_run import LightRun, RunHooks, Span
+from ..training.measure_class import measure_key
 from ..training.replan import is_oom, replan
 from ..training.residency import ShardCache
 from ..training.segments import Unit
@@ -166,7 +167,7 @@ class DeviceWorker:
 
     def _run_open(self, task: Admitted, segment: Any, following: Following | None) -> tuple[Unit, BaseException] | None:
         """``segment``'s units with the task's state made room for on the device (``_run_units``)."""
-        self.device.measuring = self.device.measure((task.name, segment.key))
+        self.device.measuring = self.device.measure(measure_key(task.state, segment.key, self.device))
         states, home = self.device.states, task.state.home
         if states is not None:
             with self.device.copier.charged_to(home.counts):

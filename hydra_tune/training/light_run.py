@@ -48,6 +48,7 @@ from ..device.devices import Device
 from ..device.quiet import UnroutedDraw
 from . import host_rng
 from .boundary import task_work
+from .measure_class import measure_key
 from .replan import is_oom
 from .segments import segment_key
 
@@ -106,7 +107,7 @@ class LightRun:
         if (not ex.direct.applies(device) or home.step_device() is not device or home.has_pending()
                 or not loop.steps_quietly() or not self._kept()):
             return False
-        key = (state.task.name, segment_key(True, batch))
+        key = measure_key(state, segment_key(True, batch), device)
         return self._timed(key, lambda: self._train(loop, ex, key, batch, losses))
 
     def _kept(self) -> bool:
@@ -155,7 +156,7 @@ class LightRun:
         ex = state.execs[0]
         if not ex.direct.applies(device, train=False) or not self._kept():
             return False
-        key = (state.task.name, segment_key(False, batch))
+        key = measure_key(state, segment_key(False, batch), device)
 
         def run() -> bool:
             loop.hold(batch)

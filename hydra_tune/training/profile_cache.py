@@ -71,7 +71,7 @@ class ProfileCache:
     def find(self, cut: ModelStages, batch: Any, loss_fn: Any, autocast: torch.dtype | None) -> Lookup:
         try:
             keyer = Keyer()
-            key = (_globals(keyer), keyer.key(cut.family, cut.prepare, cut.value_keys, loss_fn, autocast,
+            key = (globals_key(keyer), keyer.key(cut.family, cut.prepare, cut.value_keys, loss_fn, autocast,
                                               [(s.name, s.module) for s in cut.stages]), _batch_key(cut, batch))
             places = keyer.positions()
             ranges = _ranges(batch)
@@ -115,7 +115,7 @@ class ProfileCache:
                     "entries": len(self._entries)}
 
 
-def _globals(keyer: Keyer) -> Any:
+def globals_key(keyer: Keyer) -> Any:
     """Process state every forward reads: the default dtype and torch's global module hooks."""
     from torch.nn.modules import module as torch_module
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from .data import NO_BATCH, check_resume, data_length, sample_batch, task_data
 from .evaluate import empty_eval
 from .light_run import LightRun
 from .loop import TrainingLoop
+from .measure_class import measure_as
 from .metrics import check_metrics_run
 from .profile import measure_costs
 from .resident import StateHome
@@ -67,6 +68,9 @@ class TaskState:
         self.privatize: Callable[[], None] | None = None  # the ended model's private copies (shared_frozen.py)
         self.model_reachable = True  # its user holds the model (build): private copies at its end, not later
         self.execs = self._execs(plan)
+        # what a CPU device measures this task's segments as: its own name, or the class of equal tasks it belongs
+        # to (measure_class.py; set by build)
+        self.measure_as: Hashable = task.name
         # fp16: dynamic loss scaling by torch's own GradScaler over the gradients, wherever they are (a "cpu"
         # scaler unscales device gradients too: its scale is copied to each gradient's device)
         self.scaler = torch.amp.GradScaler("cpu") if task.precision == "fp16" else None
@@ -135,6 +139,7 @@ class TaskState:
                     plan, rng, costs)
         state.held_bytes = state.host_bytes()
         state.model_reachable = reachable
+        state.measure_as = measure_as(task, cut, plan, AUTOCAST_DTYPES[task.precision])
         if task.resume_from is not None:
             state.resume = restore(state, load(task.resume_from), keep_hparams=task.resume_hparams == "task")
             check_position(task, state.resume)   # nothing silently left untrained, no step past max_steps
@@ -210,6 +215,7 @@ class TaskState:
         self.home.release()
         self.plan = plan
         self.execs = self._execs(plan)
+        self.measure_as = self.task.name  # (its units now differ from its class's: measured as its own)
         self.replans += int(replanned)
 
     def share_frozen(self, pool: SharedFrozen, prepare: Any = None) -> TaskShares:
