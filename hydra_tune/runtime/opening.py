@@ -166,7 +166,9 @@ class Openings:
             task.lent = task.lent_by = None
             task.lent_segments += ran
             waited, task.follows = task.follows, self.follow_until() if follows else 0.0
-            if waited:  # a device that stayed for this segment goes on (``wait_kept``)
+            # a device that stayed for this segment goes on (``wait_kept``): woken only where it would not wait on
+            # (another task ready, or it owes a choice); else its wake-up would cost the caller's thread the GIL
+            if waited and (self._ready or task.owes):
                 self.cond.notify_all()
             if task.lent_waiters:
                 self.cond.notify_all()
