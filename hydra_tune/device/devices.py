@@ -225,8 +225,9 @@ class CpuDevice(Device):
 
     def measure(self, key: Any) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
-        # one with the same task and input shapes exactly, so each distinct one is counted once: the device's
-        # peak is the peak over them. Memory held across segments (prefetched shards) is always counted. A task
+        # one with the same task (or class of equal tasks: training/measure_class.py) and input shapes exactly,
+        # so each distinct one is counted once: the device's peak is the peak over them (what else the device
+        # held while an uncounted one ran is not in it). Memory held across segments (prefetched shards) is always counted. A task
         # whose measured units drew random numbers the light router does not know keeps the full mode.
         counted = self.would_measure(key)
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
