@@ -5,10 +5,10 @@
 
 Why: a CPU stand-in counts a segment's allocations op by op the first time it sees the segment's key (the task and
 its batch shapes), and learns then which stages draw random numbers (device/quiet.py); every later segment of the
-key runs uncounted. A counted segment of a small model costs 3-5 times a light one, and a search of many small
-trials of one architecture counted the same few segments again for every trial (4 of a digits-MLP trial's ~300,
-about 2.5% of its device time; more on two devices, where a task that moves is counted again). Tasks whose units
-allocate and draw alike now share what was measured.
+key runs uncounted. A counted segment of a small model costs several times a light one, and a search of many small
+trials of one architecture counted the same few segments again for every trial (and again on each device a task
+moved to; the README's Performance section has the figures). Tasks whose units allocate and draw alike now share
+what was measured.
 
 Rules: tasks are one class only when all that their units run is equal by ``training/fingerprint.py``'s exact key
 (the same one the cost profiles are kept by): the model's stages (every module, attribute, parameter layout and
