@@ -109,3 +109,18 @@ def test_two_devices_each_measure_a_class_once(measured: collections.Counter) ->
     tasks = [_task(f"t{i}", seed=i) for i in range(6)]
     _exact(tasks, _run(tasks, devices=2))
     assert sum(measured.values()) <= 4, measured  # a train and an eval segment per device at most
+
+
+def test_prepared_loops_of_one_architecture_are_measured_once(measured: collections.Counter) -> None:
+    # two trials' own loops after hydra_tune.prepare, one after the other on one runtime: the second runs on what the
+    # first one's segments measured, and both equal the loop without prepare
+    from test_prepare_exactness import _diff, mlp_loop
+
+    want, want_history, _ = mlp_loop()
+    with ht.Runtime(devices=["cpu"]) as rt:
+        first = mlp_loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+        alone = sum(measured.values())
+        second = mlp_loop(lambda m, o: ht.prepare(m, o, runtime=rt))
+    for got, history, _ in (first, second):
+        assert _diff(want, got) == 0.0 and history == want_history
+    assert alone >= 2 and sum(measured.values()) == alone, measured

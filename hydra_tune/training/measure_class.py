@@ -13,9 +13,9 @@ what was measured.
 Rules: tasks are one class only when all that their units run is equal by ``training/fingerprint.py``'s exact key
 (the same one the cost profiles are kept by): the model's stages (every module, attribute, parameter layout and
 tied weight), the cut, the loss and metric functions (code, defaults, captured values), the precision, the gradient
-accumulation and the shard plan (boundaries, kept and offloaded forwards). A task that cannot be keyed, a prepared
-model's task (its user drives its calls) and a task after an out-of-memory re-plan are measured as their own, as
-before. A class is shared only where its measured segment left its units quiet (every draw inside a stage it routes,
+accumulation and the shard plan (boundaries, kept and offloaded forwards); prepared models' tasks too (their loss is
+the profile's, the same function for all). A task that cannot be keyed and a task after an out-of-memory re-plan
+are measured as their own, as before. A class is shared only where its measured segment left its units quiet (every draw inside a stage it routes,
 none the router does not know: ``Device.shares``), so a task of the class that draws anywhere else moves torch's
 global generator, which the guard sees: the segment runs again routed (device/quiet.py), never wrong; otherwise
 each task of the class is measured as its own. What is shared is the device's op-by-op count (its peak) and the
@@ -32,8 +32,6 @@ from .profile_cache import globals_key
 
 def measure_as(task: Any, cut: Any, plan: Any, autocast: Any) -> Hashable:
     """A key shared by the tasks whose segments allocate and draw alike (module docstring), else ``task.name``."""
-    if getattr(task, "drive_segments", None) is not None:
-        return task.name
     try:
         keyer = Keyer()
         metrics = sorted((task.metrics or {}).items())
