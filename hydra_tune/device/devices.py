@@ -131,13 +131,13 @@ class Device:
         training/light_run.py). CUDA: never."""
         return False
 
-    def measure(self, key: Any) -> bool:
-        """Whether the segment about to run (``key``: task and input shapes) must be measured op by op; the
-        caller sets ``measuring`` to the answer. CUDA measures itself: never."""
+    def measure(self, key: Any, task: str | None = None) -> bool:
+        """Whether the segment about to run (``key``: task or class, and input shapes) must be measured op by op,
+        for ``task``; the caller sets ``measuring`` to the answer. CUDA measures itself: never."""
         return False
 
-    def shares(self, key: Any) -> bool:
-        """Whether a task may run segment ``key`` of its class of equal tasks (training/measure_class.py) as the
+    def shares(self, key: Any, task: str) -> bool:
+        """Whether ``task`` may run segment ``key`` of its class of equal tasks (training/measure_class.py) as the
         class measured it here. Never: a device that measures nothing (CUDA) keeps its records by task."""
         return False
 
@@ -208,6 +208,7 @@ class CpuDevice(Device):
         self._measured: dict[Any, set[Any]] = {}  # task -> the segment keys measured
         self._unrouted: set[Any] = set()
         self._classes: OrderedDict[Any, None] = OrderedDict()  # the classes measured, the latest last
+        self._owners: dict[Any, str] = {}  # a class's segment key -> the task it was first counted for
         self._task: Any = None
         self._key: Any = None
         self.quiet = QuietUnits()  # segment keys measured to draw nothing: run with no router (quiet.py)
@@ -223,28 +224,32 @@ class CpuDevice(Device):
         return (key not in self._measured.get(task, ()) or task in self._unrouted
                 or self.account.limit is not None)
 
-    def measure(self, key: Any) -> bool:
+    def measure(self, key: Any, task: str | None = None) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
         # one with the same task (or class of equal tasks: training/measure_class.py) and input shapes exactly,
         # so each distinct one is counted once: the device's peak is the peak over them (what else the device
-        # held while an uncounted one ran is not in it). Memory held across segments (prefetched shards) is always counted. A task
-        # whose measured units drew random numbers the light router does not know keeps the full mode.
+        # held while an uncounted one ran is not in it). Memory held across segments (prefetched shards) is always
+        # counted. A task whose measured units drew random numbers the light router does not know keeps the full
+        # mode.
         counted = self.would_measure(key)
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
         self.quiet.begin_segment()
         self._measured.setdefault(self._task, set()).add(key)
         if not isinstance(self._task, str):  # a class of equal tasks (training/measure_class.py): outlives them
+            if counted and task is not None:
+                self._owners.setdefault(key, task)
             self._classes[self._task] = None
             self._classes.move_to_end(self._task)
             while len(self._classes) > MEASURED_CLASSES:
                 self.forget(self._classes.popitem(last=False)[0])
         return counted
 
-    def shares(self, key: Any) -> bool:
-        # not measured yet (the asking task measures it for its class), or measured with every draw inside a stage
-        # it routes and none the router does not know: its units then run quiet, guarded (quiet.py), so a task of
-        # the class that draws elsewhere is caught and rerun, never wrong. Else each task is measured as its own.
-        if key not in self._measured.get(key[0], ()):
+    def shares(self, key: Any, task: str) -> bool:
+        # not measured yet (the asking task measures it for its class), measured by ``task`` itself (as a key of its
+        # own: what it would run on anyway), or measured with every draw inside a stage it routes and none the
+        # router does not know: its units then run quiet, guarded (quiet.py), so a task of the class that draws
+        # elsewhere is caught and rerun, never wrong. Else each task is measured as its own.
+        if key not in self._measured.get(key[0], ()) or self._owners.get(key) == task:
             return True
         return key[0] not in self._unrouted and self.quiet.allows(key)
 
@@ -258,6 +263,8 @@ class CpuDevice(Device):
         self._measured.pop(task, None)
         self._unrouted.discard(task)
         self.quiet.forget(task)
+        if self._owners:  # (a later task of that name is no class key's measurer)
+            self._owners = {k: v for k, v in self._owners.items() if v != task and k[0] != task}
 
     def unit_scope(self, rng: TaskRNG) -> contextlib.AbstractContextManager[UnitMode | None]:
         if self.measuring:

@@ -167,7 +167,7 @@ class DeviceWorker:
 
     def _run_open(self, task: Admitted, segment: Any, following: Following | None) -> tuple[Unit, BaseException] | None:
         """``segment``'s units with the task's state made room for on the device (``_run_units``)."""
-        self.device.measuring = self.device.measure(measure_key(task.state, segment.key, self.device))
+        self.device.measuring = self.device.measure(measure_key(task.state, segment.key, self.device), task.name)
         states, home = self.device.states, task.state.home
         if states is not None:
             with self.device.copier.charged_to(home.counts):

@@ -177,7 +177,7 @@ class LightRun:
         if self._loop is None:
             self._loop, self._began = loop, time.perf_counter()
             self._hooks.begin()
-        device.measuring = device.measure(key)  # False (would_measure said so): the key its quiet units use
+        device.measuring = device.measure(key, loop.state.task.name)  # False (would_measure said so): its quiet key
         moved, t0 = device.copier.moved(), time.perf_counter()
         try:
             with task_work(loop.state.task.name):

@@ -1,7 +1,7 @@
 """Which tasks a CPU device measures as one: segments of equal tasks are counted op by op once between them.
 
     state.measure_as = measure_as(task, cut, plan, autocast)   # TaskState.build: a class key, or the task's name
-    device.measure(measure_key(state, segment.key, device))    # runtime/worker.py, training/light_run.py
+    device.measure(measure_key(state, segment.key, device), task)   # runtime/worker.py, training/light_run.py
 
 Why: a CPU stand-in counts a segment's allocations op by op the first time it sees the segment's key (the task and
 its batch shapes), and learns then which stages draw random numbers (device/quiet.py); every later segment of the
@@ -15,11 +15,13 @@ Rules: tasks are one class only when all that their units run is equal by ``trai
 tied weight), the cut, the loss and metric functions (code, defaults, captured values), the precision, the gradient
 accumulation and the shard plan (boundaries, kept and offloaded forwards); prepared models' tasks too (their loss is
 the profile's, the same function for all). A task that cannot be keyed and a task after an out-of-memory re-plan
-are measured as their own, as before. A class is shared only where its measured segment left its units quiet (every draw inside a stage it routes,
-none the router does not know: ``Device.shares``), so a task of the class that draws anywhere else moves torch's
-global generator, which the guard sees: the segment runs again routed (device/quiet.py), never wrong; otherwise
-each task of the class is measured as its own. What is shared is the device's op-by-op count (its peak) and the
-routing hint. A CUDA device measures itself (``Device.measure`` is never true there) and shares nothing.
+are measured as their own, as before. A class is shared only where its measured segment left its units quiet
+(every draw inside a stage it routes, none the router does not know: ``Device.shares``), so a task of the class
+that draws anywhere else moves torch's global generator, which the guard sees: the segment runs again routed
+(device/quiet.py), never wrong; otherwise each task of the class is measured as its own, but the one it was
+measured for (its own count, as a key of its own would have been: not counted twice). What is shared is the
+device's op-by-op count (its peak) and the routing hint. A CUDA device measures itself (``Device.measure`` is never
+true there) and shares nothing.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def measure_key(state: Any, segment: Hashable, device: Any) -> tuple[Hashable, H
     """The key ``device`` measures ``state``'s segment of key ``segment`` under: its class's where the device shares
     it (``Device.shares``), else the task's own name's."""
     key = (state.measure_as, segment)
-    if key[0] is state.task.name or device.shares(key):
+    if key[0] is state.task.name or device.shares(key, state.task.name):
         return key
     return state.task.name, segment
 
