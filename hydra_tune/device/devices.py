@@ -31,6 +31,7 @@ from .streams import CudaCopier, HostCopier, make_copier
 
 _NULL = contextlib.nullcontext()  # (reusable)
 # classes of equal tasks (training/measure_class.py) whose measured segments a CPU device remembers, the latest
+# counted
 MEASURED_CLASSES = 64
 
 
@@ -235,9 +236,10 @@ class CpuDevice(Device):
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
         self.quiet.begin_segment()
         self._measured.setdefault(self._task, set()).add(key)
-        if not isinstance(self._task, str):  # a class of equal tasks (training/measure_class.py): outlives them
-            if counted and task is not None:
+        if counted and not isinstance(self._task, str):  # a class of equal tasks (measure_class.py): outlives them
+            if task is not None:
                 self._owners.setdefault(key, task)
+            # (noted when counted, not at every unit: a class evicted while in use is counted again, once)
             self._classes[self._task] = None
             self._classes.move_to_end(self._task)
             while len(self._classes) > MEASURED_CLASSES:

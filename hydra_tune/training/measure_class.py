@@ -29,17 +29,15 @@ from collections.abc import Hashable
 from typing import Any
 
 from .fingerprint import Keyer, Unkeyable
-from .profile_cache import globals_key
+from .profile_cache import model_key
 
 
 def measure_as(task: Any, cut: Any, plan: Any, autocast: Any) -> Hashable:
     """A key shared by the tasks whose segments allocate and draw alike (module docstring), else ``task.name``."""
     try:
-        keyer = Keyer()
         metrics = sorted((task.metrics or {}).items())
-        model = keyer.key(cut.family, cut.prepare, cut.value_keys, task.loss, metrics, autocast,
-                          task.grad_accumulation, [(s.name, s.module) for s in cut.stages])
-        return ("class", globals_key(keyer), model, plan_layout(plan))
+        return ("class", *model_key(Keyer(), cut, task.loss, autocast, metrics, task.grad_accumulation),
+                plan_layout(plan))
     except Unkeyable:
         return task.name
 

@@ -71,8 +71,7 @@ class ProfileCache:
     def find(self, cut: ModelStages, batch: Any, loss_fn: Any, autocast: torch.dtype | None) -> Lookup:
         try:
             keyer = Keyer()
-            key = (globals_key(keyer), keyer.key(cut.family, cut.prepare, cut.value_keys, loss_fn, autocast,
-                                              [(s.name, s.module) for s in cut.stages]), _batch_key(cut, batch))
+            key = (*model_key(keyer, cut, loss_fn, autocast), _batch_key(cut, batch))
             places = keyer.positions()
             ranges = _ranges(batch)
         except Unkeyable:
@@ -115,7 +114,14 @@ class ProfileCache:
                     "entries": len(self._entries)}
 
 
-def globals_key(keyer: Keyer) -> Any:
+def model_key(keyer: Keyer, cut: ModelStages, loss_fn: Any, autocast: Any, *more: Any) -> tuple[Any, Any]:
+    """What a forward and loss over ``cut`` depend on, keyed by ``keyer`` (fingerprint.py): the process's globals
+    (``_globals``), and the cut's stages, ``loss_fn``, ``autocast`` and ``more``; raises Unkeyable."""
+    return _globals(keyer), keyer.key(cut.family, cut.prepare, cut.value_keys, loss_fn, autocast, *more,
+                                      [(s.name, s.module) for s in cut.stages])
+
+
+def _globals(keyer: Keyer) -> Any:
     """Process state every forward reads: the default dtype and torch's global module hooks."""
     from torch.nn.modules import module as torch_module
 
