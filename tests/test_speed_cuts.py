@@ -131,14 +131,45 @@ def test_sequential_models_that_differ_get_their_own_profile(profiles, other):
     assert profiles() > before
 
 
-def test_a_batch_past_the_profiled_values_is_profiled_so_its_error_still_comes_at_submit(profiles):
+def test_a_batch_past_the_profiled_values_is_checked_so_its_error_still_comes_at_submit(profiles):
     TaskState.build(_gpt2_task(seed=0), None)
     bad = lm_batches(2, seed=5)
     bad[0]["input_ids"][0, 0] = 500  # past the vocabulary (128): the embedding raises
     with ht.Runtime(devices=["cpu"]) as rt:
         with pytest.raises(IndexError):
             rt.submit(_gpt2_task(seed=1, data=bad))
-    assert PROFILES.info()["hits"] == 0
+    assert (PROFILES.info()["hits"], PROFILES.info()["checked"]) == (0, 1)
+
+
+def test_a_checked_batch_leaves_the_model_and_the_generators_as_they_were(profiles):
+    # Labels past the profiled ones: the equal architecture's costs are reused once this batch ran every stage's
+    # forward and the loss without autograd (profile.py _stage_check), on the profile's scratch copies: no stage is
+    # measured again, and no buffer, gradient or generator of the model's process changes.
+    from hydra_tune.stages import extract_stages
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 12))
+
+    def batch(labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(len(labels), 8, generator=torch.Generator().manual_seed(0)), torch.tensor(labels)
+
+    def loss(out, b):
+        return F.cross_entropy(out, b[1])
+
+    profile.measure_costs(extract_stages(make()), batch([0, 1, 2, 3, 0, 1]), loss)
+    measured = profiles()
+    model = make()
+    bn = model[1]
+    kept = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    torch.manual_seed(7)
+    generator = torch.get_rng_state()
+    profile.measure_costs(extract_stages(model), batch([0, 5, 9, 11, 2, 3]), loss)
+    assert (PROFILES.info()["checked"], profiles()) == (1, measured)
+    assert torch.equal(torch.get_rng_state(), generator)
+    assert all(torch.equal(a, b) for a, b in zip(kept, (bn.running_mean, bn.running_var, bn.num_batches_tracked)))
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(IndexError):  # a label past the 12 classes: the check's loss raises, as a profile's did
+        profile.measure_costs(extract_stages(make()), batch([0, 1, 2, 12, 0, 1]), loss)
 
 
 def test_a_model_that_cannot_be_keyed_is_profiled_every_time(profiles):

@@ -39,7 +39,7 @@ from ..policy.partition import StageCost
 from ..stages import ModelStages, Stage
 from . import host_rng
 from .carry import output_needs
-from .profile_cache import PROFILES
+from .profile_cache import PROFILES, Lookup
 from .pystate import ModuleState
 from .residency import offloading
 from .shard import ShardExec
@@ -93,6 +93,18 @@ def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: 
     cost = StageCost(ex.names[0], params, buffers, tree_bytes(carry), tree_bytes(out), fwd_peak, saved,
                      grad_fwd_peak, bwd_peak, fwd_seconds, off_fwd_peak, off_bwd_peak)
     return cost, out, needs_out
+
+
+def _stage_check(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
+                 rng: TaskRNG, needs: Any) -> tuple[None, Any, None]:
+    """The stage's forward on ``carry`` without autograd (and the loss after the last one): what the batch's
+    values make raise raises here (profile_cache.py ``needs_check``); nothing is measured."""
+    with dev.unit_scope(rng), torch.no_grad():
+        out = ex.run(ex.to_device(dev, carry), ex.load(dev, grad=False), dev)
+        open_dataclasses(out)
+        if last:
+            ex.loss(dev, loss_fn, out, batch)
+    return None, out, None
 
 
 def _versions(tree: Any) -> list[int]:
@@ -163,25 +175,33 @@ def measure_costs(cut: ModelStages, batch: Any, loss_fn: Any = None, seed: int =
     on = device.profile_device() if device is not None else None
     if on is not None:
         found = PROFILES.find(cut, batch, loss_fn, (autocast, on.torch_device.type))
-        if found.costs is not None:
-            return found.costs
         try:
-            return found.store(_measure(cut, batch, loss_fn, seed, autocast, on))
+            return _costs(found, cut, batch, loss_fn, seed, autocast, on)
         except torch.OutOfMemoryError as exc:
             warnings.warn(f"hydra_tune could not measure the model's stages on {device.name} ({exc}); it plans "
                           "from the CPU profile, which may overestimate the GPU's memory by about 10%",
                           RuntimeWarning, stacklevel=2)
-    found = PROFILES.find(cut, batch, loss_fn, autocast)
+    return _costs(PROFILES.find(cut, batch, loss_fn, autocast), cut, batch, loss_fn, seed, autocast)
+
+
+def _costs(found: Lookup, cut: ModelStages, batch: Any, loss_fn: Any, seed: int, autocast: torch.dtype | None,
+           dev: CpuDevice | None = None) -> list[StageCost]:
+    """The costs ``found`` holds; an equal architecture's once ``batch`` was checked (profile_cache.py); else
+    measured now on ``dev`` (None: a CPU stand-in), and kept. A check runs on a CPU stand-in always: an id past
+    the vocabulary raises an IndexError there, where a GPU's kernel would fail the whole device's context."""
     if found.costs is not None:
         return found.costs
-    return found.store(_measure(cut, batch, loss_fn, seed, autocast))
+    if found.needs_check:
+        _measure(cut, batch, loss_fn, seed, autocast, None, _stage_check)
+        return found.checked()
+    return found.store(_measure(cut, batch, loss_fn, seed, autocast, dev))
 
 
 def _measure(cut: ModelStages, batch: Any, loss_fn: Any, seed: int, autocast: torch.dtype | None,
-             dev: CpuDevice | None = None) -> list[StageCost]:
+             dev: CpuDevice | None = None, per_stage: Any = None) -> list[StageCost]:
     dev = dev or CpuDevice("profile", None)
     with _forked_rng(dev.torch_device), host_rng.kept():  # the plain loop never runs these forwards
-        return _measure_on(dev, cut, batch, loss_fn, seed, autocast)
+        return _measure_on(dev, cut, batch, loss_fn, seed, autocast, per_stage or _stage_cost)
 
 
 def _forked_rng(where: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -192,7 +212,9 @@ def _forked_rng(where: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed: int,
-                autocast: torch.dtype | None) -> list[StageCost]:
+                autocast: torch.dtype | None, per_stage: Any) -> list[StageCost]:
+    """``per_stage`` (``_stage_cost``, or ``_stage_check``: no costs) over every stage of scratch copies of the
+    cut, the model's state put back afterwards (the module docstring's rules)."""
     rng = TaskRNG(seed)
     open_dataclasses(batch)
     carry = cut.prepare(batch)
@@ -206,10 +228,11 @@ def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed
         needs = None  # which of a stage's input tensors require a gradient (the stage before's output)
         for k, stage in enumerate(stages):
             ex = ShardExec(k, [stage], autocast)
-            cost, carry, needs = _stage_cost(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng, needs)
+            cost, carry, needs = per_stage(ex, dev, carry, batch, loss_fn, k == len(stages) - 1, rng, needs)
             # (a task whose code draws from them has them rewound with its RNG by a retry: TaskRNG.host_draws)
             at_start, host = host, host_rng.states()
-            costs.append(replace(cost, draws_host=True) if host != at_start else cost)
+            if cost is not None:
+                costs.append(replace(cost, draws_host=True) if host != at_start else cost)
     finally:
         lost = before.inplace()
         before.restore()

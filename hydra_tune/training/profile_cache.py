@@ -3,7 +3,7 @@ equal an earlier one's is planned from that one's profile instead of being measu
 
     found = PROFILES.find(cut, batch, loss_fn, autocast)    # a Lookup
     costs = found.costs if found.costs is not None else found.store(measure(...))
-    PROFILES.info()                                         # {"hits", "misses", "unkeyable", "entries"}
+    PROFILES.info()                                         # {"hits", "checked", "misses", "unkeyable", "entries"}
 
 The key (fingerprint.py) holds the stages' modules (classes, plain attributes such as dropout rates, parameter
 and buffer layouts, ties, hooks), how the family prepares a batch, the batch's structure with every tensor's
@@ -11,13 +11,15 @@ shape, dtype and layout (and the values of the batch keys the stages read, such 
 function (its code and what it captures) and the autocast dtype, plus torch's default dtype and global module
 hooks. Costs are stored with parameters by their place in the key's walk and handed out with the new model's.
 
-Rules: a profile is reused only under an equal key and when every integer or boolean tensor of the new batch lies
-within the value range of the batch it was measured on (token ids, class labels, masks): a batch that would make
-the model or the loss raise (an id past the vocabulary) is measured, so its error still comes at submit. The
-ranges of two profiled batches whose every such tensor's ranges overlap count as one range (trials over their own
-data: each would stick out a little and be measured again); disjoint ones stay apart. Float
-values are not compared: a float batch that makes the model or loss raise surfaces at its first unit when an equal
-architecture was profiled before. At most ``MAX_ENTRIES`` architectures are kept (least recently used goes first);
+Rules: a profile is reused as it is under an equal key when every integer or boolean tensor of the new batch lies
+within the value range of a batch it was measured or checked on (token ids, class labels, masks). Under an equal
+key with a batch whose values lie elsewhere (trials over their own data or their own shuffle: each first batch's
+token ids stick out a little), the costs still hold, since they depend on shapes alone, but the batch is checked
+first (``Lookup.needs_check``: profile.py runs every stage's forward and the loss on it, without autograd), so that
+a batch that makes the model or the loss raise (an id past the vocabulary) still raises at submit; the check costs
+about a fifth of a profile. The ranges of two batches whose every such tensor's ranges overlap count as one range;
+disjoint ones stay apart. Float values are not compared: a float batch that makes the model or loss raise surfaces
+at its first unit when an equal architecture was profiled before. At most ``MAX_ENTRIES`` architectures are kept (least recently used goes first);
 the cache holds no model, tensor or function, only their keys, and classes in them by weak reference (an entry
 whose class is gone matches nothing again).
 """
@@ -43,13 +45,29 @@ Ranges = tuple[tuple[int, int] | None, ...]  # per batch leaf: (min, max) of an 
 
 @dataclass
 class Lookup:
-    """One ``find``: the costs when an equal architecture was measured, else ``store(costs)`` keeps them."""
+    """One ``find``: the costs when an equal architecture was measured on batches whose values cover this one's;
+    else, when one was measured on other values, ``needs_check`` (then ``checked()`` once this batch ran without
+    error); else ``store(costs)`` keeps the costs measured now."""
 
     costs: list[StageCost] | None
     _cache: "ProfileCache | None" = None
     _key: Any = None
     _ranges: Ranges = ()
     _places: dict[int, int] | None = None
+    _known: list[StageCost] | None = None  # the equal architecture's costs, by place
+
+    @property
+    def needs_check(self) -> bool:
+        """Whether an equal architecture's costs wait for this batch's check (the module docstring's rules)."""
+        return self._known is not None
+
+    def checked(self) -> list[StageCost]:
+        """The equal architecture's costs with this model's parameters, once the check of this batch ran without
+        error; its value ranges join the key's."""
+        if self._cache is None or self._known is None or self._places is None:
+            raise RuntimeError("Lookup.checked() is for a lookup that needs_check")
+        self._cache.put(self._key, self._ranges, self._known)
+        return _with_params(self._known, self._places)
 
     def store(self, costs: list[StageCost]) -> list[StageCost]:
         places = self._places
@@ -66,7 +84,7 @@ class ProfileCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Any, list[tuple[Ranges, list[StageCost]]]] = OrderedDict()
         self.max_entries = max_entries
-        self.hits = self.misses = self.unkeyable = 0
+        self.hits = self.checked = self.misses = self.unkeyable = 0
 
     def find(self, cut: ModelStages, batch: Any, loss_fn: Any, autocast: torch.dtype | None) -> Lookup:
         try:
@@ -79,12 +97,15 @@ class ProfileCache:
                 self.unkeyable += 1
             return Lookup(None)
         with self._lock:
-            for seen, costs in self._entries.get(key, ()):
+            kept = self._entries.get(key, ())
+            for seen, costs in kept:
                 if _within(ranges, seen):
                     self._entries.move_to_end(key)
                     self.hits += 1
-                    ids = {place: k for k, place in places.items()}
-                    return Lookup([replace(c, params=tuple((ids[p], n, g) for p, n, g in c.params)) for c in costs])
+                    return Lookup(_with_params(costs, places))
+            if kept:
+                self.checked += 1  # (counted at the lookup: a check that raises fails the submit anyway)
+                return Lookup(None, self, key, ranges, places, kept[0][1])
             self.misses += 1
         return Lookup(None, self, key, ranges, places)
 
@@ -106,12 +127,20 @@ class ProfileCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.hits = self.misses = self.unkeyable = 0
+            self.hits = self.checked = self.misses = self.unkeyable = 0
 
     def info(self) -> dict[str, int]:
+        """Lookups that reused a profile (``hits``), reused one after checking the batch (``checked``), measured
+        (``misses``) or could not be keyed (``unkeyable``); architectures kept (``entries``)."""
         with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "unkeyable": self.unkeyable,
-                    "entries": len(self._entries)}
+            return {"hits": self.hits, "checked": self.checked, "misses": self.misses,
+                    "unkeyable": self.unkeyable, "entries": len(self._entries)}
+
+
+def _with_params(costs: list[StageCost], places: dict[int, int]) -> list[StageCost]:
+    """Costs stored by parameter place, with the parameters (ids) of the model whose places ``places`` gives."""
+    ids = {place: k for k, place in places.items()}
+    return [replace(c, params=tuple((ids[p], n, g) for p, n, g in c.params)) for c in costs]
 
 
 def model_key(keyer: Keyer, cut: ModelStages, loss_fn: Any, autocast: Any, *more: Any) -> tuple[Any, Any]:
