@@ -146,7 +146,7 @@ def test_a_parameter_gradient_hook_is_refused_at_submit() -> None:
 
 
 def test_torch_modules_take_no_state_snapshot_unless_hooked_or_changed() -> None:
-    from hydra_tune.training.pystate import inert_modules, still_inert
+    from hydra_tune.training.pystate_inert import inert_modules, still_inert
 
     model = _mlp()
     inert = inert_modules(list(model.modules()))

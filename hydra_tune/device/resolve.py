@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import rule_error
-from .devices import CpuDevice, CudaDevice, Device
+from .cuda import CudaDevice
+from .devices import CpuDevice, Device
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
 

@@ -46,7 +46,7 @@ from .carry import CarryLeaves, output_needs
 from .direct import DirectPath, backward_outputs
 from .loss import LossFn, model_loss
 from .names import shared_name
-from .pystate import inert_modules
+from .pystate_inert import inert_modules
 from .pystate_layout import Snapshots
 from .residency import Kept, ShardCache, offloading
 from .shard_state import ShardPythonState

@@ -6,7 +6,7 @@ replay.
 
 The rules are shard.py's (its module docstring): a recompute replays its forward from the state the F unit saw and
 must change the same attributes; a retry undoes what the failed attempt changed; tensors a unit binds to
-attributes move to host memory. Modules of torch's own inert classes (pystate.still_inert) take no snapshot.
+attributes move to host memory. Modules of torch's own inert classes (pystate_inert.still_inert) take no snapshot.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from typing import Any
 from ..device.devices import Device
 from ..errors import rule_error
 from . import host_rng
-from .pystate import ModuleState, still_inert
+from .pystate import ModuleState
+from .pystate_inert import still_inert
 from .pystate_layout import Snapshots
 from .store import HostStore
 
@@ -50,7 +51,7 @@ class ShardPythonState:
         """Around a unit: Python state its forward (or backward hooks) changed is noted for a retry's undo, and
         tensors it bound to attributes move to host memory; with ``replay`` (an F unit whose B recomputes) the
         state it started from is kept for that recompute. Modules of torch's own inert classes take no snapshot
-        (pystate.still_inert: it would find nothing changed)."""
+        (pystate_inert.still_inert: it would find nothing changed)."""
         return _NOTHING if still_inert(self._inert) else self._snapshot(device, store, replay)
 
     @contextlib.contextmanager
