@@ -12,7 +12,9 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
      a node server outlives a search), whose accuracies must equal the in-process runtime's.
   2. Short trials: 4 GPT-2 tasks (4 layers x 128) of 6 minibatches, 1 epoch, on 2 CPU devices vs 1, wall counting
      submit (runtime start to the last result). Goal >= 1.6x. Beside it the same through node servers of one CPU
-     device each, 2 servers vs 1 (each submit to the last result; the servers started once, not counted).
+     device each, 2 servers vs 1 (each submit to the last result; the servers started once, not counted). Then
+     the submit of 4 such trials over data of their own (seeds not seen: the profile cache checks each batch whose
+     token ids stick out of those profiled), and of the same 4 again.
   3. Per-unit runtime overhead: one MLP trial alone on 1 device, traced. ``unit`` = (sum of its units' wall times -
      the plain loop's time in the same computations: forward, loss, backward; eval forward, loss, accuracy) / units:
      what running a unit costs beyond its compute; ``gap`` = (runtime wall from first to last unit - the whole plain
@@ -200,9 +202,31 @@ def unit_overhead(train: list[Batch], val: list[Batch], epochs: int) -> dict[str
             "plain_per_unit_us": best[0] / n * 1e6}
 
 
-def short_tasks() -> list[ht.ModelTask]:
+def short_tasks(seeds: range = range(4)) -> list[ht.ModelTask]:
     return [ht.ModelTask(gpt2_factory(SHORT), adamw(1e-3), token_batches(SHORT, seed=i), epochs=1, seed=i,
-                         name=f"s{i}") for i in range(4)]
+                         name=f"s{i}") for i in seeds]
+
+
+def own_data_submits(first_seed: int = 1000, trials: int = 4) -> dict[str, Any]:
+    """Submits of short trials over data of their own (seeds this process has not seen: each first batch's token
+    ids stick out of those profiled before, so the profile cache checks the batch), one after another on one
+    device, each waited for; then the same trials again (their ranges known: plain hits). Milliseconds each."""
+    from hydra_tune.training.profile_cache import PROFILES
+
+    def submits() -> list[float]:
+        out = []
+        with ht.Runtime(devices=["cpu"]) as rt:
+            for task in short_tasks(range(first_seed, first_seed + trials)):
+                start = time.perf_counter()
+                handle = rt.submit(task)
+                out.append((time.perf_counter() - start) * 1e3)
+                handle.result()
+        return out
+
+    before = PROFILES.info()
+    own = submits()
+    counts = {k: v - before[k] for k, v in PROFILES.info().items() if k in ("hits", "checked", "misses")}
+    return {"own_data_ms": own, "again_ms": submits(), "profile_lookups": counts}
 
 
 def short_trials(repeats: int) -> dict[str, Any]:
@@ -356,6 +380,11 @@ def main() -> int:
           "goal >= 1.6x)", flush=True)
     print(f"   through node servers of 1 CPU device each (node.spread), 2 servers vs 1 = "
           f"{short['servers_speedup']:.3f}x ({short['servers_1_s']:.2f} s vs {short['servers_2_s']:.2f} s)", flush=True)
+    own = short["own_data"] = own_data_submits()
+    print(f"   submit of a trial over data of its own (token ids this process has not profiled): "
+          f"{statistics.median(own['own_data_ms']):.0f} ms median ({', '.join(f'{x:.0f}' for x in own['own_data_ms'])}"
+          f"; profile lookups {own['profile_lookups']}); the same trials again "
+          f"{statistics.median(own['again_ms']):.0f} ms", flush=True)
 
     print("3. per-unit runtime overhead (one MLP trial alone, 1 device, traced)", flush=True)
     over = unit_overhead(train, val, epochs)

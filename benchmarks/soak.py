@@ -20,13 +20,21 @@ RSS: glibc raises its mmap and trim thresholds as large blocks are freed (up to 
 arena keeps free memory below the trim threshold resident; malloc_trim does not return a thread arena's top. That
 made RSS wobble by 30-70 MiB here at equal live memory, so by default this script fixes both thresholds at 128 KiB
 (mallopt) before it starts, and RSS then follows live memory; --default-malloc keeps glibc's behaviour.
+MKL's own memory manager keeps the GEMM buffers of the shapes it has seen (4.6-4.8 MiB more in use after the first
+20 tasks' widths, then flat, on one CI machine: a step past the fixed tolerance with nothing of hydra_tune's kept),
+so the script runs with it off (``MKL_DISABLE_FAST_MM=1``, set before torch loads MKL; malloc's in-use bytes then
+moved by 0.12 MiB); --default-malloc keeps it too.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import sys
+
+if __name__ == "__main__" and "--default-malloc" not in sys.argv:  # (before torch loads MKL: the docstring's end)
+    os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 import threading
 import time
 import weakref
