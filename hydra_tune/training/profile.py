@@ -5,8 +5,9 @@
     PROFILES.info()                                             # {"hits": ..., "misses": ...}: reused profiles
 
 An architecture is measured once per process: a later call with an equal model, batch layout, loss and precision
-gets the stored costs with its own parameters (profile_cache.py says what "equal" holds and when it measures
-anyway).
+gets the stored costs with its own parameters (profile_cache.py says what "equal" holds), after a check of its
+batch (every stage's forward and the loss, without autograd, as below) where the batch's integer values lie
+outside those measured or checked before.
 
 Each stage runs on a private CPU stand-in device whose accounting counts every storage the stage creates: once
 without autograd, once with autograd and backward. Errors in the model, the batch or the loss surface here, before
@@ -25,6 +26,7 @@ import contextlib
 import copy
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +47,10 @@ from .residency import offloading
 from .shard import ShardExec
 from .store import tree_bytes
 from .trees import open_dataclasses, tensor_leaves
+
+
+# one stage's run in a profile: (its cost or None, the next stage's input carry, which of its tensors need a gradient)
+PerStage = Callable[..., tuple[StageCost | None, Any, Any]]
 
 
 def _stage_cost(ex: ShardExec, dev: CpuDevice, carry: Any, batch: Any, loss_fn: Any, last: bool,
@@ -198,7 +204,7 @@ def _costs(found: Lookup, cut: ModelStages, batch: Any, loss_fn: Any, seed: int,
 
 
 def _measure(cut: ModelStages, batch: Any, loss_fn: Any, seed: int, autocast: torch.dtype | None,
-             dev: CpuDevice | None = None, per_stage: Any = None) -> list[StageCost]:
+             dev: CpuDevice | None = None, per_stage: PerStage | None = None) -> list[StageCost]:
     dev = dev or CpuDevice("profile", None)
     with _forked_rng(dev.torch_device), host_rng.kept():  # the plain loop never runs these forwards
         return _measure_on(dev, cut, batch, loss_fn, seed, autocast, per_stage or _stage_cost)
@@ -212,7 +218,7 @@ def _forked_rng(where: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def _measure_on(dev: CpuDevice, cut: ModelStages, batch: Any, loss_fn: Any, seed: int,
-                autocast: torch.dtype | None, per_stage: Any) -> list[StageCost]:
+                autocast: torch.dtype | None, per_stage: PerStage) -> list[StageCost]:
     """``per_stage`` (``_stage_cost``, or ``_stage_check``: no costs) over every stage of scratch copies of the
     cut, the model's state put back afterwards (the module docstring's rules)."""
     rng = TaskRNG(seed)
