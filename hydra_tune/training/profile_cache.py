@@ -2,7 +2,9 @@
 equal an earlier one's is planned from that one's profile instead of being measured again.
 
     found = PROFILES.find(cut, batch, loss_fn, autocast)    # a Lookup
-    costs = found.costs if found.costs is not None else found.store(measure(...))
+    if found.costs is not None: costs = found.costs         # an equal architecture's, for these values
+    elif found.needs_check: check(batch); costs = found.checked()   # its costs, once this batch ran without error
+    else: costs = found.store(measure(...))
     PROFILES.info()                                         # {"hits", "checked", "misses", "unkeyable", "entries"}
 
 The key (fingerprint.py) holds the stages' modules (classes, plain attributes such as dropout rates, parameter
@@ -19,9 +21,9 @@ first (``Lookup.needs_check``: profile.py runs every stage's forward and the los
 a batch that makes the model or the loss raise (an id past the vocabulary) still raises at submit; the check costs
 about a fifth of a profile. The ranges of two batches whose every such tensor's ranges overlap count as one range;
 disjoint ones stay apart. Float values are not compared: a float batch that makes the model or loss raise surfaces
-at its first unit when an equal architecture was profiled before. At most ``MAX_ENTRIES`` architectures are kept (least recently used goes first);
-the cache holds no model, tensor or function, only their keys, and classes in them by weak reference (an entry
-whose class is gone matches nothing again).
+at its first unit when an equal architecture was profiled before. At most ``MAX_ENTRIES`` architectures are kept
+(least recently used goes first); the cache holds no model, tensor or function, only their keys, and classes in
+them by weak reference (an entry whose class is gone matches nothing again).
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class ProfileCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Any, list[tuple[Ranges, list[StageCost]]]] = OrderedDict()
         self.max_entries = max_entries
-        self.hits = self.checked = self.misses = self.unkeyable = 0
+        self.hits = self.checks = self.misses = self.unkeyable = 0
 
     def find(self, cut: ModelStages, batch: Any, loss_fn: Any, autocast: torch.dtype | None) -> Lookup:
         try:
@@ -104,7 +106,7 @@ class ProfileCache:
                     self.hits += 1
                     return Lookup(_with_params(costs, places))
             if kept:
-                self.checked += 1  # (counted at the lookup: a check that raises fails the submit anyway)
+                self.checks += 1  # (counted at the lookup: a check that raises fails the submit anyway)
                 return Lookup(None, self, key, ranges, places, kept[0][1])
             self.misses += 1
         return Lookup(None, self, key, ranges, places)
@@ -127,13 +129,13 @@ class ProfileCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.hits = self.checked = self.misses = self.unkeyable = 0
+            self.hits = self.checks = self.misses = self.unkeyable = 0
 
     def info(self) -> dict[str, int]:
         """Lookups that reused a profile (``hits``), reused one after checking the batch (``checked``), measured
         (``misses``) or could not be keyed (``unkeyable``); architectures kept (``entries``)."""
         with self._lock:
-            return {"hits": self.hits, "checked": self.checked, "misses": self.misses,
+            return {"hits": self.hits, "checked": self.checks, "misses": self.misses,
                     "unkeyable": self.unkeyable, "entries": len(self._entries)}
 
 
