@@ -42,22 +42,23 @@ from ..errors import rule_error
 from ..stages import Stage
 from . import host_rng
 from .bind import Bound
-from .carry import CarryLeaves, output_needs
+from .carry import output_needs
 from .direct import DirectPath, backward_outputs
 from .loss import LossFn, model_loss
 from .names import shared_name
 from .pystate_inert import inert_modules
 from .pystate_layout import Snapshots
 from .residency import Kept, ShardCache, offloading
+from .shard_io import ShardInputs
 from .shard_state import ShardPythonState
 from .store import HostStore, put_buffer
-from .trees import map_tensors, tensor_leaves
+from .trees import map_tensors
 
 
 _NULL = contextlib.nullcontext()  # (reusable: one object, not one per unit)
 
 
-class ShardExec(ShardPythonState):
+class ShardExec(ShardPythonState, ShardInputs):
     """The executable form of one shard: its stages, their distinct parameters and buffers."""
 
     def __init__(self, index: int, stages: Sequence[Stage], autocast: torch.dtype | None = None,
@@ -379,46 +380,3 @@ class ShardExec(ShardPythonState):
         if device.resident is not None and not blocked and not (kind == "B" and self.index in store.buffers):
             return device.resident.prefetch(self, device)
         return 0
-
-    # -- copies and inputs (also used by profile.py) -----------------------------------------------------
-    @staticmethod
-    def to_device(device: Device, tree: Any, what: str = "activations") -> Any:
-        return map_tensors(lambda t: plain_call(device.copier.to_device, t, what), tree)
-
-    @property
-    def carry_kind(self) -> str:
-        """What the input carry is, for the copy counters: the first shard's is the batch."""
-        return "batches" if self.index == 0 else "activations"
-
-    def grad_inputs(self, device: Device, host_carry: Any,
-                    needs: tuple[bool, ...] | None = None) -> tuple[Any, CarryLeaves]:
-        """Device copy of the input carry whose floating tensors are leaves that collect input gradients: those
-        that required one in the plain loop (``needs``, from the shard before's output: ``output_needs``; None:
-        every floating one). A carry the plain loop computed from frozen weights alone needs none: autograd
-        makes none for it, and kernels that choose by ``requires_grad`` (the attention fast paths) choose the same."""
-        carry = self.to_device(device, host_carry, self.carry_kind)
-        leaves = CarryLeaves(tensor_leaves(carry))
-        if self.index > 0:
-            leaves.collect(needs)
-        return carry, leaves
-
-    @bookkeeping
-    def _grads_out(self, device: Device, store: HostStore, copies: dict[int, torch.Tensor], leaves: list[Any],
-                   mode: Any) -> None:
-        resident = self.resident(device)
-        # Every copy out is issued first and waited for once (one event per shard, not a synchronise per
-        # parameter); only then are they read (add_grad sums a shared parameter's contributions in place). A
-        # resident shard's gradients stay on the device, in the pending gradients.
-        with paused_accounting(mode):
-            copier = device.copier
-            grads = [(p, g if resident else copier.to_host(g, wait=False, what="state")) for p in self.params
-                     if (g := copies[id(p)].grad) is not None]
-            if self.index > 0:
-                store.out_grads[self.index - 1] = [None if g is None else copier.to_host(g, wait=False)
-                                                   for g in leaves.grads]
-            if self.index > 0 or (grads and not resident):  # something was copied out
-                copier.wait_copies_out()
-            for p, g in grads:
-                store.add_grad(p, g)
-        if self.index:  # the first carry (the prepared batch) stays to the segment's end: a rerun starts from it
-            store.carries.pop(self.index, None)
