@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -111,6 +112,33 @@ def _wait_dead(pid: int, seconds: float = 15.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def _started(pid: int) -> float:
+    """The process's start, in seconds since boot (/proc/<pid>/stat field 22, in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def test_servers_not_running_start_side_by_side():
+    begin = time.monotonic()
+    with _spread(["cpu", "cpu"], device_memory="5MiB") as pool:  # settings no other test's servers have
+        took = time.monotonic() - begin
+        first, second = (_started(n.pid) for n in pool.nodes)
+    # one at a time, the second server's process began only once the first accepted (its import of torch alone
+    # is most of `took`); side by side both began at once
+    assert abs(second - first) * 4 < took, (first, second, took)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where a CUDA server cannot start")
+def test_a_server_that_cannot_start_fails_the_spread_and_the_others_are_let_go():
+    with pytest.raises(ht.HydraError, match="node server .* exited with code"):
+        node.spread(["cpu", "cuda:0"], device_memory="6MiB")
+    config = ht.RuntimeConfig(devices=["cpu"], device_memory="6MiB")
+    with open(node.server_files(config=config, slot="0/2")["log"]) as f:
+        pid = int(re.search(r"\[hydra_tune node server (\d+)\]", f.read()).group(1))
+    _PIDS.append(pid)
+    assert _wait_dead(pid)  # the CPU server started, its connection was closed: it lingers (3 s) and ends
 
 
 def test_bad_devices_and_settings_fail_before_any_server_starts():

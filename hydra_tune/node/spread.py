@@ -43,16 +43,36 @@ def spread(devices: Sequence[str], device_memory: int | str | None = None, *, po
     n_cpu = sum(d.startswith("cpu") for d in devices)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, cores // max(n_cpu, 1)))}
-    nodes: list[NodeRuntime] = []
-    try:
-        for i, config in enumerate(configs):
-            files = server_files(config=config, slot=f"{i}/{len(configs)}")
-            nodes.append(join(files, env if devices[i].startswith("cpu") else None))
-    except BaseException:
-        for node in nodes:
-            node.close()
-        raise
-    return NodePool(nodes)
+    files = [server_files(config=config, slot=f"{i}/{len(configs)}") for i, config in enumerate(configs)]
+    return NodePool(_join_all(files, [env if d.startswith("cpu") else None for d in devices]))
+
+
+def _join_all(files: list[dict[str, Any]], envs: list[dict[str, str] | None]) -> list[NodeRuntime]:
+    """``join`` each server at once, so that those not running start side by side (a server's start is mostly
+    its ``import torch``: one at a time, n servers took n times as long). Any failure closes the connections made
+    and raises the first server's error (in the order of ``files``)."""
+    results: list[Any] = [None] * len(files)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = join(files[i], envs[i])
+        except BaseException as exc:  # re-raised below, in this thread
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"hydra-spread-join-{i}", daemon=True)
+               for i in range(1, len(files))]
+    for thread in threads:
+        thread.start()
+    one(0)
+    for thread in threads:
+        thread.join()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for node in results:
+            if isinstance(node, NodeRuntime):
+                node.close()
+        raise failed[0]
+    return results
 
 
 class NodePool:
