@@ -15,7 +15,7 @@ Shape:
     ``hydra_tune.Runtime`` owned by the study. A persistent storage (RDB URL, journal file) means other processes
     may work on the study too -> the node's runtime server (``hydra_tune.node``: one per user and runtime
     configuration, shared by every process on the node, started by the first one; a process that dies has its
-    tasks cancelled by the server at once). ``share=`` overrides.
+    tasks cancelled by the server at once). ``share=`` overrides ("spread": a node server per device).
   * Grouping: ``optimize`` runs ``n_jobs`` trials at once in threads (Optuna's own mechanism); every trial's
     ``hydra_tune.train(task)`` submits to the study's runtime, whose scheduler interleaves all their shards on
     all devices. Without ``n_jobs`` the study runs ``study.concurrency`` trials at once: ``trials_per_device``
@@ -53,7 +53,7 @@ require("optuna", optuna.__version__)   # a clear ImportError outside the tested
 
 __all__ = ["optuna_study", "HydraStudy", "HydraSampler"]
 
-SHARE = ("auto", "process", "node")
+SHARE = ("auto", "process", "node", "spread")
 CANCEL_WAIT = 60.0   # seconds a trial's end waits for its cancelled tasks to stop (one unit, normally far less)
 
 
@@ -170,7 +170,7 @@ class HydraStudy(optuna.Study):
         """``base``: the study ``optuna.create_study`` made on ``storage`` (the storage object it was given);
         ``progress``: seconds between status lines of ``runtime.stats()`` logged here (None: none); ``local``: the
         settings of a runtime in this process for prepared models (hydra_tune.prepare), made at the first one, when
-        ``runtime`` is the node's server (a prepared model is driven by this process's loop: it cannot train there)."""
+        ``runtime`` is node servers (a prepared model is driven by this process's loop: it cannot train there)."""
         sampler = base.sampler
         if not isinstance(sampler, HydraSampler):
             sampler = HydraSampler(sampler)
@@ -180,7 +180,8 @@ class HydraStudy(optuna.Study):
         self.trials_per_device = trials_per_device
         self._owns = owns_runtime
         log = ProgressLog(runtime.stats, progress) if progress is not None else None
-        self._local = _LocalRuntime(local) if local is not None else None
+        spread = getattr(runtime, "nodes", None) is not None   # a node.spread pool
+        self._local = _LocalRuntime(local, "spread" if spread else "node") if local is not None else None
         self._closer = weakref.finalize(self, _close_runtime, runtime if owns_runtime else None, self.sampler.tasks,
                                         log, self._local)
 
@@ -263,24 +264,27 @@ def _close_runtime(runtime: Any, tasks: _TrialTasks, log: ProgressLog | None = N
 
 
 class _LocalRuntime:
-    """The runtime in this process for a node-shared study's prepared models (hydra_tune.prepare), made at the
-    first one with the study's settings, with a RuntimeWarning: the user's loop in this process drives a prepared
-    model, so it cannot train on the node's server (another process); its device memory is this runtime's budget,
-    which the server does not see (other processes' tasks on the same devices are not counted against it)."""
+    """The runtime in this process for the prepared models (hydra_tune.prepare) of a study on node servers
+    (share "node" or "spread"), made at the first one with the study's settings, with a RuntimeWarning: the user's
+    loop in this process drives a prepared model, so it cannot train on a server (another process); its device
+    memory is this runtime's budget, which the servers do not see (their tasks on the same devices are not counted
+    against it)."""
 
-    def __init__(self, config: RuntimeConfig) -> None:
-        self.config = config
+    def __init__(self, config: RuntimeConfig, share: str = "node") -> None:
+        self.config, self.share = config, share
+
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()
 
     def get(self) -> Runtime:
         with self._lock:
             if self._runtime is None:
-                warnings.warn("hydra_tune.prepare in a study on the node's runtime server (persistent storage): "
-                              "prepared models train on a runtime in this process, whose device memory budget the "
-                              "server does not count; pass share='process' to train every task here, or use "
-                              "hydra_tune.ModelTask with hydra_tune.train to share the node's server",
-                              RuntimeWarning, stacklevel=4)
+                where = ("on the node's runtime server (persistent storage, or share='node')" if self.share == "node"
+                         else "on a node server per device (share='spread')")
+                warnings.warn(f"hydra_tune.prepare in a study {where}: prepared models train on a runtime in this "
+                              "process, whose device memory budget the servers do not count; pass share='process' "
+                              "to train every task here, or use hydra_tune.ModelTask with hydra_tune.train to train "
+                              "on the servers", RuntimeWarning, stacklevel=4)
                 self._runtime = Runtime(config=self.config)
             return self._runtime
 
@@ -312,8 +316,10 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
     created. ``runtime``: use this runtime (a ``Runtime``, a ``hydra_tune.node.connect(...)`` client or a
     ``hydra_tune.node.spread(...)`` pool) instead (the settings are then unused); the study does not close it.
     ``share``: "process" (an
-    in-process runtime), "node" (the node's runtime server, shared with other processes) or "auto" ("node" when
-    the storage is persistent, else "process"); with "node", models of ``hydra_tune.prepare`` (driven by this
+    in-process runtime), "node" (the node's runtime server, shared with other processes), "spread" (one node
+    server per device, ``hydra_tune.node.spread``: devices that share no interpreter lock, the fast way for small
+    models on several CPU devices; each task stays on one device) or "auto" ("node" when the storage is
+    persistent, else "process"); with "node" or "spread", models of ``hydra_tune.prepare`` (driven by this
     process's loop) train on a runtime in this process made with the same settings, with a RuntimeWarning.
     ``sampler=None`` means ``TPESampler(constant_liar=True)``: TPE
     that does not sample the same point for trials running at the same time. ``progress``: as for
@@ -326,7 +332,8 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
     seconds = progress_seconds(progress)
     if share not in SHARE:
         raise rule_error(f"`share` in {SHARE}", "'process' for a runtime in this process, 'node' to share the "
-                         "node's runtime server with other processes, 'auto' to decide by the storage", share=share)
+                         "node's runtime server with other processes, 'spread' for a node server per device, "
+                         "'auto' to decide by the storage", share=share)
     if isinstance(trials_per_device, bool) or not isinstance(trials_per_device, int) or trials_per_device < 1:
         raise rule_error("`trials_per_device >= 1` (an int)", "pass 2 (one trial computing, one preparing) or "
                          "more", trials_per_device=trials_per_device)
@@ -355,12 +362,13 @@ def _own_runtime(share: str, storage: Any, settings: RuntimeConfig,
                  seconds: float | None) -> tuple[Any, RuntimeConfig | None, float | None]:
     """The runtime a study makes for itself (``share``: "auto" decides by ``storage``): an in-process ``Runtime``
     or a client of the node's runtime server; with it the settings of a runtime in this process for prepared
-    models (node only, see _LocalRuntime) and the progress seconds the study still logs itself (None: the
+    models (node servers only, see _LocalRuntime) and the progress seconds the study still logs itself (None: the
     in-process runtime logs them)."""
     if share == "auto":
         share = "process" if isinstance(storage, InMemoryStorage) else "node"
-    if share == "node":
+    if share in ("node", "spread"):
         from hydra_tune import node
 
-        return node.connect(config=settings), settings, seconds
+        remote = node.connect(config=settings) if share == "node" else node.spread(config=settings)
+        return remote, settings, seconds
     return Runtime(config=settings, progress=seconds), None, None

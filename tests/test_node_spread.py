@@ -1,6 +1,7 @@
 """node.spread: one node server per device, a search's tasks dealt out to them (real server processes)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -176,3 +177,70 @@ def test_an_optuna_study_runs_its_trials_on_the_pool():
                                 eval_data=_data(99), loss=lambda out, b: F.mse_loss(out, b[1]), epochs=2,
                                 seed=number)
             assert served[number] == rt.submit(task).result()["eval_loss"]
+
+
+def _lr_objective(lrs: dict[int, float]):
+    def objective(trial):
+        lr = lrs[trial.number]   # (the factories ship to a server: they capture no trial, whose study holds locks)
+        task = ht.ModelTask(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=lr),
+                            _data(trial.number), eval_data=_data(99), loss=lambda out, b: F.mse_loss(out, b[1]),
+                            epochs=2, seed=trial.number)
+        for m in ht.train(task):
+            trial.report(m["eval_loss"], m["epoch"])
+        return m["eval_loss"]
+    return objective
+
+
+def test_a_study_with_share_spread_trains_on_a_server_per_device_and_lets_them_go():
+    optuna = pytest.importorskip("optuna")
+    lrs = {0: 0.01, 1: 0.05, 2: 0.1, 3: 0.2}
+    study = ht.optuna_study(share="spread", devices=["cpu", "cpu"], device_memory="9MiB", direction="minimize")
+    pool = study.runtime
+    _PIDS.extend(n.pid for n in pool.nodes)
+    try:
+        assert isinstance(pool, node.NodePool) and len({n.pid for n in pool.nodes}) == 2
+        assert study.concurrency == 4   # trials_per_device (2) x 2 servers of one device each
+        study.optimize(_lr_objective(lrs), n_trials=4)
+        served = {t.number: t.value for t in study.trials}
+        assert [len(s["tasks"]) > 0 for s in pool.stats()["servers"]] == [True, True]
+    finally:
+        study.close()
+    with pytest.raises(RuntimeClosed):
+        pool.submit(_task(0))   # the study made the pool: closing it let go of every server
+    study = ht.optuna_study(share="process", devices=["cpu", "cpu"], device_memory="9MiB", direction="minimize")
+    with study:
+        study.optimize(_lr_objective(lrs), n_trials=4)
+        assert {t.number: t.value for t in study.trials} == served
+
+
+def test_a_prepared_model_in_a_spread_study_trains_here_and_says_so():
+    optuna = pytest.importorskip("optuna")
+    from test_prepare_exactness import _diff
+    from test_prepare_streams import seeded_trial
+
+    want, got = seeded_trial(5), {}
+    study = ht.optuna_study(share="spread", devices=["cpu"], device_memory="24KiB",
+                            sampler=optuna.samplers.RandomSampler(seed=0))
+    _PIDS.extend(n.pid for n in study.runtime.nodes)
+    try:
+        def objective(trial):
+            got["result"] = seeded_trial(5, ht.prepare)
+            return 0.0
+        with pytest.warns(RuntimeWarning, match=r"a node server per device \(share='spread'\)"):
+            study.optimize(objective, n_trials=1, n_jobs=1)
+    finally:
+        study.close()
+    assert _diff(want[0], got["result"][0]) == 0.0 and want[1] == got["result"][1]
+
+
+def test_spread_takes_a_runtime_config_whole():
+    config = ht.RuntimeConfig(devices=["cpu", "cpu"], device_memory="7MiB", residency="off", history=10)
+    with _spread(config=config) as pool:
+        for i in range(2):  # each server is the one of the config with its one device (every setting in its key)
+            one = dataclasses.replace(config, devices=["cpu"])
+            assert os.path.exists(node.server_files(config=one, slot=f"{i}/2")["socket"])
+        assert pool.submit(_task(3)).result()["epoch"] == 2
+    with pytest.raises(TypeError, match="either `config=` or `devices`"):
+        node.spread(["cpu"], config=config)
+    with pytest.raises(ValueError, match="either `config=` or the settings"):
+        node.spread(config=config, device_memory="1MiB")

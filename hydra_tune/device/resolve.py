@@ -36,16 +36,22 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def device_names(devices: int | str | Sequence[str] = "auto", n_cuda: int | None = None) -> list[str]:
+    """The device names a ``RuntimeConfig``'s ``devices`` stands for on this machine: "auto" is every visible GPU,
+    else one CPU device; a count is that many GPUs, or CPU devices where none is visible; names stay as given."""
+    n_cuda = cuda_count() if n_cuda is None else n_cuda
+    if devices == "auto":
+        return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
+    if isinstance(devices, int):
+        return [f"cuda:{i}" for i in range(devices)] if n_cuda else ["cpu"] * devices
+    return list(devices)
+
+
 def resolve_devices(devices: int | str | Sequence[str] = "auto", budget: int | None = None) -> list[Device]:
     """The Device objects for a ``RuntimeConfig``'s ``devices`` and ``device_memory`` (bytes), which it has
     validated; what needs the machine (a GPU, its index, its free memory) is checked here."""
     n_cuda = cuda_count()
-    if devices == "auto":
-        names = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
-    elif isinstance(devices, int):
-        names = [f"cuda:{i}" for i in range(devices)] if n_cuda else ["cpu"] * devices
-    else:
-        names = list(devices)
+    names = device_names(devices, n_cuda)
     out: list[Device] = []
     for i, name in enumerate(names):
         if name == "cpu" or re.fullmatch(r"cpu:\d+", name):

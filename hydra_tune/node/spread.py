@@ -4,6 +4,7 @@
     handles = [pool.submit(task) for task in tasks]     # each to the server with the fewest unfinished tasks
     print([h.result()["eval_loss"] for h in handles]); pool.close()
     study = hydra_tune.optuna_study(runtime=pool)       # or an Optuna study's runtime
+    study = hydra_tune.optuna_study(share="spread", devices=["cpu", "cpu"])  # a study that spreads its own
 
 Why: an in-process Runtime's devices are threads of one Python process. A small model's unit is mostly Python
 and short torch calls, which hold the GIL: two CPU devices in one process ran two such trials as slowly as one
@@ -19,27 +20,40 @@ work when they run out of their own (a task larger than one device needs ``node.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from ..config import RuntimeConfig
+from ..device.resolve import device_names
 from ..errors import RuntimeClosed, rule_error
 from ..task import ModelTask
 from .client import NodeRuntime, RemoteHandle, join
 from .files import server_files
 
 
-def spread(devices: Sequence[str], device_memory: int | str | None = None, *, policy: str = "lrtf",
-           host_memory: int | str | None = None) -> NodePool:
-    """Connect to (starting if needed) one node server per entry of ``devices`` and return the pool of them."""
-    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices or \
+def spread(devices: Sequence[str] | None = None, device_memory: int | str | None = None, *, policy: str = "lrtf",
+           host_memory: int | str | None = None, config: RuntimeConfig | None = None) -> NodePool:
+    """Connect to (starting if needed) one node server per entry of ``devices`` and return the pool of them.
+    ``config``: a ``RuntimeConfig`` instead of the keywords (its ``devices`` as the machine resolves them: "auto"
+    is every visible GPU, else one CPU device); each server gets it with its one device."""
+    if config is not None:
+        if devices is not None:
+            raise rule_error("either `config=` or `devices` is given, not both", "put the devices into the "
+                             "RuntimeConfig or drop `config=`", kind=TypeError, devices=devices)
+        config = RuntimeConfig.of(config, device_memory=device_memory, policy=policy, host_memory=host_memory)
+        devices = device_names(config.devices)
+    elif isinstance(devices, str) or not isinstance(devices, Sequence) or not devices or \
             not all(isinstance(d, str) for d in devices):
         raise rule_error("`devices` is a non-empty list of device names, one server each", "pass e.g. ['cpu', "
                          "'cpu'] or ['cuda:0', 'cuda:1']", kind=TypeError, devices=devices)
-    configs = [RuntimeConfig(devices=[d], device_memory=device_memory, policy=policy, host_memory=host_memory)
-               for d in devices]  # each validated here, before any server starts
+    else:  # (each server's own: servers of different kinds may serve one pool)
+        config = RuntimeConfig(devices=[devices[0]], device_memory=device_memory, policy=policy,
+                               host_memory=host_memory)
+    # each server's config validated here, before any server starts
+    configs = [dataclasses.replace(config, devices=[d]) for d in devices]
     n_cpu = sum(d.startswith("cpu") for d in devices)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, cores // max(n_cpu, 1)))}
