@@ -272,7 +272,6 @@ class _LocalRuntime:
 
     def __init__(self, config: RuntimeConfig, share: str = "node") -> None:
         self.config, self.share = config, share
-
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()
 
@@ -360,8 +359,8 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
 
 def _own_runtime(share: str, storage: Any, settings: RuntimeConfig,
                  seconds: float | None) -> tuple[Any, RuntimeConfig | None, float | None]:
-    """The runtime a study makes for itself (``share``: "auto" decides by ``storage``): an in-process ``Runtime``
-    or a client of the node's runtime server; with it the settings of a runtime in this process for prepared
+    """The runtime a study makes for itself (``share``: "auto" decides by ``storage``): an in-process ``Runtime``,
+    a client of the node's runtime server or a pool of one-device servers ("spread"); with it the settings of a runtime in this process for prepared
     models (node servers only, see _LocalRuntime) and the progress seconds the study still logs itself (None: the
     in-process runtime logs them)."""
     if share == "auto":
