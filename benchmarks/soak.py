@@ -32,23 +32,23 @@ import gc
 import os
 import random
 import sys
-
-if __name__ == "__main__" and "--default-malloc" not in sys.argv:  # (before torch loads MKL: the docstring's end)
-    os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 import threading
 import time
 import weakref
 from collections import Counter
 from typing import Any
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from _checks import finish
-from _memory import deep_size, fix_malloc_thresholds, malloc_in_use, rss, trim
+if __name__ == "__main__" and "--default-malloc" not in sys.argv:  # (before torch loads MKL: the docstring's end)
+    os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
-import hydra_tune as ht
-from hydra_tune.errors import TaskCancelled
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _checks import finish  # noqa: E402
+from _memory import deep_size, fix_malloc_thresholds, malloc_in_use, rss, trim  # noqa: E402
+
+import hydra_tune as ht  # noqa: E402
+from hydra_tune.errors import TaskCancelled  # noqa: E402
 
 BUDGET = 6 << 20
 WAVE = 4

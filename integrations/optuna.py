@@ -360,9 +360,9 @@ def optuna_study(*, devices: int | str | Sequence[str] = "auto", device_memory: 
 def _own_runtime(share: str, storage: Any, settings: RuntimeConfig,
                  seconds: float | None) -> tuple[Any, RuntimeConfig | None, float | None]:
     """The runtime a study makes for itself (``share``: "auto" decides by ``storage``): an in-process ``Runtime``,
-    a client of the node's runtime server or a pool of one-device servers ("spread"); with it the settings of a runtime in this process for prepared
-    models (node servers only, see _LocalRuntime) and the progress seconds the study still logs itself (None: the
-    in-process runtime logs them)."""
+    a client of the node's runtime server or a pool of one-device servers ("spread"); with it the settings of a
+    runtime in this process for prepared models (node servers only, see _LocalRuntime) and the progress seconds
+    the study still logs itself (None: the in-process runtime logs them)."""
     if share == "auto":
         share = "process" if isinstance(storage, InMemoryStorage) else "node"
     if share in ("node", "spread"):

@@ -192,7 +192,7 @@ def _lr_objective(lrs: dict[int, float]):
 
 
 def test_a_study_with_share_spread_trains_on_a_server_per_device_and_lets_them_go():
-    optuna = pytest.importorskip("optuna")
+    pytest.importorskip("optuna")
     lrs = {0: 0.01, 1: 0.05, 2: 0.1, 3: 0.2}
     study = ht.optuna_study(share="spread", devices=["cpu", "cpu"], device_memory="9MiB", direction="minimize")
     pool = study.runtime
@@ -235,9 +235,9 @@ def test_a_prepared_model_in_a_spread_study_trains_here_and_says_so():
 
 def test_spread_takes_a_runtime_config_whole():
     config = ht.RuntimeConfig(devices=["cpu", "cpu"], device_memory="7MiB", residency="off", history=10)
+    one = dataclasses.replace(config, devices=["cpu"])
     with _spread(config=config) as pool:
         for i in range(2):  # each server is the one of the config with its one device (every setting in its key)
-            one = dataclasses.replace(config, devices=["cpu"])
             assert os.path.exists(node.server_files(config=one, slot=f"{i}/2")["socket"])
         assert pool.submit(_task(3)).result()["epoch"] == 2
     with pytest.raises(TypeError, match="either `config=` or `devices`"):

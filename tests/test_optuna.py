@@ -75,7 +75,8 @@ def test_pruned_trials_tasks_are_cancelled_and_freed():
         gc.collect()
         pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
         early = [t for t in pruned if t.last_step < 5]
-        assert [t.number for t in early] == [1, 3, 5, 7, 9] and all(t.last_step == 2 for t in early), [(t.number, t.intermediate_values) for t in trials]
+        assert [t.number for t in early] == [1, 3, 5, 7, 9] and all(t.last_step == 2 for t in early), \
+            [(t.number, t.intermediate_values) for t in trials]
         assert [t.state for t in trials].count(optuna.trial.TrialState.COMPLETE) >= 2
         for t in early:
             (name,) = names[t.number]

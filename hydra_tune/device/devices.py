@@ -31,8 +31,8 @@ from .seeding import seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
 
 _NULL = contextlib.nullcontext()  # (reusable)
-# classes of equal tasks (training/measure_class.py) whose measured segments a CPU device remembers, the latest
-# counted
+# classes of equal tasks (training/measure_class.py) whose measured segments a CPU device remembers (the latest
+# counted)
 MEASURED_CLASSES = 64
 
 

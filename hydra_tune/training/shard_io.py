@@ -22,8 +22,8 @@ from .trees import map_tensors, tensor_leaves
 
 
 class ShardInputs:
-    """ShardExec's copies in and out (see the module docstring): it reads the shard's ``index``, ``params``,
-    ``plain_tensors`` and ``resident(device)``."""
+    """ShardExec's copies in and out (see the module docstring): it reads the shard's ``index``, ``params`` and
+    ``resident(device)``."""
 
     @staticmethod
     def to_device(device: Device, tree: Any, what: str = "activations") -> Any:
