@@ -234,7 +234,10 @@ def check_inputs(leaves: list[Any]) -> None:
                          kind=RuntimeError, call="model(x) with x.requires_grad")
 
 
-def check_backward(number: int, pending: int) -> None:
+def check_backward(number: int, pending: int, latest: int) -> None:
+    """``number``: the forward whose output this backward comes from; ``pending``: the training forward awaiting
+    its backward (0: none); ``latest``: the number of the latest training forward (named in the error: ``pending``
+    reads 0 once a later forward's backward ran, e.g. in ``(loss(model(a)) + loss(model(b))).backward()``)."""
     if torch.is_grad_enabled():
         raise rule_error("a prepared model's backward builds no graph of its own", "call loss.backward() "
                          "without create_graph=True (higher-order gradients are not supported by prepare)",
@@ -242,8 +245,10 @@ def check_backward(number: int, pending: int) -> None:
     if number != pending:
         raise rule_error("a prepared model's backward comes from the latest training forward's output, once",
                          "call loss.backward() once after each forward (for gradient accumulation: forward, "
-                         "backward, forward, backward, ... then optimizer.step())", kind=RuntimeError,
-                         call="backward", forward=number, latest=pending or None)
+                         "backward, forward, backward, ... then optimizer.step()); a loss over several forwards of "
+                         "one prepared model (model(a) and model(b) before one backward) is not supported",
+                         kind=RuntimeError, call="backward", forward=number, latest=latest,
+                         awaiting_backward=pending or None)
 
 
 def check_unchanged(changed: list[str]) -> None:

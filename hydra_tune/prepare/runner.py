@@ -231,7 +231,7 @@ class Runner:
     # -- backward --------------------------------------------------------------------------------------------
     def _backward(self, number: int, n: int, grads: dict[int, torch.Tensor | None]) -> None:
         driver = self.driver
-        check_backward(number, driver.pending)
+        check_backward(number, driver.pending, driver.forwards)
         driver.pending = 0
         modes, versions = self._at_forward
         with direct():  # the counters are read, not the values: no pending update to apply (guard.py)
