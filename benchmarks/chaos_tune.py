@@ -104,6 +104,7 @@ class Watch(tune.Callback):
         self.running: dict[str, tuple[int, str]] = {}   # trial id -> (proxy pid, node id)
         self.pids: set[int] = set()                      # every proxy and runtime process seen
         self.recovered = 0
+        self.recoveries: list[tuple[str, float]] = []   # (trial id, time.time()) of each restart Tune decided
         self.first_result: float | None = None          # perf_counter of the search's first result
         self.last_result: dict[str, float] = {}          # trial id -> time.time() of its latest result
         self.at_end: dict[str, Any] = {}
@@ -133,8 +134,14 @@ class Watch(tune.Callback):
         self._ended(trial)
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.recovered += 1
+        with self.lock:
+            self.recovered += 1
+            self.recoveries.append((trial.trial_id, time.time()))
         self._ended(trial)
+
+    def restarted_after(self, trial_id: str, at: float) -> bool:
+        """Whether Tune decided to restart ``trial_id`` at or after ``at`` (a new incarnation of it runs then)."""
+        return any(t == trial_id and when >= at for t, when in self.recoveries)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         """Before the executor's own hook stops the runtimes (it comes after this one): what is still alive. A
@@ -210,15 +217,17 @@ def search(cluster: Any, args: argparse.Namespace, root: str, name: str, faults:
 def orphans(watch: Watch, root: str, scratch: str, killed: Iterable[tuple[str, float]] = ()) -> dict[str, Any]:
     """After the experiment: runtime actors left, processes alive (given 15 s to exit), checkpoint temp files, trial
     folders. ``killed``: (trial id, time.time()) of each train_fn thread alive in a process the chaos killed. Such a
-    trial that never reported again (Tune had just stopped it, so no incarnation followed) could not run train_fn's
-    ``finally``: its folder is listed apart, under ``folders_of_killed_threads``, and not counted."""
+    trial that Tune did not restart after the kill (it had stopped the trial, or the trial had sent its last result,
+    so no incarnation followed) could not run train_fn's ``finally``: its folder is listed apart, under
+    ``folders_of_killed_threads``, and not counted. (Tune's restart decisions, not the arrival of results: a result
+    sent before the kill may reach the driver after it.)"""
     deadline = time.time() + 15
     alive = sorted(watch.pids)
     while alive and time.time() < deadline:
         time.sleep(0.5)
         alive = [p for p in alive if _alive(p)]
     temp = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith(".hydra-ckpt-")]
-    died = {t for t, at in killed if watch.last_result.get(t, 0.0) <= at}
+    died = {t for t, at in killed if not watch.restarted_after(t, at)}
     folders = sorted(os.listdir(scratch))   # train_fn's: each trial's last incarnation removes its own
     return {"threads": watch.at_end.get("threads", []), "tasks": watch.at_end.get("tasks", []),
             "actors": [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
