@@ -208,5 +208,6 @@ def test_tune_search_with_killed_proxy_and_runtime_actor_loses_nothing_and_resum
     # came to remove it)
     assert watch.at_end["runtime_pids"], watch.at_end   # it read the runtimes' threads and tasks before they stopped
     left = chaos_tune.orphans(watch, str(tmp_path), str(scratch), faults.killed)
-    assert chaos_tune.orphan_count(left) == 0, {k: v for k, v in left.items() if v}   # only what was left
+    assert chaos_tune.orphan_count(left) == 0, ({k: v for k, v in left.items() if v},   # what was left, and why
+                                                 faults.killed, watch.recoveries)
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("hydra_rt_")]
