@@ -84,6 +84,9 @@ def perf_rows(p: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         verdict = "-" if not goal else ("met" if r["ratio"] >= goal else "not met")
         rows.append((f"perf {r['section']}", f"{r['case']} vs {r['sides'][0]}", f"{r['ratio']:.3f}x"
                      + (f" (goal {goal})" if goal else ""), verdict))
+        if r.get("output_bytes_per_step") is not None:  # (e): the prepared model's output moved by the runtime
+            rows.append((f"perf {r['section']}", "output + its gradient moved a step",
+                         f"{r['output_bytes_per_step'] / 2**20:.1f} MiB", "-"))
     rows += [("perf", f"skipped: {s}", "-", "-") for s in p.get("skipped", [])]
     rows += [("perf", f"failed: {s[:50]}", "-", "FAIL") for s in p.get("failed", [])]
     return rows

@@ -4,6 +4,7 @@ PyTorch in separate processes started together), steady samples/s from batch fet
     case = Case("12x768 fp32", FULL)
     res = run_plain(case, "cuda:0", Steps(5, 20))            # one task, this process
     res = run_hydra(case, "cuda:0", Steps(5, 20), budget)   # case.tasks tasks on one Runtime device
+    res = run_prepared(case, "cuda:0", Steps(5, 20), budget) # the plain loop after hydra_tune.prepare
     res = run_processes(case, "cuda:0", Steps(5, 20), 4)     # 4 plain processes side by side
     res["steady_sps"], res["peak"], res["counters"]
 
@@ -190,6 +191,40 @@ def run_hydra(case: Case, device: str, steps: Steps, budget: int | None, seed: i
             **state_moves([stats["tasks"][f"t{i}"].get("residency") or {} for i in range(case.tasks)]),
             "counters": {"device": counters(dev), "tasks": [counters(stats["tasks"][f"t{i}"])
                                                             for i in range(case.tasks)]}}
+
+
+def run_prepared(case: Case, device: str, steps: Steps, budget: int | None, seed: int = 0) -> Result:
+    """``plain_loop``'s loop over a model and optimizer passed through ``hydra_tune.prepare`` (issue 16's drop-in)
+    on a runtime of ``device``: its batches moved to ``device`` as the loop does; the precision given to
+    ``prepare``, not an autocast in the loop (a prepared model refuses a forward inside one it was not given).
+    ``output_bytes_per_step``: what the runtime's copier moved of the model's outputs and their gradients a step
+    (the output carry to host memory in its F unit, the output's gradient to the device in its B unit)."""
+    clean(device)
+    t0 = time.perf_counter()
+    with ht.Runtime(devices=[device], device_memory=budget) as rt:
+        torch.manual_seed(seed)
+        model = gpt2_factory(case.size, case.dropout)()
+        model, opt = ht.prepare(model, adamw(model), seed=seed, precision=case.precision, runtime=rt, name="prepared")
+        model.train()
+        stamps = []
+        for batch in batches(case.size, steps, seed):
+            stamps.append(time.perf_counter())
+            batch = {k: t.to(device) for k, t in batch.items()}
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+        stats = rt.stats()
+        model.release()
+    task, dev = stats["tasks"]["prepared"], stats["devices"][0]
+    copies = (task.get("residency") or {}).get("copies", {})
+    moved = sum(copies.get(way, {}).get("activations", 0) for way in ("h2d", "d2h"))
+    return {"steady_sps": steady_sps([stamps], steps.warm, case.size.batch),
+            "peak": peak(device) if cuda(device) else dev.get("peak_bytes"), "wall_s": time.perf_counter() - t0,
+            "shards": len(task["shards"]), "steps": steps.total, "output_bytes_per_step": moved / steps.total,
+            **state_moves([task.get("residency") or {}]),
+            "counters": {"device": counters(dev), "tasks": [counters(task)]}}
 
 
 def state_moves(residency: list[dict[str, Any]]) -> dict[str, int]:

@@ -15,7 +15,11 @@ Sections (goals from issue 14 in brackets; they are reported, not asserted):
       prediction; copy/compute overlap >= 90%];
   (c) 4 and 8 tasks of 12x768 on the device at once, all resident, and with a budget that holds half of them
       [aggregate >= 0.95x of one plain task; the half-evicted case against the PCIe bound];
-  (d) the same 4 and 8 tasks as separate plain processes sharing the device (Ray Tune's fractional GPUs).
+  (d) the same 4 and 8 tasks as separate plain processes sharing the device (Ray Tune's fractional GPUs);
+  (e) the plain loop after ``hydra_tune.prepare(model, optimizer)`` (issue 16), GPT-2 12x768 fp32, one task: vs the
+      plain loop (its ratio over (a)'s 12x768 fp32 one is prepared vs ModelTask, issue 16's >= 0.95x), and the bytes
+      of the model's output and its gradient the runtime's copier moved per step (the F unit's output carry to host
+      memory, the B unit's output gradient to the device; the loop's own ``.to``s of them are not counted).
 Every case alternates its sides (plain first, then A B B A ...): (a) and the 2-shard case twice per side by
 default, the others once (``--repeats`` caps them all). Cases run one of each section first and the heaviest last
 (8 tasks, GPT-2 XL), so that ``--time-budget`` (seconds) skips those first; skipped cases are named in the output.
@@ -53,6 +57,7 @@ from _perf import (
     pick,
     run_hydra,
     run_plain,
+    run_prepared,
     run_processes,
 )
 
@@ -70,8 +75,8 @@ GOALS = {"a": 0.95, "b": 0.80, "c": 0.95}  # by section; the 8x384 case of (a): 
 
 def cases(cpu: bool) -> list[tuple[str, Case, str, int | None]]:
     """(section, case, kind, repeats) in the order they run: one case of every section first, the heaviest last
-    (a time budget then skips those). Kinds: "fits", "shards", "budget", "tasks", "half", "processes"; repeats
-    None: ``--repeats``."""
+    (a time budget then skips those). Kinds: "fits", "shards", "budget", "tasks", "half", "processes", "prepared";
+    repeats None: ``--repeats``."""
     full, small, xl = (TINY, Size(2, 48, 2, 256, 32, 4), TINY_BIG) if cpu else (FULL, SMALL, XL)
     few, many = (2, 4) if cpu else (4, 8)
     over = Case("4x96 over its budget", xl, shards=3) if cpu else Case("XL under 12 GiB", xl, budget=12 * GIB)
@@ -81,6 +86,7 @@ def cases(cpu: bool) -> list[tuple[str, Case, str, int | None]]:
         ("b", Case("12x768 2 shards", full, shards=2), "shards", None),
         ("c", Case(f"{few} tasks resident", full, tasks=few), "tasks", 1),
         ("d", Case(f"{few} plain processes", full, tasks=few), "processes", 1),
+        ("e", Case("12x768 fp32 prepared", full), "prepared", None),
         ("b", Case("12x768 4 shards", full, shards=4), "shards", 1),
         ("c", Case(f"{few} tasks, half fit", full, tasks=few), "half", 1),
         ("c", Case(f"{many} tasks resident", full, tasks=many), "tasks", 1),
@@ -149,6 +155,8 @@ class Bench:
             return {"plain 1 task": lambda: run_plain(plain, d, st),
                     f"{case.tasks} processes": lambda: run_processes(case, d, st, case.tasks)}
         budget = self.half_budget(case) if kind == "half" else self.budget(case)
+        if kind == "prepared":
+            return {"plain": lambda: run_plain(plain, d, st), "prepared": lambda: run_prepared(case, d, st, budget)}
         return {"plain": lambda: run_plain(plain, d, st), "hydra": lambda: run_hydra(case, d, st, budget)}
 
     def measure(self, case: Case, kind: str, repeats: int | None) -> dict[str, Any]:
@@ -188,6 +196,7 @@ def summary(runs: dict[str, list[Result]], names: list[str], case: Case) -> dict
     out["syncs_per_step"] = pick(found, "sync")
     out["device_steps"] = pick(found, "device", "step")
     out["evictions"] = pick(found, "evict")
+    out["output_bytes_per_step"] = last.get("output_bytes_per_step")  # (e) only
     return out
 
 
@@ -231,12 +240,15 @@ def report(results: list[dict[str, Any]]) -> None:
         print("".join(cells))
         if r.get("pcie_bound_sps"):
             print(f"{'':<8}{'':<22}PCIe bound {r['pcie_bound_sps']:.2f} samples/s; measured {r['sps'][other]:.2f}")
+        if r.get("output_bytes_per_step") is not None:
+            print(f"{'':<8}{'':<22}the model's output and its gradient moved by the runtime: "
+                  f"{format_bytes(int(r['output_bytes_per_step']))} a step")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="dry run on a CPU stand-in, tiny sizes")
-    p.add_argument("--sections", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    p.add_argument("--sections", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
     p.add_argument("--repeats", type=int, default=None, help="runs per side, alternating (default 2, the many-task "
                    "and spill cases 1; --cpu 1)")
     p.add_argument("--steps", type=int, default=20, help="steady steps per run (default 20)")
