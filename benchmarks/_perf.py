@@ -135,13 +135,22 @@ def peak(device: str) -> int | None:
 
 
 # -- plain PyTorch ------------------------------------------------------------------------------------------
-def plain_loop(case: Case, device: str, data: Sequence[Batch], seed: int, stamp: Callable[[], float]) -> list[float]:
-    """The user's own loop on ``device``: AdamW, autocast for bf16/fp16 (a GradScaler for fp16); fetch stamps."""
+def plain_loop(case: Case, device: str, data: Sequence[Batch], seed: int, stamp: Callable[[], float],
+               prepare: Callable[[nn.Module, torch.optim.Optimizer], Any] | None = None) -> list[float]:
+    """The user's own loop on ``device``: AdamW, autocast for bf16/fp16 (a GradScaler for fp16); fetch stamps.
+    ``prepare(model, optimizer) -> (model, optimizer)``: the loop over what it returns (``hydra_tune.prepare``: the
+    model stays where it was built, and the precision is prepare's, not an autocast in the loop: a prepared model
+    refuses a forward inside one it was not given)."""
     torch.manual_seed(seed)
-    model = gpt2_factory(case.size, case.dropout)().to(device)
+    model = gpt2_factory(case.size, case.dropout)()
+    if prepare is None:
+        model = model.to(device)
     model.train()
     opt = adamw(model)
     dtype = AUTOCAST[case.precision]
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+        dtype = None
     scaler = torch.amp.GradScaler(device.split(":")[0]) if case.precision == "fp16" else None
     stamps = []
     for batch in data:
@@ -194,29 +203,21 @@ def run_hydra(case: Case, device: str, steps: Steps, budget: int | None, seed: i
 
 
 def run_prepared(case: Case, device: str, steps: Steps, budget: int | None, seed: int = 0) -> Result:
-    """``plain_loop``'s loop over a model and optimizer passed through ``hydra_tune.prepare`` (issue 16's drop-in)
-    on a runtime of ``device``: its batches moved to ``device`` as the loop does; the precision given to
-    ``prepare``, not an autocast in the loop (a prepared model refuses a forward inside one it was not given).
-    ``output_bytes_per_step``: what the runtime's copier moved of the model's outputs and their gradients a step
-    (the output carry to host memory in its F unit, the output's gradient to the device in its B unit)."""
+    """``plain_loop`` after ``hydra_tune.prepare`` (issue 16's drop-in) on a runtime of ``device``.
+    ``output_bytes_per_step``: what the runtime's copier moved of activations a step; with the task in one shard,
+    the model's output carried to host memory by its F unit and its gradient to the device by its B unit."""
     clean(device)
     t0 = time.perf_counter()
     with ht.Runtime(devices=[device], device_memory=budget) as rt:
-        torch.manual_seed(seed)
-        model = gpt2_factory(case.size, case.dropout)()
-        model, opt = ht.prepare(model, adamw(model), seed=seed, precision=case.precision, runtime=rt, name="prepared")
-        model.train()
-        stamps = []
-        for batch in batches(case.size, steps, seed):
-            stamps.append(time.perf_counter())
-            batch = {k: t.to(device) for k, t in batch.items()}
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            loss.item()
+        prepared: list[Any] = []
+
+        def prepare(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+            prepared.extend(ht.prepare(model, opt, seed=seed, precision=case.precision, runtime=rt, name="prepared"))
+            return prepared
+
+        stamps = plain_loop(case, device, batches(case.size, steps, seed), seed, time.perf_counter, prepare)
         stats = rt.stats()
-        model.release()
+        prepared[0].release()
     task, dev = stats["tasks"]["prepared"], stats["devices"][0]
     copies = (task.get("residency") or {}).get("copies", {})
     moved = sum(copies.get(way, {}).get("activations", 0) for way in ("h2d", "d2h"))

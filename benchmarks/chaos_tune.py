@@ -103,7 +103,6 @@ class Watch(tune.Callback):
         self.ex = ex
         self.running: dict[str, tuple[int, str]] = {}   # trial id -> (proxy pid, node id)
         self.pids: set[int] = set()                      # every proxy and runtime process seen
-        self.recovered = 0
         self.recoveries: list[tuple[str, float]] = []   # (trial id, time.time()) of each restart Tune decided
         self.first_result: float | None = None          # perf_counter of the search's first result
         self.last_result: dict[str, float] = {}          # trial id -> time.time() of its latest result
@@ -135,9 +134,13 @@ class Watch(tune.Callback):
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         with self.lock:
-            self.recovered += 1
             self.recoveries.append((trial.trial_id, time.time()))
         self._ended(trial)
+
+    @property
+    def recovered(self) -> int:
+        """Restarts Tune decided."""
+        return len(self.recoveries)
 
     def restarted_after(self, trial_id: str, at: float) -> bool:
         """Whether Tune decided to restart ``trial_id`` at or after ``at`` (a new incarnation of it runs then)."""

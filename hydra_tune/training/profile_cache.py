@@ -74,7 +74,7 @@ class Lookup:
     def store(self, costs: list[StageCost]) -> list[StageCost]:
         places = self._places
         if self._cache is not None and places is not None and all(k in places for c in costs for k, _, _ in c.params):
-            by_place = [replace(c, params=tuple((self._places[k], n, g) for k, n, g in c.params)) for c in costs]
+            by_place = [replace(c, params=tuple((places[k], n, g) for k, n, g in c.params)) for c in costs]
             self._cache.put(self._key, self._ranges, by_place)
         return costs
 
