@@ -42,10 +42,33 @@ def test_the_snapshot_tells_scalars_rebound_and_containers_changed_in_place_apar
     assert not before.changed()
 
 
+def test_a_kept_snapshot_shares_equal_contents_and_still_tells_each_place_changed_in_place():
+    """The as-built snapshot keeps one copy of equal contents (the same items, by identity: a PEFT LoRA layer's
+    ``{"default": r}``, a dozen layers alike); a change in place of one module's container is its own change
+    only, and dicts with equal but not identical values are not merged (a dict's values are compared by
+    identity)."""
+    model = _model()
+    for m in model[1]:
+        m.r, m.seen, m.empty = {"default": 8}, [1, 2], {}
+    model[0].r = {"default": 8.5}
+    model[1][1].scaling, model[0].scaling = {"default": float("2.0")}, {"default": float("2.0")}
+    built = ModuleState.of_model(model)
+    kept = {h.module: contents for h, _, contents in built._entries}
+    assert kept["1.0"]["r"] is kept["1.1"]["r"] and kept["1.0"]["seen"] is kept["1.1"]["seen"]
+    assert kept["1.0"]["empty"] is kept["1.1"]["empty"]
+    assert kept["0"]["scaling"] is not kept["1.1"]["scaling"] and kept["0"]["r"] is not kept["1.0"]["r"]
+    assert built.changes() == []
+    model[1][1].r["default"] = 4
+    model[1][0].seen.append(3)
+    assert [(c.module, c.key, c.how) for c in built.changes()] == [("1.0", "seen", "contents"),
+                                                                    ("1.1", "r", "contents")]
+    assert model[1][0].r == {"default": 8} and kept["1.0"]["r"] == {"default": 8}
+
+
 def test_two_builds_of_one_model_share_their_module_path_strings():
     a, b = ModuleState.of_model(_model()), ModuleState.of_model(_model())
-    labels_a = [label for label, _ in a._named]
-    labels_b = [label for label, _ in b._named]
+    labels_a = [h.module for h, _, _ in a._entries]
+    labels_b = [h.module for h, _, _ in b._entries]
     assert labels_a == labels_b == ["(root)", "0", "1", "1.0", "1.1"]
     assert all(x is y for x, y in zip(labels_a, labels_b))
 

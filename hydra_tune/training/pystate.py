@@ -41,11 +41,12 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from .names import shared_name
-from .pystate_values import BIG, CONTAINERS, KeptTensors, contents_of, put_contents, same_contents
+from .pystate_values import BIG, CONTAINERS, KeptTensors, contents_of, put_contents, same_contents, shared_key
 
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _MISSING = object()
+_NO_VALUES: dict = {}  # a kept snapshot's holders with no values share it (never written: values are read only)
 _SCALARS = (int, float, bool, str, type(None))  # values with no contents to compare and no attributes of state
 _NOT_STATE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
               types.BuiltinFunctionType, functools.partial, Dataset)
@@ -183,13 +184,12 @@ class ModuleState:
     """The Python state of some modules at one moment (see the module docstring for what counts)."""
 
     def __init__(self, entries: list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]],
-                 named: list[tuple[str, Any]] | None = None, layout: Any = None,
+                 hooks: dict[tuple[str, str], int] | None = None, layout: Any = None,
                  tensors: KeptTensors | None = None) -> None:
         # (holder, {key: value}, {key: contents} for the values that have any, else None): a task keeps its
         # model's as-built state for its whole life (checkpoint.py), so no per-key tuple is spent on scalars
         self._entries = entries
-        self._named = named or []  # of_model, of_objects: the (label, object) pairs taken
-        self._hooks = _hook_counts(self._named)  # (path, hook dict) -> hooks there then, where any (~90 KiB saved)
+        self._hooks = hooks  # of_model: (path, hook dict) -> hooks there then, where any; else None
         self._layout = layout  # pystate_layout.Layout: the places of state as taken, for a quick ``changed``
         self._tensors = tensors  # of_callables: their tensors' values, put back by ``restore`` too
 
@@ -202,14 +202,15 @@ class ModuleState:
         """The state of every module of ``model``, labelled by its path (``named_modules``; "(root)" for the model
         itself), containers copied whatever their length: what ``changes`` compares a checkpoint's model with."""
         named = [(shared_name(path) if path else "(root)", m) for path, m in model.named_modules()]
-        return cls._take(named, float("inf"), named)
+        # (the pairs are not kept: each module's own holder has its label and the module, ``hooks_changed``)
+        return cls(_entries(_holders(named), float("inf"), kept=True), hooks=_hook_counts(named))
 
     @classmethod
     def of_objects(cls, named: list[tuple[str, Any]], opaque: Iterable[Any] = ()) -> ModuleState:
         """The state of other objects with attributes (a DataLoader's samplers, an optimizer: its attributes
         beyond torch's own), labelled as ``named`` gives them, containers copied whatever their length; objects
         they hold that are in ``opaque`` (a sampler's dataset) are not looked into."""
-        return cls._take(named, float("inf"), named, frozenset(id(o) for o in opaque))
+        return cls(_entries(_holders(named, frozenset(id(o) for o in opaque)), float("inf"), kept=True))
 
     @classmethod
     def of_callables(cls, named: list[tuple[str, Any]]) -> ModuleState:
@@ -233,9 +234,8 @@ class ModuleState:
         return cls(_entries(_holders(objects) + cells, BIG), tensors=KeptTensors.of(named))
 
     @classmethod
-    def _take(cls, named: Iterable[tuple[str, Any]], big: float, keep: list[tuple[str, Any]] | None = None,
-              opaque: frozenset[int] = frozenset()) -> ModuleState:
-        return cls(_entries(_holders(named, opaque), big), keep)
+    def _take(cls, named: Iterable[tuple[str, Any]], big: float) -> ModuleState:
+        return cls(_entries(_holders(named), big))
 
     def _changes(self) -> Iterable[_Diff]:
         """Each entry that differs now: "rebound", "added", "contents" (old contents kept) or "inplace" (a tensor
@@ -259,10 +259,11 @@ class ModuleState:
                 if k not in keys and k not in holder.skip:
                     yield _Diff(holder, k, "added", None)
 
-    def values_by_place(self) -> dict[int, dict[str, Any]]:
-        """Each place's values as taken, by the identity of its mapping (a ``__dict__``; closure cells left out):
-        a Layout reuses those still bound the same (pystate_layout.py), the as-built snapshot being kept anyway."""
-        return {id(h.mapping): values for h, values, _ in self._entries if not isinstance(h.mapping, _Cell)}
+    def places(self) -> dict[int, tuple[_Holder, dict[str, Any]]]:
+        """Each place's holder and values as taken, by the identity of its mapping (a ``__dict__``; closure cells
+        left out): a Layout reuses those still the same (pystate_layout.py), the as-built snapshot being kept
+        anyway."""
+        return {id(h.mapping): (h, values) for h, values, _ in self._entries if not isinstance(h.mapping, _Cell)}
 
     def changed(self) -> bool:
         """Whether anything differs from the snapshot now (taken through a Layout: first by identity, which finds
@@ -300,8 +301,9 @@ class ModuleState:
 
     def hooks_changed(self) -> list[tuple[str, str, int, int]]:
         """(module, hook dict, hooks then, hooks now) wherever hooks were registered or removed since ``of_model``."""
-        then = self._hooks
-        now = {(label, d): len(getattr(m, d, {})) for label, m in self._named for d in _HOOK_DICTS}  # zeros too
+        then = self._hooks or {}
+        modules = [(h.module, h.owner) for h, _, _ in self._entries if not h.prefix and isinstance(h.owner, nn.Module)]
+        now = {(label, d): len(getattr(m, d, {})) for label, m in modules for d in _HOOK_DICTS}  # zeros too
         return [(m, d, then.get((m, d), 0), n) for (m, d), n in now.items() if n != then.get((m, d), 0)]
 
     def put(self, change: Change) -> bool:
@@ -361,13 +363,23 @@ class ModuleState:
             self._tensors.restore()
 
 
-def _entries(holders: list[_Holder], big: float) -> list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]]:
-    """Each holder with its values now and the contents of those that have any (``ModuleState``'s entries)."""
+def _entries(holders: list[_Holder], big: float,
+             kept: bool = False) -> list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]]:
+    """Each holder with its values now and the contents of those that have any (``ModuleState``'s entries).
+    ``kept``: a snapshot kept for long (a task's as-built one): a holder with no values shares one empty dict, and
+    equal contents share one copy (a PEFT LoRA layer's ``{"default": r}`` dicts, a dozen layers alike)."""
     entries = []
+    same: dict[Any, Any] | None = {} if kept else None
     for holder in holders:
         values = dict(_items(holder.mapping, holder.skip))
         contents = {k: c for k, v in values.items()
                     if type(v) not in _SCALARS and (c := contents_of(v, big)) is not None}
+        if same is not None:
+            values = values or _NO_VALUES
+            for k, c in contents.items():
+                key = shared_key(c)
+                if key is not None:
+                    contents[k] = same.setdefault(key, c)
         entries.append((holder, values, contents or None))
     return entries
 

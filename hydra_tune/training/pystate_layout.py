@@ -42,13 +42,16 @@ class Layout:
 
     def __init__(self, modules: list[nn.Module], known: ModuleState | None = None) -> None:
         self._modules = modules  # (the caller's list, not copied)
-        self._holders = _holders((type(m).__name__, m) for m in modules)
-        # per holder: its values then (the same dicts every snapshot of this layout keeps: never changed; one
-        # shared empty dict for the holders with none; ``known``'s own dict where it took the same values: the
-        # task keeps its as-built snapshot for checkpoints) and the keys whose values have contents to take anew
-        # (containers, tensors; () for none)
-        then = known.values_by_place() if known is not None else {}
-        self._values = [_same_or(then.get(id(h.mapping)), dict(_items(h.mapping, h.skip))) for h in self._holders]
+        # per holder (``known``'s own where it found the same place: the task keeps its as-built snapshot for
+        # checkpoints, and a holder's label, the module's path there, is not read from a layout's snapshots): its
+        # values then (the same dicts every snapshot of this layout keeps: never changed; one shared empty dict
+        # for the holders with none; ``known``'s own dict where it took the same values) and the keys whose values
+        # have contents to take anew (containers, tensors; () for none)
+        then = known.places() if known is not None else {}
+        found = [(h, then.get(id(h.mapping))) for h in _holders((type(m).__name__, m) for m in modules)]
+        self._holders = [_same_holder(k[0], h) if k is not None else h for h, k in found]
+        self._values = [_same_or(k and k[1], dict(_items(h.mapping, h.skip))) for h, k in found]
+        del found
         self._content_keys = [tuple(k for k, v in values.items() if isinstance(v, _HAS_CONTENTS))
                               for values in self._values]
         # what ``unchanged`` compares besides the values: each ``__dict__``'s size and owner, the hooks
@@ -79,6 +82,14 @@ class Layout:
             return not any(map(any, map(_HOOK_DICTS_OF, self._modules)))
         now = [getattr(m, d, {}) for m in self._modules for d in _HOOK_DICTS]
         return all(len(d) == len(then) and all(map(_is, d.values(), then)) for d, then in zip(now, self._hooks))
+
+
+def _same_holder(known: Any, found: Any) -> Any:
+    """``known`` (a kept snapshot's holder of the same mapping) when it is ``found`` but for its label, else
+    ``found``."""
+    same = (known.name == found.name and known.prefix == found.prefix and known.skip == found.skip
+            and known.owner is found.owner)
+    return known if same else found
 
 
 def _same_or(then: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]:

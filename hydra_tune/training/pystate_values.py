@@ -43,6 +43,22 @@ def contents_of(value: Any, big: float) -> Any:
     return None
 
 
+def shared_key(kept: Any) -> Any:
+    """What makes two contents copies interchangeable (the same items, compared as ``same_contents`` compares
+    them: lists, deques and dict values by identity, sets and bytes by equality, dict keys by equality and type),
+    hashable; None for anything else (not shared). A snapshot kept for long shares equal copies (pystate.py)."""
+    kind = type(kept)
+    if kind is list or kind is collections.deque:
+        return kind, tuple(map(id, kept))
+    if kind is dict:
+        return kind, tuple((k, type(k), id(v)) for k, v in kept.items())
+    if kind is set:
+        return kind, frozenset(kept)
+    if kind is bytearray:
+        return kind, bytes(kept)
+    return None
+
+
 def same_contents(old: Any, value: Any) -> bool:
     if isinstance(old, GeneratorState):
         return torch.equal(old.state, value.get_state())

@@ -82,7 +82,7 @@ class ShardExec(ShardPythonState, ShardInputs):
         # copied in like buffers, from the runtime's shared pool when pooled (shared_frozen.py)
         self.frozen = {id(p): p for p in self.params if not p.requires_grad}
         self.pool: Any = None                  # the runtime's SharedFrozen, for the keys in ``pooled``
-        self.pooled: set[int] = set()
+        self.pooled: Any = set()  # (a set of ids, or the frozen dict's keys)
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
         self.modules = list({id(m): m for s in self.stages for m in s.module.modules()}.values())
         self.fast = tuple(fast_path_modules(s.module) for s in self.stages)  # each stage's (fastpath.py)
@@ -100,7 +100,9 @@ class ShardExec(ShardPythonState, ShardInputs):
 
     def use_pool(self, pool: Any, keys: set[int]) -> None:
         """Copy the parameters with these ids in from ``pool`` (a SharedFrozen: one device copy for all tasks)."""
-        self.pool, self.pooled = pool, {k for k in keys if k in self.frozen}
+        pooled = {k for k in keys if k in self.frozen}
+        # (all of them, the common case: the frozen dict's keys, not a second table of the same ids)
+        self.pool, self.pooled = pool, self.frozen.keys() if len(pooled) == len(self.frozen) else pooled
 
     def moving(self, device: Device) -> dict[int, torch.Tensor]:
         """What a unit on ``device`` copies in: the parameters and buffers; when resident, the buffers and the
