@@ -33,7 +33,7 @@ def _view(state: ModuleState, labels: bool = True) -> list[tuple]:
     own for a cell), its values by identity and its contents; ``labels=False``: without the module's label (a
     layout that shares a kept snapshot's holders has that snapshot's paths there, read only by ``changes``)."""
     return [(h.name, h.module if labels else None, h.prefix, id(getattr(h.mapping, "cell", h.mapping)),
-             {k: id(v) for k, v in values.items()}, contents) for h, values, contents in state._entries]
+             {k: id(v) for k, v in values.items()}, contents) for h, values, contents in state.entries()]
 
 
 def _mutations(model: nn.Sequential):
@@ -106,10 +106,10 @@ def test_a_layout_shares_the_values_of_a_kept_snapshot_where_they_are_unchanged(
     reused = snaps.take()
     places = known.places().values()
     shared, holders = {id(v) for _, v in places}, {id(h) for h, _ in places}
-    by_name = {h.name: values for h, values, _ in reused._entries}
+    by_name = {h.name: values for h, values, _ in reused.entries()}
     assert id(by_name["Block.schedule"]) in shared and id(by_name["Linear"]) in shared
     assert id(by_name["Block"]) not in shared and by_name["Block"]["calls"] == 5
-    assert all(id(h) in holders for h, _, _ in reused._entries)  # (a layout's own holders: ~100 bytes a place)
+    assert all(id(h) in holders for h, _, _ in reused.entries())  # (a layout's own holders: ~100 bytes a place)
     assert _view(reused, labels=False) == _view(ModuleState.take(modules), labels=False)
 
 

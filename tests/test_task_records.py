@@ -53,7 +53,7 @@ def test_a_kept_snapshot_shares_equal_contents_and_still_tells_each_place_change
     model[0].r = {"default": 8.5}
     model[1][1].scaling, model[0].scaling = {"default": float("2.0")}, {"default": float("2.0")}
     built = ModuleState.of_model(model)
-    kept = {h.module: contents for h, _, contents in built._entries}
+    kept = {h.module: contents for h, _, contents in built.entries()}
     assert kept["1.0"]["r"] is kept["1.1"]["r"] and kept["1.0"]["seen"] is kept["1.1"]["seen"]
     assert kept["1.0"]["empty"] is kept["1.1"]["empty"]
     assert kept["0"]["scaling"] is not kept["1.1"]["scaling"] and kept["0"]["r"] is not kept["1.0"]["r"]
@@ -67,8 +67,8 @@ def test_a_kept_snapshot_shares_equal_contents_and_still_tells_each_place_change
 
 def test_two_builds_of_one_model_share_their_module_path_strings():
     a, b = ModuleState.of_model(_model()), ModuleState.of_model(_model())
-    labels_a = [h.module for h, _, _ in a._entries]
-    labels_b = [h.module for h, _, _ in b._entries]
+    labels_a = [h.module for h, _, _ in a.entries()]
+    labels_b = [h.module for h, _, _ in b.entries()]
     assert labels_a == labels_b == ["(root)", "0", "1", "1.0", "1.1"]
     assert all(x is y for x, y in zip(labels_a, labels_b))
 

@@ -183,12 +183,13 @@ class Change:
 class ModuleState:
     """The Python state of some modules at one moment (see the module docstring for what counts)."""
 
-    def __init__(self, entries: list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]],
+    def __init__(self, entries: tuple[list[_Holder], list[dict[str, Any]], list[dict[str, Any] | None]],
                  hooks: dict[tuple[str, str], int] | None = None, layout: Any = None,
                  tensors: KeptTensors | None = None) -> None:
-        # (holder, {key: value}, {key: contents} for the values that have any, else None): a task keeps its
-        # model's as-built state for its whole life (checkpoint.py), so no per-key tuple is spent on scalars
-        self._entries = entries
+        # three lists, not a tuple per place: holders, their {key: value}, and {key: contents} for the values
+        # that have any, else None. A task keeps its model's as-built state for its whole life (checkpoint.py),
+        # so no per-key tuple is spent on scalars; a Layout's snapshots reuse its own holder and value lists.
+        self._holders, self._values, self._contents = entries
         self._hooks = hooks  # of_model: (path, hook dict) -> hooks there then, where any; else None
         self._layout = layout  # pystate_layout.Layout: the places of state as taken, for a quick ``changed``
         self._tensors = tensors  # of_callables: their tensors' values, put back by ``restore`` too
@@ -240,7 +241,7 @@ class ModuleState:
     def _changes(self) -> Iterable[_Diff]:
         """Each entry that differs now: "rebound", "added", "contents" (old contents kept) or "inplace" (a tensor
         changed in place, or a big container: the old contents are gone)."""
-        for holder, keys, kept in self._entries:
+        for holder, keys, kept in zip(self._holders, self._values, self._contents):
             mapping = holder.mapping
             for k, value in keys.items():
                 now = mapping.get(k, _MISSING)
@@ -263,7 +264,12 @@ class ModuleState:
         """Each place's holder and values as taken, by the identity of its mapping (a ``__dict__``; closure cells
         left out): a Layout reuses those still the same (pystate_layout.py), the as-built snapshot being kept
         anyway."""
-        return {id(h.mapping): (h, values) for h, values, _ in self._entries if not isinstance(h.mapping, _Cell)}
+        return {id(h.mapping): (h, values) for h, values in zip(self._holders, self._values)
+                if not isinstance(h.mapping, _Cell)}
+
+    def entries(self) -> list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]]:
+        """(holder, values, contents or None) of each place, as taken."""
+        return list(zip(self._holders, self._values, self._contents))
 
     def changed(self) -> bool:
         """Whether anything differs from the snapshot now (taken through a Layout: first by identity, which finds
@@ -273,7 +279,8 @@ class ModuleState:
         return next(iter(self._changes()), None) is not None
 
     def _contents_unchanged(self) -> bool:
-        return all(same_contents(c, values[k]) for _, values, kept in self._entries if kept for k, c in kept.items())
+        return all(same_contents(c, values[k]) for values, kept in zip(self._values, self._contents) if kept
+                   for k, c in kept.items())
 
     def changed_names(self) -> list[str]:
         """``Holder.attr`` of every attribute that differs now from the snapshot, sorted."""
@@ -302,7 +309,7 @@ class ModuleState:
     def hooks_changed(self) -> list[tuple[str, str, int, int]]:
         """(module, hook dict, hooks then, hooks now) wherever hooks were registered or removed since ``of_model``."""
         then = self._hooks or {}
-        modules = [(h.module, h.owner) for h, _, _ in self._entries if not h.prefix and isinstance(h.owner, nn.Module)]
+        modules = [(h.module, h.owner) for h in self._holders if not h.prefix and isinstance(h.owner, nn.Module)]
         now = {(label, d): len(getattr(m, d, {})) for label, m in modules for d in _HOOK_DICTS}  # zeros too
         return [(m, d, then.get((m, d), 0), n) for (m, d), n in now.items() if n != then.get((m, d), 0)]
 
@@ -310,7 +317,7 @@ class ModuleState:
         """Make ``change`` here (this state's modules are another build of the model it was taken from): a
         container or tensor changed in place is given its contents in place (references to it stay valid), any
         other value is bound. False: no such place here."""
-        holder = next((h for h, _, _ in self._entries if (h.module, h.prefix) == (change.module, change.holder)
+        holder = next((h for h in self._holders if (h.module, h.prefix) == (change.module, change.holder)
                        and change.key not in h.skip
                        and (not isinstance(h.mapping, _Cell) or h.mapping.var == change.key)),
                       None)
@@ -339,7 +346,7 @@ class ModuleState:
         by ``to_host(tensor)``: between units the model holds host tensors only, as a model trained on the CPU
         does, and nothing stays on a device outside its plan. A tensor held anywhere in the snapshot already
         (one attribute assigned another) stays as it is; parameters too."""
-        known = {id(v) for _, keys, _ in self._entries for v in keys.values()}
+        known = {id(v) for keys in self._values for v in keys.values()}
         for d in list(self._changes()):
             if d.how in ("rebound", "added"):
                 now = d.holder.mapping.get(d.key, _MISSING)
@@ -364,11 +371,12 @@ class ModuleState:
 
 
 def _entries(holders: list[_Holder], big: float,
-             kept: bool = False) -> list[tuple[_Holder, dict[str, Any], dict[str, Any] | None]]:
+             kept: bool = False) -> tuple[list[_Holder], list[dict[str, Any]], list[dict[str, Any] | None]]:
     """Each holder with its values now and the contents of those that have any (``ModuleState``'s entries).
     ``kept``: a snapshot kept for long (a task's as-built one): a holder with no values shares one empty dict, and
     equal contents share one copy (a PEFT LoRA layer's ``{"default": r}`` dicts, a dozen layers alike)."""
-    entries = []
+    all_values: list[dict[str, Any]] = []
+    kept_contents: list[dict[str, Any] | None] = []
     same: dict[Any, Any] | None = {} if kept else None
     for holder in holders:
         values = dict(_items(holder.mapping, holder.skip))
@@ -380,8 +388,9 @@ def _entries(holders: list[_Holder], big: float,
                 key = shared_key(c)
                 if key is not None:
                     contents[k] = same.setdefault(key, c)
-        entries.append((holder, values, contents or None))
-    return entries
+        all_values.append(values)
+        kept_contents.append(contents or None)
+    return holders, all_values, kept_contents
 
 
 def _hook_counts(named: Iterable[tuple[str, Any]]) -> dict[tuple[str, str], int]:

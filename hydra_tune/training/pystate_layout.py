@@ -61,11 +61,9 @@ class Layout:
 
     def take(self) -> ModuleState:
         """A snapshot now (the caller checked ``unchanged``)."""
-        entries = []
-        for holder, values, keys in zip(self._holders, self._values, self._content_keys):
-            contents = {k: c for k in keys if (c := contents_of(values[k], BIG)) is not None} if keys else None
-            entries.append((holder, values, contents or None))
-        return ModuleState(entries, layout=self)
+        contents = [({k: c for k in keys if (c := contents_of(values[k], BIG)) is not None} or None) if keys else None
+                    for values, keys in zip(self._values, self._content_keys)]
+        return ModuleState((self._holders, self._values, contents), layout=self)  # (lists never written)
 
     def unchanged(self) -> bool:
         """Whether every place of state still holds what this layout found there (see the module docstring)."""

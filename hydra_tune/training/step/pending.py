@@ -80,7 +80,8 @@ class PendingStep:
         self.max_norm, self.norm_type = max_norm, float(norm_type)
         self.error_if_nonfinite, self.foreach = error_if_nonfinite, foreach
         self.amp = ScalerStep(scaler, optimizer, clipping=max_norm is not None)
-        self._position = {id(p): i for i, p in enumerate(params)}  # model-parameter order, for the norms
+        # model-parameter order, for the norms: only a clipping step reads it (a task keeps this for its life)
+        self._position = {id(p): i for i, p in enumerate(params)} if max_norm is not None else {}
         self._owned, self._stepped = self._partition(optimizer, shards, params)
         self._snap: StepSnapshot | None = None
         self._flags: dict[int, list[torch.Tensor]] = {}
