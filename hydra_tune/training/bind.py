@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from .names import shared_name
+from .names import shared_name, shared_names
 
 # owner module, "_parameters" or "_buffers", attribute, the key of its tensor in ``copies``, the names reaching it
 # (flat: a task keeps one per parameter and buffer for its life)
@@ -55,7 +55,9 @@ class Bound:
             if entry[3] != key:  # one slot given two tensors: cannot be; functional_call decides
                 return None
             entry[4].append(name)
-        return [(owner, table, attr, key, tuple(names)) for owner, table, attr, key, names in slots.values()]
+        # (each slot's names: one tuple object for every task of the architecture, names.py)
+        return [(owner, table, attr, key, shared_names(tuple(names)))
+                for owner, table, attr, key, names in slots.values()]
 
     def call(self, carry: Any, copies: dict[int, torch.Tensor]) -> tuple[Any, dict[str, Any]]:
         """The module's forward on ``carry`` with the bound tensors; and what each name's slot held after it."""

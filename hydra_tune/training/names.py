@@ -15,7 +15,7 @@ from __future__ import annotations
 
 MAX_NAMES = 16_384   # ~1.5 MiB of typical paths at most, for every architecture a process sees
 
-_NAMES: dict[str, str] = {}
+_NAMES: dict = {}  # str -> str, and tuple of str -> tuple (shared_names)
 
 
 def shared_name(name: str) -> str:
@@ -23,3 +23,9 @@ def shared_name(name: str) -> str:
     if len(_NAMES) >= MAX_NAMES:
         _NAMES.clear()
     return _NAMES.setdefault(name, name)
+
+
+def shared_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` (a tuple of names), or an equal tuple an earlier call returned: a task keeps one per parameter
+    slot (bind.py), most of them ``(name,)``, alike in every trial of an architecture."""
+    return shared_name(names)  # type: ignore[arg-type]  (a tuple of strings: hashable, compared by value)
