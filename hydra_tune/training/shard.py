@@ -69,18 +69,22 @@ class ShardExec(ShardPythonState, ShardInputs):
         self.autocast = autocast  # bf16/fp16 mixed precision: forwards (and the loss) run under torch.autocast
         self.names = tuple(s.name for s in stages)
         tensors: dict[int, torch.Tensor] = {}
+        keys: dict[int, int] = {}  # one int object per tensor's id, which the records below share (they stay)
         self._bound: list[Bound] = []
         for stage in self.stages:
             named = list(stage.module.named_parameters(remove_duplicate=False))
             named += list(stage.module.named_buffers(remove_duplicate=False))
-            self._bound.append(Bound(stage.module, [(shared_name(name), id(t)) for name, t in named]))
-            for _, t in named:
-                tensors[id(t)] = t
+            binding = []
+            for name, t in named:
+                key = keys.setdefault(id(t), id(t))
+                binding.append((shared_name(name), key))
+                tensors[key] = t
+            self._bound.append(Bound(stage.module, binding))
         self.tensors = tensors
         self.params = [t for t in tensors.values() if isinstance(t, nn.Parameter)]
         # frozen parameters are no part of a resident task's state (no gradient, no optimizer state): they are
         # copied in like buffers, from the runtime's shared pool when pooled (shared_frozen.py)
-        self.frozen = {id(p): p for p in self.params if not p.requires_grad}
+        self.frozen = {k: t for k, t in tensors.items() if isinstance(t, nn.Parameter) and not t.requires_grad}
         self.pool: Any = None                  # the runtime's SharedFrozen, for the keys in ``pooled``
         self.pooled: Any = set()  # (a set of ids, or the frozen dict's keys)
         self.buffers = {k: t for k, t in tensors.items() if not isinstance(t, nn.Parameter)}
