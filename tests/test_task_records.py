@@ -86,6 +86,27 @@ def test_shared_name_returns_an_equal_string_and_its_table_stays_bounded(monkeyp
         assert len(names._NAMES) <= 3
 
 
+def test_two_builds_bind_their_parameters_through_shared_name_tuples_and_one_id_object_per_tensor():
+    """A shard's binding of each parameter slot holds its names as one tuple object for every build of the
+    architecture, and the shard's records hold one int object per tensor's id (not one per id() call)."""
+    from hydra_tune.stages import Stage
+    from hydra_tune.training.shard import ShardExec
+
+    def shard() -> ShardExec:
+        model = _model()
+        model[1][1].weight.requires_grad_(False)
+        return ShardExec(0, [Stage("a", model[0]), Stage("b", model[1])])
+
+    a, b = shard(), shard()
+    slots_a = [slot for bound in a._bound for slot in bound._slots]
+    slots_b = [slot for bound in b._bound for slot in bound._slots]
+    assert [s[4] for s in slots_a] == [("weight",), ("bias",), ("1.weight",), ("1.bias",)]
+    assert all(x[4] is y[4] for x, y in zip(slots_a, slots_b))
+    tensor_keys = {id(k): k for k in a.tensors}
+    assert all(tensor_keys[id(key)] is key for bound in a._bound for _, key in bound.binding)
+    assert all(any(k is f for f in a.tensors) for k in a.frozen) and len(a.frozen) == 1
+
+
 def test_the_account_forgets_a_freed_storage_and_not_a_later_one_at_its_key():
     """A storage's weak reference carries its key and bytes: freed, it leaves the account; a forgotten one
     (resize_) is not subtracted twice when it is freed later."""
