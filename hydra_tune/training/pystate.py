@@ -308,8 +308,11 @@ class ModuleState:
         return out
 
     def hooks_changed(self) -> list[tuple[str, str, int, int]]:
-        """(module, hook dict, hooks then, hooks now) wherever hooks were registered or removed since ``of_model``."""
-        then = self._hooks or {}
+        """(module, hook dict, hooks then, hooks now) wherever hooks were registered or removed since ``of_model``
+        (only a snapshot ``of_model`` took counts them: [] for any other)."""
+        then = self._hooks
+        if then is None:
+            return []
         modules = [(h.module, h.owner) for h in self._holders if not h.prefix and isinstance(h.owner, nn.Module)]
         now = {(label, d): len(getattr(m, d, {})) for label, m in modules for d in _HOOK_DICTS}  # zeros too
         return [(m, d, then.get((m, d), 0), n) for (m, d), n in now.items() if n != then.get((m, d), 0)]
