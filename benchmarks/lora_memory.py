@@ -14,18 +14,18 @@ Each configuration runs in its own interpreter (a fresh RSS): "shared" (the defa
 pooled, training/shared_frozen.py), "unshared" (RuntimeConfig(share_frozen=False)) and "plain" (the same trials
 as plain PEFT loops, two at a time in two threads: what 2 CPU devices would run without hydra_tune).
 
-Memory (one run each; the shared configuration ``--memory-runs`` times, 3 by default, its median run reported:
-an RSS reading moves by a MiB or two from run to run): every trial's second batch waits until all N are built and
-have stepped once, so the RSS is read with all N alive; reported above the interpreter's baseline (torch, transformers and the tokenised
-data loaded) and above a warmed one, read after one plain PEFT step of a tiny BERT (let go), so that the library
-code pages any training step first touches are in it (not hydra_tune's runtime: its fixed costs stay in both):
+Memory (one run each; the shared configuration ``--memory-runs`` times, 3 by default, its median run reported: an RSS
+reading moves by a MiB or two from run to run): every trial's second batch waits until all N are built and have
+stepped once, so the RSS is read with all N alive; reported above the interpreter's baseline (torch, transformers and
+the tokenised data loaded) and above a warmed one, read after one plain PEFT step of a tiny BERT (let go), so that the
+library code pages any training step first touches are in it (not hydra_tune's runtime: its fixed costs stay in both):
 RSS with N alive, the peak over the run, the runtime's admitted bytes, the pool's bytes and what the CPU stand-ins
 hold by their own accounting (host memory here, device memory on a GPU): the base's kept device copy and the trials'
-state kept resident on the devices; host memory is the RSS less what they hold. The goal line is the issue's: base
-+ N x adapter state + 10%, the adapter state measured per trial (its trainable parameters, their gradients and
-its optimizer's state, as the runtime measured them). Also: base bytes copied onto each device, and per minibatch
-per device after warm-up (copies of a pooled tensor onto a device that had it before), and what finding equal
-weights costs at submit (seconds per GB for the first and a later trial, vs a full hash).
+state kept resident on the devices; host memory is the RSS less what they hold. The goal line is the issue's: base + N
+x adapter state + 10%, the adapter state measured per trial (its trainable parameters, their gradients and its
+optimizer's state, as the runtime measured them). Also: base bytes copied onto each device, and per minibatch per
+device after warm-up (copies of a pooled tensor onto a device that had it before), and what finding equal weights
+costs at submit (seconds per GB for the first and a later trial, vs a full hash).
 
 Throughput (``--runs`` runs, medians): wall time of the N trials ungated, shared vs plain; the machine's load
 average is printed next to it (other work on the machine slows both sides unevenly).
