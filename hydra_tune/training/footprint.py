@@ -72,9 +72,9 @@ TASK_OVERHEAD = 4 << 20
 TASK_BASE = 256 << 10
 #: Per module of its model: the module's own objects (its dicts, attributes, hooks) and the runtime's records
 #: for it (bound calls, captured Python state, dispatch entries, the shard's snapshot layout: ~50 bytes a module,
-#: its holders and values being the as-built snapshot's, training/pystate_layout.py). Measured with tracemalloc in a runtime (the README's "LoRA and frozen weights"
-#: has the figures): what a MiniLM LoRA trial (248 modules, 133 tensors) holds and a tiny LoRA BERT's peak
-#: (tests/test_peft_shared_memory.py), each under its allowance.
+#: its holders and values being the as-built snapshot's, training/pystate_layout.py). Measured with tracemalloc in
+#: a runtime (the README's "LoRA and frozen weights" has the figures): what a MiniLM LoRA trial (248 modules, 133
+#: tensors) holds and a tiny LoRA BERT's peak (tests/test_peft_shared_memory.py), each under its allowance.
 MODULE_BYTES = (3 << 10) + 160
 #: Per parameter and buffer: the tensor objects and the records kept per tensor (versions, pool entries).
 TENSOR_BYTES = 1 << 10
