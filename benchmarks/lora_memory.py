@@ -315,11 +315,15 @@ def _median(xs: list) -> float:
     return statistics.median(xs)
 
 
+def _held(run: dict) -> int:
+    """What the CPU stand-in devices hold with N alive by their own accounting (device memory on a GPU)."""
+    copy = run["pool_alive"].get("host_copy_bytes", 0)
+    return max(run.get("device_bytes_alive", copy), copy)
+
+
 def _host(run: dict) -> int:
-    """Host memory with N alive: the RSS less what the CPU stand-in devices hold by their own accounting (device
-    memory on a GPU), above the warmed baseline."""
-    held = max(run.get("device_bytes_alive", 0), run["pool_alive"].get("host_copy_bytes", 0))
-    return run["rss_alive"] - held - run["warm_up_bytes"]
+    """Host memory with N alive: the RSS less what the devices hold (``_held``), above the warmed baseline."""
+    return run["rss_alive"] - _held(run) - run["warm_up_bytes"]
 
 
 def _median_run(memory_runs: list) -> dict:
@@ -348,7 +352,7 @@ def report(runs: dict, path: str | None) -> int:
     print(f"  runtime accounting: admitted {admitted / mib:.1f} MiB (pool {pool['shared_bytes'] / mib:.1f} + trials "
           f"{(admitted - pool['shared_bytes']) / mib:.1f}): {'met' if admitted <= goal else 'missed'}")
     copy, warm = pool.get("host_copy_bytes", 0), sh["warm_up_bytes"]
-    held = max(sh.get("device_bytes_alive", copy), copy)
+    held = _held(sh)
     host = sh["rss_alive"] - held
     print(f"  RSS with {n} alive {sh['rss_alive'] / mib:.1f} MiB, of which the CPU stand-in devices hold "
           f"{held / mib:.1f} MiB (device memory on a GPU, by their accounting: the base's kept copy {copy / mib:.1f} "

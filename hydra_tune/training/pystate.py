@@ -46,7 +46,7 @@ from .pystate_values import BIG, CONTAINERS, KeptTensors, contents_of, put_conte
 _TORCH_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping of every module, and ``training``
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _MISSING = object()
-_NO_VALUES: dict = {}  # a kept snapshot's holders with no values share it (never written: values are read only)
+NO_VALUES: dict = {}  # places with no values share it (kept snapshots, layouts; never written: values are read only)
 _SCALARS = (int, float, bool, str, type(None))  # values with no contents to compare and no attributes of state
 _NOT_STATE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
               types.BuiltinFunctionType, functools.partial, Dataset)
@@ -197,7 +197,7 @@ class ModuleState:
 
     @classmethod
     def take(cls, modules: Iterable[nn.Module]) -> ModuleState:
-        return cls._take(((type(m).__name__, m) for m in modules), BIG)
+        return cls(_entries(_holders((type(m).__name__, m) for m in modules), BIG))
 
     @classmethod
     def of_model(cls, model: nn.Module) -> ModuleState:
@@ -234,10 +234,6 @@ class ModuleState:
                 cells += [_Holder(f"{label} closure", label, "", _Cell(cell, var), frozenset())
                           for var, cell in zip(code.__code__.co_freevars, code.__closure__ or ())]
         return cls(_entries(_holders(objects) + cells, BIG), tensors=KeptTensors.of(named))
-
-    @classmethod
-    def _take(cls, named: Iterable[tuple[str, Any]], big: float) -> ModuleState:
-        return cls(_entries(_holders(named), big))
 
     def _changes(self) -> Iterable[_Diff]:
         """Each entry that differs now: "rebound", "added", "contents" (old contents kept) or "inplace" (a tensor
@@ -387,7 +383,7 @@ def _entries(holders: list[_Holder], big: float,
         contents = {k: c for k, v in values.items()
                     if type(v) not in _SCALARS and (c := contents_of(v, big)) is not None}
         if same is not None:
-            values = values or _NO_VALUES
+            values = values or NO_VALUES
             for k, c in contents.items():
                 key = shared_key(c)
                 if key is not None:

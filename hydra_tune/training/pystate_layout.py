@@ -28,12 +28,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .pystate import _HOOK_DICTS, _MISSING, ModuleState, _Cell, _holders, _items
+from .pystate import _HOOK_DICTS, _MISSING, NO_VALUES, ModuleState, _Cell, _holders, _items
 from .pystate_values import BIG, CONTAINERS, contents_of
 
 _is = operator.is_
 _HOOK_DICTS_OF = operator.attrgetter(*_HOOK_DICTS)  # a module's hook dicts, as a tuple
-_EMPTY: dict = {}  # never written: a snapshot's values are read only
 _HAS_CONTENTS = (torch.Tensor, torch.Generator, *CONTAINERS)  # the values pystate._contents takes anything of
 
 
@@ -51,7 +50,6 @@ class Layout:
         found = [(h, then.get(id(h.mapping))) for h in _holders((type(m).__name__, m) for m in modules)]
         self._holders = [_same_holder(k[0], h) if k is not None else h for h, k in found]
         self._values = [_same_or(k and k[1], dict(_items(h.mapping, h.skip))) for h, k in found]
-        del found
         self._content_keys = [tuple(k for k, v in values.items() if isinstance(v, _HAS_CONTENTS))
                               for values in self._values]
         # what ``unchanged`` compares besides the values: each ``__dict__``'s size and owner, the hooks
@@ -91,10 +89,11 @@ def _same_holder(known: Any, found: Any) -> Any:
 
 
 def _same_or(then: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]:
-    """``then`` when it holds the same keys bound to the same objects as ``now``, else ``now`` (``_EMPTY`` for none)."""
+    """``then`` when it holds the same keys bound to the same objects as ``now``, else ``now`` (``NO_VALUES`` for
+    none)."""
     if then is not None and then.keys() == now.keys() and all(map(_is, map(then.get, now), now.values())):
         return then
-    return now or _EMPTY
+    return now or NO_VALUES
 
 
 # A shard whose places of state changed at two takes in a row (a forward that rebinds an attribute every time)

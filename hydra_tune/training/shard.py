@@ -104,9 +104,9 @@ class ShardExec(ShardPythonState, ShardInputs):
 
     def use_pool(self, pool: Any, keys: set[int]) -> None:
         """Copy the parameters with these ids in from ``pool`` (a SharedFrozen: one device copy for all tasks)."""
-        pooled = {k for k in keys if k in self.frozen}
         # (all of them, the common case: the frozen dict's keys, not a second table of the same ids)
-        self.pool, self.pooled = pool, self.frozen.keys() if len(pooled) == len(self.frozen) else pooled
+        frozen = self.frozen.keys()
+        self.pool, self.pooled = pool, frozen if frozen <= keys else {k for k in keys if k in self.frozen}
 
     def moving(self, device: Device) -> dict[int, torch.Tensor]:
         """What a unit on ``device`` copies in: the parameters and buffers; when resident, the buffers and the
