@@ -105,10 +105,12 @@ def test_a_task_that_draws_where_its_class_did_not_is_rerun_exactly(measured: co
     assert measured["second"] >= 1, measured  # by its own name once its class's record no longer held
 
 
-def test_two_devices_each_measure_a_class_once(measured: collections.Counter) -> None:
+def test_two_devices_measure_a_class_once_between_them(measured: collections.Counter) -> None:
+    # a runtime's CPU devices share what they counted (device/measured.py): a train and an eval segment in all, where
+    # each device used to count both (4); a device that starts a segment the other is counting runs it guarded
     tasks = [_task(f"t{i}", seed=i) for i in range(6)]
     _exact(tasks, _run(tasks, devices=2))
-    assert sum(measured.values()) <= 4, measured  # a train and an eval segment per device at most
+    assert sum(measured.values()) == 2, measured
 
 
 def test_prepared_loops_of_one_architecture_are_measured_once(measured: collections.Counter) -> None:

@@ -200,6 +200,27 @@ def test_one_module_in_two_running_tasks_is_rejected():
         h.cancel()
 
 
+def test_a_module_a_running_task_trains_is_rejected_before_it_is_built(monkeypatch):
+    # the build measures the module (forward, backward, its gradients put back) while the running task's thread steps
+    # it: the check at admission came after that, and the race once aborted the process (`Fatal Python error`)
+    from hydra_tune.training.state import TaskState
+
+    builds = []
+    real = TaskState.build.__func__
+
+    def build(cls, task, *args, **kwargs):
+        builds.append(task.name)
+        return real(cls, task, *args, **kwargs)
+    monkeypatch.setattr(TaskState, "build", classmethod(build))
+    shared = _mlp()
+    with ht.Runtime(devices=["cpu"]) as rt:
+        h = rt.submit(ht.ModelTask(shared, _sgd, _data(50), loss=_mse, epochs=20, name="first"))
+        with pytest.raises(ValueError, match=r"each running task trains its own model object"):
+            rt.submit(ht.ModelTask(shared, _sgd, _data(2), loss=_mse, name="second"))
+        h.cancel()
+    assert builds == ["first"]
+
+
 def test_model_factory_error_names_the_factory():
     def broken():
         raise KeyError("n_layer")

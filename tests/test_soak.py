@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hydra_tune as ht
-from hydra_tune.device import devices
+from hydra_tune.device import measured
 from hydra_tune.errors import RuntimeClosed, TaskCancelled
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -170,22 +170,24 @@ def test_what_the_device_learned_of_an_ended_task_goes_with_it():
         rt.submit(_task(refs, "same", batches=2, epochs=1)).result(timeout=60)
         assert first > 0 and device.peak_bytes() > 0  # 0: its segments ran unmeasured
         soak.quiesce(rt)
-        assert not [who for who in device._measured if isinstance(who, str)], device._measured
-        assert not [who for who in device._unrouted if isinstance(who, str)], device._unrouted
-        assert len(device._measured) <= devices.MEASURED_CLASSES
+        records = device.records
+        assert not [who for who in records.begun if isinstance(who, str)], records.begun
+        assert not [who for who in records.unrouted if isinstance(who, str)], records.unrouted
+        assert len(records.begun) <= measured.MEASURED_CLASSES
 
 
 def test_a_device_remembers_the_latest_classes_only(monkeypatch):
     """The classes of equal tasks a CPU device measured outlive their tasks (a search's later trials share them), up
     to MEASURED_CLASSES of them, the latest: a runtime that saw many architectures does not grow without bound."""
-    monkeypatch.setattr(devices, "MEASURED_CLASSES", 2)
+    monkeypatch.setattr(measured, "MEASURED_CLASSES", 2)
     refs: list = []
     with ht.Runtime(devices=["cpu"], device_memory=None) as rt:
         device = rt.devices[0]
         for width in (4, 5, 6):
             rt.submit(_task(refs, f"w{width}", batches=2, epochs=1, width=width)).result(timeout=60)
         soak.quiesce(rt)
-        assert len(device._measured) == 2 and all(not isinstance(who, str) for who in device._measured)
+        begun = device.records.begun
+        assert len(begun) == 2 and all(not isinstance(who, str) for who in begun)
 
 
 def test_short_soak_returns_to_baseline(tmp_path):

@@ -4,6 +4,7 @@
     with UnitMode(generator, account): x = torch.ones(1024)     # device/dispatch.py counts each new storage
     account.current, account.peak                               # 4096, 4096 while x lives; 0, 4096 after
     account.track_many(storages)                                # storages made elsewhere (a step's), counted too
+    start = account.window(); ...; account.high - start         # the most bytes a stretch added above its start
 
 Rules: a storage counts from its creation (or ``track``) until it is freed (a weak reference's callback) or
 ``forget``; ``limit`` (test-only, CpuDevice.limit_memory) makes an allocation past it raise
@@ -39,6 +40,7 @@ class MemoryAccount:
         self._live: dict[int, _Tracked] = {}  # storage identity -> a weak reference to it, with its bytes
         self.current = 0
         self.peak = 0
+        self.high = 0  # the most bytes since the latest ``window()``
         self.limit: int | None = None  # test-only: exceeding it raises torch.OutOfMemoryError (CpuDevice)
 
     # Storages are keyed by their StorageImpl (``_cdata``), not their data pointer: that identity survives
@@ -62,6 +64,7 @@ class MemoryAccount:
             ref.key, ref.nbytes = key, nbytes
             self.current += nbytes
             self.peak = max(self.peak, self.current)
+            self.high = max(self.high, self.current)
 
     def track_many(self, storages: list[torch.UntypedStorage]) -> None:
         """``track(s, enforce=False)`` for each of ``storages`` under one lock (those known already cost a lookup)."""
@@ -78,6 +81,7 @@ class MemoryAccount:
                 ref.key, ref.nbytes = key, nbytes
                 self.current += nbytes
             self.peak = max(self.peak, self.current)
+            self.high = max(self.high, self.current)
 
     def forget(self, storage: torch.UntypedStorage) -> None:
         """Stop counting ``storage`` (its bytes are about to be freed by ``resize_(0)``)."""
@@ -91,6 +95,18 @@ class MemoryAccount:
             if self._live.get(ref.key) is ref:  # the key may have been reused since: only this storage's
                 del self._live[ref.key]
                 self.current -= ref.nbytes
+
+    def window(self) -> int:
+        """Start ``high`` again from the current bytes, which it returns (a counted segment's own peak above them:
+        device/measured.py)."""
+        with self._lock:
+            self.high = self.current
+            return self.current
+
+    def note(self, nbytes: int) -> None:
+        """A peak of ``nbytes`` reached while nothing counted it (a segment counted on another device)."""
+        with self._lock:
+            self.peak = max(self.peak, nbytes)
 
     def reset_peak(self) -> int:
         """Restart peak tracking from the current bytes; return the old peak."""

@@ -15,15 +15,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import rule_error
+from . import dispatch
 from .dispatch import MemoryAccount, UnitMode, router_for
 from .draws import ROUTED, OutermostCall
+from .measured import COUNT, KNOWN, PENDING, Measurements
 from .offload import releases_graphs
 from .quiet import QuietUnits, UnroutedDraw
 from .rng import TaskRNG
@@ -31,9 +32,6 @@ from .seeding import seeding_to
 from .streams import CudaCopier, HostCopier, make_copier
 
 _NULL = contextlib.nullcontext()  # (reusable)
-# classes of equal tasks (training/measure_class.py) whose measured segments a CPU device remembers (the latest
-# counted)
-MEASURED_CLASSES = 64
 
 
 class Device:
@@ -138,6 +136,9 @@ class Device:
         for ``task``; the caller sets ``measuring`` to the answer. CUDA measures itself: never."""
         return False
 
+    def segment_done(self) -> None:
+        """The segment ``measure`` was last asked about ran whole on this device (what it counted holds now)."""
+
     def shares(self, key: Any, task: str) -> bool:
         """Whether ``task`` may run segment ``key`` of its class of equal tasks (training/measure_class.py) as the
         class measured it here. Never: a device that measures nothing (CUDA) keeps its records by task."""
@@ -201,19 +202,20 @@ class Device:
 class CpuDevice(Device):
     """A CPU stand-in for a GPU: its memory is whatever its units allocate, counted by a MemoryAccount."""
 
-    def __init__(self, name: str, budget: int | None) -> None:
+    def __init__(self, name: str, budget: int | None, records: Measurements | None = None) -> None:
         super().__init__(name, torch.device("cpu"), budget)
         self.account = MemoryAccount()
         self.copier = make_copier(self.torch_device, self.account)
         self._scratch = torch.Generator()
         self.measuring = True
-        self._measured: dict[Any, set[Any]] = {}  # task -> the segment keys measured
-        self._unrouted: set[Any] = set()
-        self._classes: OrderedDict[Any, None] = OrderedDict()  # the classes measured, the latest last
-        self._owners: dict[Any, str] = {}  # a class's segment key -> the task it was first counted for
+        # what counting segments taught, shared by the runtime's CPU stand-ins (measured.py; resolve.py makes one)
+        self.records = records if records is not None else Measurements()
+        self._again: set[Any] = set()  # keys this device counts itself next (a guarded PENDING unit drew)
         self._task: Any = None
         self._key: Any = None
-        self.quiet = QuietUnits()  # segment keys measured to draw nothing: run with no router (quiet.py)
+        self._pending = False  # the segment running is counted on another device now (measured.py PENDING)
+        self._counting: tuple[Any, int] | None = None  # the key this device counts now, and its bytes then
+        self.quiet = QuietUnits(self.records)  # segment keys measured to draw nothing: run with no router (quiet.py)
 
     def limit_memory(self, nbytes: int | None) -> None:
         """Test-only: an allocation that would take this device's accounted bytes past ``nbytes`` raises
@@ -222,58 +224,65 @@ class CpuDevice(Device):
         self.account.limit = nbytes
 
     def would_measure(self, key: Any) -> bool:
-        task = key[0] if isinstance(key, tuple) else key
-        return (key not in self._measured.get(task, ()) or task in self._unrouted
-                or self.account.limit is not None)
+        return self._verdict(key) == COUNT
+
+    def _verdict(self, key: Any) -> str:
+        verdict = self.records.verdict(key, self._again, self.account.limit is not None)
+        # a PENDING unit is guarded by the global generator's state, which tells nothing once a task lent it
+        return COUNT if verdict == PENDING and dispatch.lent_global() else verdict
 
     def measure(self, key: Any, task: str | None = None) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
         # one with the same task (or class of equal tasks: training/measure_class.py) and input shapes exactly,
-        # so each distinct one is counted once: the device's peak is the peak over them (what else the device
-        # held while an uncounted one ran is not in it). Memory held across segments (prefetched shards) is always
-        # counted. A task whose measured units drew random numbers the light router does not know keeps the full
-        # mode.
-        counted = self.would_measure(key)
+        # on this device or another of the runtime's CPU stand-ins (measured.py), so each distinct one is counted
+        # once: the device's peak is the peak over them, and a segment counted elsewhere adds what it allocated
+        # above the bytes held then (what else the device held while an uncounted one ran is not in it). Memory
+        # held across segments (prefetched shards) is always counted. A task whose counted units drew random
+        # numbers the light router does not know keeps the full mode.
+        verdict = self._verdict(key)
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
+        self._pending, self._counting = verdict == PENDING, None
         self.quiet.begin_segment()
-        self._measured.setdefault(self._task, set()).add(key)
-        if counted and not isinstance(self._task, str):  # a class of equal tasks (measure_class.py): outlives them
-            if task is not None:
-                self._owners.setdefault(key, task)
-            # (noted when counted, not at every unit: a class evicted while in use is counted again, once)
-            self._classes[self._task] = None
-            self._classes.move_to_end(self._task)
-            while len(self._classes) > MEASURED_CLASSES:
-                self.forget(self._classes.popitem(last=False)[0])
-        return counted
+        if verdict == KNOWN:
+            self.account.note(self.account.current + self.records.transient(key))
+            return False
+        if verdict == COUNT:
+            self._again.discard(key)
+            self.records.begin(key, task)
+            self._counting = (key, self.account.window())
+        return verdict == COUNT
+
+    def segment_done(self) -> None:
+        counting, self._counting = self._counting, None
+        if counting is not None:
+            key, start = counting
+            self.records.done(key, self.account.high - start)
 
     def shares(self, key: Any, task: str) -> bool:
         # not measured yet (the asking task measures it for its class), measured by ``task`` itself (as a key of its
-        # own: what it would run on anyway), or measured with every draw inside a stage it routes and none the
-        # router does not know: its units then run quiet, guarded (quiet.py), so a task of the class that draws
-        # elsewhere is caught and rerun, never wrong. Else each task is measured as its own.
-        if key not in self._measured.get(key[0], ()) or self._owners.get(key) == task:
-            return True
-        return key[0] not in self._unrouted and self.quiet.allows(key)
+        # own: what it would run on anyway), being measured on another device (run guarded meanwhile), or measured
+        # with every draw inside a stage it routes and none the router does not know: its units then run quiet,
+        # guarded (quiet.py), so a task of the class that draws elsewhere is caught and rerun, never wrong. Else
+        # each task is measured as its own.
+        return self.records.shares(key, task, self.quiet.allows(key))
 
     def sync(self) -> None:
         """Wait for the work queued on this device (a CPU stand-in's is done)."""
 
     def forget(self, task: Any) -> None:
-        # (a task's name, or a class of equal tasks no longer among the latest MEASURED_CLASSES)
+        # (a task's name; classes fall out of the records by themselves: measured.py MEASURED_CLASSES)
         # Else a later task of that name and batch shapes would skip being measured, and could run on the light
         # router with a random op it does not know; and the records would grow with every task the runtime saw.
-        self._measured.pop(task, None)
-        self._unrouted.discard(task)
-        self.quiet.forget(task)
-        if self._owners:  # (a later task of that name is no class key's measurer)
-            self._owners = {k: v for k, v in self._owners.items() if v != task and k[0] != task}
+        self.records.forget(task)
+        self._again = {k for k in self._again if not (isinstance(k, tuple) and k[0] == task)}
 
     def unit_scope(self, rng: TaskRNG) -> contextlib.AbstractContextManager[UnitMode | None]:
         if self.measuring:
             return self._counted(rng)
         if self.quiet.allows(self._key):  # (returned as it is: one block less per unit)
             return self.quiet.guarded(self._key, rng)
+        if self._pending:
+            return self._routed_guarded(rng)
         return self._routed(rng)
 
     @contextlib.contextmanager
@@ -282,13 +291,27 @@ class CpuDevice(Device):
             with self.quiet.measuring(self._key, mode) if self._key is not None else contextlib.nullcontext():
                 yield mode
         if mode.seeded - ROUTED:
-            self._unrouted.add(self._task)
+            self.records.note_unrouted(self._task)
 
     @staticmethod
     @contextlib.contextmanager
     def _routed(rng: TaskRNG) -> Iterator[None]:
         with router_for(rng), seeding_to(rng):
             yield None
+
+    @contextlib.contextmanager
+    def _routed_guarded(self, rng: TaskRNG) -> Iterator[None]:
+        """A unit of a segment another device is counting now (measured.py PENDING): routed, and guarded as a quiet
+        unit is, since whether all its draws are ones the router knows is not known yet."""
+        before = dispatch.global_rng_state()
+        with router_for(rng), seeding_to(rng):
+            yield None
+        if not dispatch.unmoved(before):  # (the unit's own error, raised above, is what its retry handles)
+            key, self._pending = self._key, False
+            self._again.add(key)  # its rerun is counted here (a needless one, if another thread drew: never wrong)
+            self.quiet.counts["reruns"] += 1
+            raise UnroutedDraw(f"a unit of segment {key!r}, counted on another device meanwhile, drew from torch's "
+                               "global CPU generator; it runs again counted, its draws routed to the task's stream")
 
     def copy_scope(self) -> contextlib.AbstractContextManager[Any]:
         return UnitMode(self._scratch, self.account)  # clones count as this device's memory
@@ -304,7 +327,7 @@ class CpuDevice(Device):
 
     def unrouted_draw(self, stage: str) -> BaseException:
         # the task's units run counted from now on: UnitMode routes every draw, with our function modes aside too
-        self._unrouted.add(self._task)
+        self.records.note_unrouted(self._task)
         self.quiet.counts["fast_path_reruns"] += 1
         return UnroutedDraw(f"stage {stage!r} drew from torch's global CPU generator while a module's inference "
                             "fast path ran without the router (fastpath.py); the minibatch runs again counted, "

@@ -1,6 +1,6 @@
 """Units that run with random-number routing only where they draw, guarded: a CPU device's measured segments.
 
-    quiet = QuietUnits()
+    quiet = QuietUnits(records)                        # records: measured.py (shared by a runtime's CPU devices)
     quiet.begin_segment()                              # a segment of ``key`` is measured (UnitMode, op by op)
     with quiet.measuring(key, mode): ...               # each of its units: which stages drew (by stage name)
     if quiet.allows(key):                              # a later segment of ``key``:
@@ -28,11 +28,11 @@ instance at a time.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 from . import dispatch
+from .measured import Measurements
 from .rng import TaskRNG
 from .seeding import seeding_to
 
@@ -44,11 +44,13 @@ class UnroutedDraw(RuntimeError):
 
 
 class QuietUnits:
-    """Per device: for each measured segment key, the stages whose calls drew (see the module docstring)."""
+    """Per device: its quiet units; for each measured segment key, the stages whose calls drew, in ``records``
+    (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stages: dict[Hashable, frozenset[str]] = {}  # key -> names of the stages that drew
+    def __init__(self, records: Measurements | None = None) -> None:
+        records = records if records is not None else Measurements()
+        self._lock = records.lock
+        self._stages = records.stages  # key -> names of the stages that drew
         self.counts = {"quiet": 0, "reruns": 0, "fast_path_reruns": 0}  # (the last: fastpath.py)
         self._mode: dispatch.UnitMode | None = None  # the measured unit's mode, while one runs
         self._drawing: set[str] = set()
@@ -89,10 +91,6 @@ class QuietUnits:
     # -- running ----------------------------------------------------------------------------------------------
     def allows(self, key: Hashable) -> bool:
         return key in self._stages and not dispatch.lent_global()
-
-    def forget(self, task: str) -> None:
-        with self._lock:
-            self._stages = {k: v for k, v in self._stages.items() if not (isinstance(k, tuple) and k[:1] == (task,))}
 
     def stage_scope(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """Around one stage's call: counted while measured, routed in a quiet unit if it drew then, else nothing."""

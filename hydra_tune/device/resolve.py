@@ -13,6 +13,7 @@ import torch
 from ..errors import rule_error
 from .cuda import CudaDevice
 from .devices import CpuDevice, Device
+from .measured import Measurements
 
 CUDA_MARGIN = 0.1  # of free memory left to the CUDA context, allocator slack and other processes
 
@@ -53,9 +54,10 @@ def resolve_devices(devices: int | str | Sequence[str] = "auto", budget: int | N
     n_cuda = cuda_count()
     names = device_names(devices, n_cuda)
     out: list[Device] = []
+    records = Measurements()  # what one CPU stand-in counted holds for the others (measured.py)
     for i, name in enumerate(names):
         if name == "cpu" or re.fullmatch(r"cpu:\d+", name):
-            out.append(CpuDevice(f"cpu:{i}", budget))
+            out.append(CpuDevice(f"cpu:{i}", budget, records))
         else:  # "cuda" or "cuda:<index>"
             if n_cuda == 0:
                 raise rule_error("a CUDA device is available (torch.cuda.device_count() > 0)", "use CPU "

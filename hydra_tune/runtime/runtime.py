@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch.nn as nn
+
 from ..config import RuntimeConfig
 from ..device.devices import Device
 from ..device.resolve import resolve_devices
@@ -122,6 +124,8 @@ class Runtime:
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
         if self.scheduler.closed:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
+        if isinstance(task.model, nn.Module):  # (a factory's model is checked once built, at admission)
+            self.scheduler.check_model_free(task.name, task.model)
         handle, footprint, state = self._gate.submit(task)
         if handle is not None:
             return handle  # waiting for host memory

@@ -88,11 +88,7 @@ class Scheduler(Openings):
             if name in self._tasks:
                 raise rule_error("task names are unique among running tasks", "give each ModelTask its own "
                                  "`name`", name=name)
-            shared = [n for n, a in self._tasks.items() if a.state.model is state.model]
-            if shared:
-                raise rule_error("each running task trains its own model object", "pass a factory "
-                                 "(`lambda: MyModel()`) or a fresh module per task", task=name,
-                                 model_also_in=shared[0])
+            self._check_model(name, state.model)
             self._admitted += 1
             task = Admitted(handle, state, self._admitted, footprint, self._open)
             self._tasks[name] = task
@@ -103,6 +99,20 @@ class Scheduler(Openings):
             task.host.start()
             task.host.request()  # under the lock: while it is opening, its host thread has work to do
         return task
+
+    def check_model_free(self, name: str, model: Any) -> None:
+        """Before a task is built: raise if ``model`` (an nn.Module the task was given, not a factory) is trained by
+        a running task now. Its build would measure that module (forward, backward and its gradients put back)
+        while the other task's thread steps it: a race that aborted the process once (CPU, in
+        ``tests/test_runtime.py``). ``admit`` checks it again for the model a factory returned."""
+        with self.cond:
+            self._check_model(name, model)
+
+    def _check_model(self, name: str, model: Any) -> None:
+        shared = [n for n, a in self._tasks.items() if a.state is not None and a.state.model is model]
+        if shared:
+            raise rule_error("each running task trains its own model object", "pass a factory "
+                             "(`lambda: MyModel()`) or a fresh module per task", task=name, model_also_in=shared[0])
 
     def end(self, task: Admitted, status: str, error: BaseException | None = None) -> None:
         """End ``task`` (done, failed, cancelled): off the board, its record kept for ``stats``, then ``on_end``;

@@ -173,10 +173,13 @@ class DeviceWorker:
             with self.device.copier.charged_to(home.counts):
                 states.begin(home, task.state.plan.peak)
         try:
-            return self._run_units(task, segment.units, following, segment.follows)
+            failure = self._run_units(task, segment.units, following, segment.follows)
         finally:
             if states is not None:
                 states.end(home)
+        if failure is None:
+            self.device.segment_done()  # what it counted holds for the runtime's other devices too (measured.py)
+        return failure
 
     def run_lent(self, task: Admitted, segment: Any) -> bool:
         """Run ``task``'s open ``segment`` in the calling thread, to which the board lent this device (lend.py;

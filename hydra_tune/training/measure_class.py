@@ -6,9 +6,9 @@
 Why: a CPU stand-in counts a segment's allocations op by op the first time it sees the segment's key (the task and
 its batch shapes), and learns then which stages draw random numbers (device/quiet.py); every later segment of the
 key runs uncounted. A counted segment of a small model costs several times a light one, and a search of many small
-trials of one architecture counted the same few segments again for every trial (and again on each device a task
-moved to; the README's Performance section has the figures). Tasks whose units allocate and draw alike now share
-what was measured.
+trials of one architecture counted the same few segments again for every trial (the README's Performance section
+has the figures). Tasks whose units allocate and draw alike now share what was measured, and a runtime's CPU devices
+share it too (device/measured.py).
 
 Rules: tasks are one class only when all that their units run is equal by ``training/fingerprint.py``'s exact key
 (the same one the cost profiles are kept by): the model's stages (every module, attribute, parameter layout and
