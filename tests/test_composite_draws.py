@@ -172,3 +172,19 @@ def test_a_model_with_attention_without_dropout_trains_exactly():
     want, _ = plain_train(_task_of(Attending, "attending"))
     got = _trained(_task_of(Attending, "attending"), ["cpu", "cpu"], "64MiB")
     assert max_param_diff(want, got) == 0.0
+
+
+def test_equal_attention_tasks_on_two_devices_train_exactly():
+    # a runtime's CPU devices share what they counted (device/measured.py): while one counts the class's first segment
+    # the other runs it routed and guarded; every task still ends as its plain loop
+    tasks = [ht.ModelTask(lambda: _model("mha"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                          [(X[i:i + 8], Y[i:i + 8]) for i in range(0, 48, 8)],
+                          loss=lambda o, b: F.cross_entropy(o, b[1]), epochs=2, seed=s, name=f"mha-{s}")
+             for s in range(4)]
+    with ht.Runtime(devices=["cpu", "cpu"], device_memory="64MiB") as rt:
+        handles = [rt.submit(t) for t in tasks]
+        for h in handles:
+            h.result()
+        got = [h.model() for h in handles]
+    for task, model in zip(tasks, got):
+        assert max_param_diff(plain_train(task)[0], model) == 0.0, task.name
