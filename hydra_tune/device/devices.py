@@ -141,7 +141,8 @@ class Device:
 
     def shares(self, key: Any, task: str) -> bool:
         """Whether ``task`` may run segment ``key`` of its class of equal tasks (training/measure_class.py) as the
-        class measured it here. Never: a device that measures nothing (CUDA) keeps its records by task."""
+        class was measured (on this device or, CPU stand-ins, another of its runtime's: measured.py). Never: a device
+        that measures nothing (CUDA) keeps its records by task."""
         return False
 
     def forget(self, task: str) -> None:

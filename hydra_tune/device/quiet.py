@@ -23,7 +23,8 @@ in that time (user code outside any task) reads the same: a needless rerun, neve
 lent the global generator (a random op without a ``generator`` argument, dispatch.UnitMode._seeded), quiet units
 stop for the process: a stray draw inside that window would move the lent stream, not the global one. Stages are
 named, not numbered, so a re-plan that cuts the model anew keeps what was measured. One device thread uses an
-instance at a time.
+instance at a time; what was measured (which stages drew, per key) is in the runtime's ``Measurements``, shared by
+its CPU devices (measured.py): a key one of them measured runs quiet on the others too.
 """
 from __future__ import annotations
 
