@@ -221,6 +221,24 @@ def test_a_module_a_running_task_trains_is_rejected_before_it_is_built(monkeypat
     assert builds == ["first"]
 
 
+def test_a_factory_that_returns_a_running_tasks_module_is_rejected_before_it_is_measured(monkeypatch):
+    # (a cache of models, `lambda: model`): the module is known once the factory returned it, and the build stops
+    # there, before its profile runs the module's forward and backward under the running task's steps
+    from hydra_tune.training import state as state_module
+
+    measured = []
+    real = state_module.measure_costs
+    monkeypatch.setattr(state_module, "measure_costs", lambda *a, **k: measured.append(1) or real(*a, **k))
+    shared = _mlp()
+    with ht.Runtime(devices=["cpu"]) as rt:
+        h = rt.submit(ht.ModelTask(lambda: shared, _sgd, _data(50), loss=_mse, epochs=20, name="first"))
+        assert len(measured) == 1
+        with pytest.raises(ValueError, match=r"model_also_in='first'"):
+            rt.submit(ht.ModelTask(lambda: shared, _sgd, _data(2), loss=_mse, name="second"))
+        h.cancel()
+    assert len(measured) == 1
+
+
 def test_model_factory_error_names_the_factory():
     def broken():
         raise KeyError("n_layer")

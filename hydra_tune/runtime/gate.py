@@ -59,6 +59,8 @@ class HostGate:
         self.host = HostAdmission(budget)
         self._plan, self._hooks = plan, hooks
         self.profile_on: Any = None  # the device tasks are profiled on (GPUs; set by the runtime), None: the CPU
+        # each build's model before it is measured (set by the runtime: raises if a running task trains it)
+        self.claim: Callable[[str, Any], None] | None = None
         self._cv = threading.Condition()  # guards host and _waiting; the runtime's lock is never taken inside it
         self._waiting: dict[str, _Waiting] = {}
         self._building: TaskHandle | None = None  # the waiting task the gate's thread is building now
@@ -75,7 +77,7 @@ class HostGate:
         try:
             return estimate_footprint(task, *self._plan), None
         except Unmeasurable:
-            state = TaskState.build(task, *self._plan, device=self.profile_on)
+            state = TaskState.build(task, *self._plan, device=self.profile_on, claim=self.claim)
             return footprint_of_state(state), state
 
     def submit(self, task: ModelTask) -> tuple[TaskHandle | None, Footprint, TaskState | None]:
@@ -84,7 +86,7 @@ class HostGate:
         try:
             base = state_footprint(task)
         except Unmeasurable:  # its model cannot be built on the meta device: built here, measured, then decided
-            state = TaskState.build(task, *self._plan, device=self.profile_on)
+            state = TaskState.build(task, *self._plan, device=self.profile_on, claim=self.claim)
             footprint = footprint_of_state(state)
         else:
             with self._cv:
@@ -114,7 +116,7 @@ class HostGate:
     def _build_reserved(self, task: ModelTask, base: Footprint) -> tuple[Footprint, TaskState] | None:
         """Build a task admitted for its state part; its plan's activations added, keep it if it still fits."""
         try:
-            state = TaskState.build(task, *self._plan, device=self.profile_on)
+            state = TaskState.build(task, *self._plan, device=self.profile_on, claim=self.claim)
             footprint = footprint_of_state(state, (base.optimizer, base.optimizer_measured))
         except BaseException:
             self.release(task.name)

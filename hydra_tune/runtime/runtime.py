@@ -84,6 +84,7 @@ class Runtime:
         # GPUs measure the memory model on the device itself (profile.py); any CPU stand-in: the CPU profile
         profiled = [d for d in self.devices if d.profile_device() is not None]
         self._gate.profile_on = profiled[0] if len(profiled) == len(self.devices) else None
+        self._gate.claim = self.scheduler.check_model_free
         if self._start_errors:
             self.close()
             raise self._start_errors[0]
@@ -244,7 +245,7 @@ class Runtime:
                state: TaskState | None) -> TaskHandle:
         """Build an admitted task (unless built) and put it on the board; ``handle``: a waiting task's."""
         if state is None:
-            state = TaskState.build(task, *self._plan, device=self._gate.profile_on)
+            state = TaskState.build(task, *self._plan, device=self._gate.profile_on, claim=self._gate.claim)
         footprint = self._share_frozen(task.name, state, footprint)  # pooled weights are pinned there, once
         pooled = state.shares.keys() if state.shares is not None else set()
         self.devices[0].copier.prepare_host([p for p in state.model.parameters() if id(p) not in pooled]

@@ -92,15 +92,19 @@ class TaskState:
 
     @classmethod
     def build(cls, task: ModelTask, budget: int | None, bandwidth: float | None = None,
-              keep: bool = True, device: Any = None) -> TaskState:
+              keep: bool = True, device: Any = None,
+              claim: Callable[[str, nn.Module], None] | None = None) -> TaskState:
         """Build ``task``'s model, optimizer, scheduler and data, cut it into stages, measure them on its first
         batch (on ``device`` where it measures itself: a GPU) and plan shards for a device ``budget``; load
-        ``task.resume_from`` when given."""
+        ``task.resume_from`` when given. ``claim(name, model)``: called on the model before anything touches it
+        (the runtime's: it raises when a running task trains that module)."""
         rng = TaskRNG(task.seed)
         # init draws from the task's stream, as after manual_seed(seed); a factory's own torch.manual_seed(s)
         # seeds that stream (device/seeding.py), as it seeds the global generator the plain loop draws from
         with UnitMode(rng.cpu), seeding_to(rng), host_rng.replayed(task):  # Python's and numpy's draws too
             model = task.model if isinstance(task.model, nn.Module) else build_part(task.model, "model")
+            if claim is not None:
+                claim(task.name, model)
             # a model its user can reach (passed in, or a factory returning one held elsewhere: `lambda: model`,
             # a cache) takes private copies of shared frozen weights as soon as it ends (runtime.py); only this
             # name and getrefcount's argument refer to a model the factory made for us alone
