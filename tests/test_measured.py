@@ -42,11 +42,26 @@ def test_a_segment_counted_on_one_device_runs_uncounted_on_the_other(pair) -> No
     first.measuring = True
     _unit(first, TaskRNG(0), 4096)
     first.segment_done()
-    # the other device runs it as the first would have on its next segment: not counted, its peak what the counted
-    # segment allocated above what was held then (before: counted again there)
+    # the other device runs it as the first would on its next segment: not counted (before: counted again there),
+    # its peak the one counted for it
     assert not second.measure(KEY, "t2")
-    assert second.peak_bytes() >= second.current_bytes() + 4096
+    assert second.peak_bytes() == first.peak_bytes() >= 4096
     assert not first.measure(KEY, "t")
+
+
+def test_the_counting_device_adds_nothing_to_its_own_peak_later(pair) -> None:
+    # its peak has the segment, and what still lives of the storages it made is in its bytes: adding them again
+    # read P2's spilled plan 10 MiB over its count (and P3's second device 21-25 MiB)
+    first, second = pair
+    assert first.measure(KEY, "t")
+    first.measuring = True
+    kept = [_unit(first, TaskRNG(0), 4096) for _ in range(3)]
+    first.segment_done()
+    peak = first.peak_bytes()
+    for _ in range(3):
+        assert not first.measure(KEY, "t")
+    assert first.peak_bytes() == peak
+    del kept
 
 
 def test_a_segment_counted_elsewhere_now_runs_routed_and_guarded(pair) -> None:

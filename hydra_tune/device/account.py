@@ -4,7 +4,7 @@
     with UnitMode(generator, account): x = torch.ones(1024)     # device/dispatch.py counts each new storage
     account.current, account.peak                               # 4096, 4096 while x lives; 0, 4096 after
     account.track_many(storages)                                # storages made elsewhere (a step's), counted too
-    start = account.window(); ...; account.high - start         # the most bytes a stretch added above its start
+    account.window(); ...; account.high                         # the most bytes since the window began
 
 Rules: a storage counts from its creation (or ``track``) until it is freed (a weak reference's callback) or
 ``forget``; ``limit`` (test-only, CpuDevice.limit_memory) makes an allocation past it raise
@@ -96,12 +96,10 @@ class MemoryAccount:
                 del self._live[ref.key]
                 self.current -= ref.nbytes
 
-    def window(self) -> int:
-        """Start ``high`` again from the current bytes, which it returns (a counted segment's own peak above them:
-        device/measured.py)."""
+    def window(self) -> None:
+        """Start ``high`` again from the current bytes (a counted segment's peak: device/measured.py)."""
         with self._lock:
             self.high = self.current
-            return self.current
 
     def note(self, nbytes: int) -> None:
         """A peak of ``nbytes`` reached while nothing counted it (a segment counted on another device)."""

@@ -215,7 +215,7 @@ class CpuDevice(Device):
         self._task: Any = None
         self._key: Any = None
         self._pending = False  # the segment running is counted on another device now (measured.py PENDING)
-        self._counting: tuple[Any, int] | None = None  # the key this device counts now, and its bytes then
+        self._counting: Any = None  # the key this device counts now
         self.quiet = QuietUnits(self.records)  # segment keys measured to draw nothing: run with no router (quiet.py)
 
     def limit_memory(self, nbytes: int | None) -> None:
@@ -235,29 +235,31 @@ class CpuDevice(Device):
     def measure(self, key: Any, task: str | None = None) -> bool:
         # Counting every op costs a Python call per aten op. A segment repeats the allocations of an earlier
         # one with the same task (or class of equal tasks: training/measure_class.py) and input shapes exactly,
-        # on this device or another of the runtime's CPU stand-ins (measured.py), so each distinct one is counted
-        # once: the device's peak is the peak over them, and a segment counted elsewhere adds what it allocated
-        # above the bytes held then (what else the device held while an uncounted one ran is not in it). Memory
-        # held across segments (prefetched shards) is always counted. A task whose counted units drew random
-        # numbers the light router does not know keeps the full mode.
+        # so each distinct one is counted once: the device's peak is the peak over them (what else the device
+        # held while an uncounted one ran is not in it). Memory held across segments (prefetched shards) is always
+        # counted. A task whose counted units drew random numbers the light router does not know keeps the full
+        # mode. A key another of the runtime's CPU stand-ins counted (or counts now) is not counted here
+        # (measured.py): the peak that device counted for it is this one's too.
         verdict = self._verdict(key)
         self._task, self._key = (key[0] if isinstance(key, tuple) else key), key
         self._pending, self._counting = verdict == PENDING, None
         self.quiet.begin_segment()
         if verdict == KNOWN:
-            self.account.note(self.account.current + self.records.transient(key))
+            peak = self.records.peak(key, self.name)
+            if peak:  # (counted on another device: this one's peak has not seen it)
+                self.account.note(peak)
             return False
         if verdict == COUNT:
             self._again.discard(key)
             self.records.begin(key, task)
-            self._counting = (key, self.account.window())
+            self._counting = key
+            self.account.window()
         return verdict == COUNT
 
     def segment_done(self) -> None:
-        counting, self._counting = self._counting, None
-        if counting is not None:
-            key, start = counting
-            self.records.done(key, self.account.high - start)
+        key, self._counting = self._counting, None
+        if key is not None:
+            self.records.done(key, self.account.high, self.name)
 
     def shares(self, key: Any, task: str) -> bool:
         # not measured yet (the asking task measures it for its class), measured by ``task`` itself (as a key of its

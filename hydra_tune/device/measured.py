@@ -3,23 +3,25 @@
     records = Measurements()                              # resolve.py: one per runtime, given to each CpuDevice
     records.verdict(key, here=set())                      # COUNT (count it here), PENDING or KNOWN
     records.begin(key, task)                              # a device counts segment ``key`` (task or class, shapes)
-    records.done(key, transient)                          # ... and finished: it allocated ``transient`` bytes more
-    records.transient(key)                                # what a device running ``key`` uncounted adds to its peak
+    records.done(key, peak, "cpu:0")                      # ... and finished: its peak, counted there
+    records.peak(key, "cpu:1")                            # the peak another device running it uncounted notes
 
 Why: a CPU stand-in counts a segment's allocations op by op the first time it sees the segment's key, and learns
 then which stages draw random numbers (quiet.py) and whether every draw was one the light router knows. Each device
-used to keep what it learned to itself, so each device counted every key again: a class of equal trials was
-counted once per device, a trial that moved to another device was counted once more there, and two devices starting
-a search each paid a counted unit (several times a plain one: ~80 ms for a 4-layer GPT-2 minibatch) side by side.
-The stand-ins are threads of one process on one CPU: a segment allocates and draws alike on each, so what one counted
-holds for the others.
+kept what it learned to itself, so each counted every key again: two devices starting a search counted the class's
+first segment side by side, on one interpreter lock with the caller's next submits, and a trial that moved to
+another device was counted once more there. The stand-ins are threads of one process on one CPU: a segment
+allocates and draws alike on each, so what one counted holds for the others. (Each device counting a key once for
+itself, only not beside another counting it, read no faster than before: a count beside other work is what costs.)
 
 Rules: a key is KNOWN once a device finished counting it (``done``): the others run it uncounted (quiet or routed, as
-the counting device would) and add its ``transient`` bytes to their peak. While a count runs elsewhere the key is
-PENDING: a device runs it routed and guarded (CpuDevice: the global generator read before and after; a move raises
-UnroutedDraw and that device counts the key itself next, ``here``), never unguarded before its draws are known. A
-task or class that drew where the router does not see (``unrouted``) is counted every time, on every device. One
-lock guards the records; each device keeps its own account, counters and running unit.
+the counting device would) and note the peak that device counted for it (the same segment and plan; what else a
+device holds while an uncounted segment runs is not in its peak, as before: adding the counted segment's bytes to what
+each held then double-counted storages that outlive a unit, 10-25 MiB over a GPT-2's counted peak in P2 and P3). While a count runs elsewhere the key is PENDING: a device
+runs it routed and guarded (CpuDevice: the global generator read before and after; a move raises UnroutedDraw and
+that device counts the key itself next, ``here``), never unguarded before its draws are known. A task or class that
+drew where the router does not see (``unrouted``) is counted every time, on every device. One lock guards the
+records; each device keeps its own account, counters and running unit.
 """
 from __future__ import annotations
 
@@ -40,19 +42,20 @@ class Measurements:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.begun: dict[Any, set[Any]] = {}  # task or class -> the segment keys a device began counting
-        self._transient: dict[Any, int] = {}  # segment key -> bytes its count allocated above its start: done
+        # segment key -> (the device's peak while it counted it, that device): its count is done
+        self._done: dict[Any, tuple[int, str]] = {}
         self.unrouted: set[Any] = set()  # tasks and classes whose counted units drew where the router cannot see
         self.stages: dict[Hashable, frozenset[str]] = {}  # segment key -> the stages that drew (quiet.py)
         self._classes: OrderedDict[Any, None] = OrderedDict()  # the classes counted, the latest last
         self._owners: dict[Any, str] = {}  # a class's segment key -> the task it was first counted for
 
     def verdict(self, key: Any, here: set[Any], limited: bool = False) -> str:
-        """How a device runs segment ``key`` now: COUNT it (never begun, its task or class unrouted, the device's
-        test limit set, or ``here``: the device's own keys to count again), PENDING or KNOWN."""
+        """How a device runs segment ``key`` now: COUNT it (never begun, its task or class unrouted, the device's test
+        limit set, or ``here``: the device's own keys to count again), PENDING or KNOWN."""
         owner = _owner(key)
         if key not in self.begun.get(owner, ()) or owner in self.unrouted or limited or key in here:
             return COUNT
-        return KNOWN if key in self._transient else PENDING
+        return KNOWN if key in self._done else PENDING
 
     def begin(self, key: Any, task: str | None) -> None:
         """A device counts ``key`` now (for ``task``); a class is kept among the latest MEASURED_CLASSES."""
@@ -69,14 +72,17 @@ class Measurements:
             while len(self._classes) > MEASURED_CLASSES:
                 self._forget(self._classes.popitem(last=False)[0])
 
-    def done(self, key: Any, transient: int) -> None:
-        """A device finished counting ``key``: its units allocated ``transient`` bytes above what it held then."""
+    def done(self, key: Any, peak: int, device: str) -> None:
+        """``device`` finished counting ``key``, its bytes at most ``peak`` meanwhile."""
         with self.lock:
             if key in self.begun.get(_owner(key), ()):  # (not let go meanwhile)
-                self._transient[key] = max(transient, self._transient.get(key, 0))
+                self._done[key] = (peak, device)
 
-    def transient(self, key: Any) -> int:
-        return self._transient.get(key, 0)
+    def peak(self, key: Any, device: str) -> int:
+        """The peak KNOWN ``key`` was counted with, for ``device`` to note: 0 on the device that counted it (its peak
+        has it)."""
+        peak, counted_on = self._done.get(key, (0, device))
+        return 0 if counted_on == device else peak
 
     def note_unrouted(self, owner: Any) -> None:
         self.unrouted.add(owner)
@@ -86,7 +92,7 @@ class Measurements:
         class), counted for ``task`` itself, its count still running (PENDING: guarded), or counted with every draw
         inside a stage it routes (``quiet``, and not unrouted)."""
         owner = key[0]
-        if key not in self.begun.get(owner, ()) or self._owners.get(key) == task or key not in self._transient:
+        if key not in self.begun.get(owner, ()) or self._owners.get(key) == task or key not in self._done:
             return True
         return owner not in self.unrouted and quiet
 
@@ -98,7 +104,7 @@ class Measurements:
 
     def _forget(self, task: Any) -> None:
         for key in self.begun.pop(task, ()):
-            self._transient.pop(key, None)
+            self._done.pop(key, None)
         self.unrouted.discard(task)
         for key in [k for k in self.stages if isinstance(k, tuple) and k[:1] == (task,)]:
             del self.stages[key]
