@@ -29,7 +29,7 @@ def pair() -> tuple[CpuDevice, CpuDevice]:
 
 
 def _unit(device: CpuDevice, rng: TaskRNG, nbytes: int) -> torch.Tensor:
-    """A unit that allocates ``nbytes`` (freed at its end) and draws once (``normal_`` takes a generator: no lending)."""
+    """A unit that allocates ``nbytes`` (freed at its end) and draws once (normal_ takes a generator: no lending)."""
     with device.unit_scope(rng):
         scratch = torch.ones(nbytes // 4)
         del scratch

@@ -7,21 +7,21 @@
     records.peak(key, "cpu:1")                            # the peak another device running it uncounted notes
 
 Why: a CPU stand-in counts a segment's allocations op by op the first time it sees the segment's key, and learns
-then which stages draw random numbers (quiet.py) and whether every draw was one the light router knows. Each device
-kept what it learned to itself, so each counted every key again: two devices starting a search counted the class's
-first segment side by side, on one interpreter lock with the caller's next submits, and a trial that moved to
-another device was counted once more there. The stand-ins are threads of one process on one CPU: a segment
-allocates and draws alike on each, so what one counted holds for the others. (Each device counting a key once for
-itself, only not beside another counting it, read no faster than before: a count beside other work is what costs.)
+then which stages draw random numbers (quiet.py) and whether every draw was one the light router knows. A device that
+kept this to itself counted every key again: two devices starting a search counted the class's first segment side by
+side, on one interpreter lock with the caller's next submits, and a trial that moved to another device was counted
+once more there. The stand-ins are threads of one process on one CPU: a segment allocates and draws alike on each, so
+what one counted holds for the others. (Counting a key once on each device, never beside another count of it, saves
+nothing: a count beside other work is what costs. The figures: benchmarks/README.md.)
 
 Rules: a key is KNOWN once a device finished counting it (``done``): the others run it uncounted (quiet or routed, as
 the counting device would) and note the peak that device counted for it (the same segment and plan; what else a
-device holds while an uncounted segment runs is not in its peak, as before: adding the counted segment's bytes to what
-each held then double-counted storages that outlive a unit, 10-25 MiB over a GPT-2's counted peak in P2 and P3). While a count runs elsewhere the key is PENDING: a device
-runs it routed and guarded (CpuDevice: the global generator read before and after; a move raises UnroutedDraw and
-that device counts the key itself next, ``here``), never unguarded before its draws are known. A task or class that
-drew where the router does not see (``unrouted``) is counted every time, on every device. One lock guards the
-records; each device keeps its own account, counters and running unit.
+device holds while an uncounted segment runs is not in its peak, as for any uncounted segment; adding the counted
+bytes to what a device holds instead would count twice the storages that outlive a unit). While a count runs
+elsewhere the key is PENDING: a device runs it routed and guarded (CpuDevice: the global generator read before and
+after; a move raises UnroutedDraw and that device counts the key itself next, ``here``), never unguarded before its
+draws are known. A task or class that drew where the router does not see (``unrouted``) is counted every time, on
+every device. One lock guards the records; each device keeps its own account, counters and running unit.
 """
 from __future__ import annotations
 
