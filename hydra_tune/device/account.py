@@ -103,6 +103,8 @@ class MemoryAccount:
 
     def note(self, nbytes: int) -> None:
         """A peak of ``nbytes`` reached while nothing counted it (a segment counted on another device)."""
+        if nbytes <= self.peak:  # (the peak only grows: most calls, one per uncounted segment, stop here unlocked)
+            return
         with self._lock:
             self.peak = max(self.peak, nbytes)
 

@@ -125,7 +125,7 @@ class Runtime:
                              "train_data, ...)", kind=TypeError, task=type(task).__name__)
         if self.scheduler.closed:
             raise RuntimeClosed("the runtime is open, but got (closed=True). Fix: submit to a new Runtime.")
-        if isinstance(task.model, nn.Module):  # (a factory's model is checked once built, at admission)
+        if isinstance(task.model, nn.Module):  # (before even its meta copy; a factory's model: the build's claim)
             self.scheduler.check_model_free(task.name, task.model)
         handle, footprint, state = self._gate.submit(task)
         if handle is not None:
@@ -245,7 +245,8 @@ class Runtime:
                state: TaskState | None) -> TaskHandle:
         """Build an admitted task (unless built) and put it on the board; ``handle``: a waiting task's."""
         if state is None:
-            state = TaskState.build(task, *self._plan, device=self._gate.profile_on, claim=self._gate.claim)
+            state = TaskState.build(task, *self._plan, device=self._gate.profile_on,
+                                    claim=self.scheduler.check_model_free)
         footprint = self._share_frozen(task.name, state, footprint)  # pooled weights are pinned there, once
         pooled = state.shares.keys() if state.shares is not None else set()
         self.devices[0].copier.prepare_host([p for p in state.model.parameters() if id(p) not in pooled]

@@ -101,10 +101,10 @@ class Scheduler(Openings):
         return task
 
     def check_model_free(self, name: str, model: Any) -> None:
-        """Before a task is built: raise if ``model`` (an nn.Module the task was given, not a factory) is trained by
-        a running task now. Its build would measure that module (forward, backward and its gradients put back)
-        while the other task's thread steps it: a race that aborted the process once (CPU, in
-        ``tests/test_runtime.py``). ``admit`` checks it again for the model a factory returned."""
+        """Raise if ``model`` is trained by a running task now: called before a task's build touches its model (the
+        module it was given, at submit; the one its factory returned, by ``TaskState.build``'s claim), since the
+        build measures it (forward, backward, gradients put back) while the other task's thread steps it, a race
+        torch can abort the process on. ``admit`` checks once more under the same lock."""
         with self.cond:
             self._check_model(name, model)
 
