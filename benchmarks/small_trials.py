@@ -11,7 +11,8 @@ Small and short trials (issue 15), three numbers, each hydra_tune against what a
      so the devices share no GIL; each task to the server with the fewest unfinished; the servers started once, as
      a node server outlives a search), whose accuracies must equal the in-process runtime's; and that ratio with
      the servers' start (connecting to them, timed once before the runs) added to the wall, as a search whose
-     servers are not running yet pays it.
+     servers are not running yet pays it. Then the share of the devices' busy time their units spent off the CPU
+     (``stats()``: ``busy_seconds`` less ``unit_cpu_seconds``), in one process and through the servers.
   2. Short trials: 4 GPT-2 tasks (4 layers x 128) of 6 minibatches, 1 epoch, on 2 CPU devices vs 1, wall counting
      submit (runtime start to the last result). Goal >= 1.6x. Beside it the same through node servers of one CPU
      device each, 2 servers vs 1 (each submit to the last result; the servers started once, not counted). Then
@@ -145,11 +146,25 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def hydra_search(tasks: list[ht.ModelTask], devices: int = 2) -> tuple[float, list[float]]:
+def off_cpu(devices: list[dict[str, Any]], before: list[dict[str, Any]] | None = None) -> float:
+    """The share of the devices' busy seconds their units spent off the CPU (``stats()``' ``busy_seconds`` less
+    ``unit_cpu_seconds``: waiting for the interpreter lock, or for other processes), since ``before``."""
+    def total(key: str, ds: list[dict[str, Any]] | None) -> float:
+        return sum(d[key] for d in ds or [])
+    busy = total("busy_seconds", devices) - total("busy_seconds", before)
+    return 1.0 - (total("unit_cpu_seconds", devices) - total("unit_cpu_seconds", before)) / busy if busy else 0.0
+
+
+def hydra_search(tasks: list[ht.ModelTask], devices: int = 2,
+                 waits: list[float] | None = None) -> tuple[float, list[float]]:
+    """The tasks on one in-process runtime of ``devices`` CPU devices; (wall, accuracies). ``waits``: gets the
+    devices' off-CPU share (``off_cpu``)."""
     start = time.perf_counter()
     with ht.Runtime(devices=["cpu"] * devices) as rt:
         handles = [rt.submit(t) for t in tasks]
         accs = [h.result()["accuracy"] for h in handles]
+        if waits is not None:
+            waits.append(off_cpu(rt.stats()["devices"]))
     return time.perf_counter() - start, accs
 
 
@@ -168,12 +183,17 @@ def start_servers(count: int = 2) -> tuple[Any, float]:
     return pool, time.perf_counter() - start
 
 
-def servers_search(tasks: list[ht.ModelTask], pool: Any) -> tuple[float, list[float]]:
-    """The search through the servers (wall: every submit and every result)."""
+def servers_search(tasks: list[ht.ModelTask], pool: Any,
+                   waits: list[float] | None = None) -> tuple[float, list[float]]:
+    """The search through the servers (wall: every submit and every result). ``waits``: as ``hydra_search``'s."""
+    before = pool.stats()["devices"] if waits is not None else None
     start = time.perf_counter()
     handles = [pool.submit(t) for t in tasks]
     accs = [h.result()["accuracy"] for h in handles]
-    return time.perf_counter() - start, accs
+    wall = time.perf_counter() - start
+    if waits is not None:
+        waits.append(off_cpu(pool.stats()["devices"], before))
+    return wall, accs
 
 
 def _traced_units(train: list[Batch], val: list[Batch], epochs: int) -> list[Any]:
@@ -240,8 +260,6 @@ def short_trials(repeats: int) -> dict[str, Any]:
                 h.result()
         return time.perf_counter() - start
 
-    pools = {n: start_servers(n)[0] for n in (1, 2)}
-
     def served(devices: int) -> float:
         start = time.perf_counter()   # each submit (the build, profile and plan run in the servers) and training
         handles = [pools[devices].submit(t) for t in short_tasks()]
@@ -249,13 +267,14 @@ def short_trials(repeats: int) -> dict[str, Any]:
             h.result()
         return time.perf_counter() - start
 
-    run(1)   # warm-up (transformers' import, first model build), here and in each server
-    served(1), served(2)
+    run(1)   # warm-up (transformers' import, first model build)
     walls: dict[int, list[float]] = {1: [], 2: []}
     served_walls: dict[int, list[float]] = {1: [], 2: []}
-    for r in range(repeats):   # in-process runs first: a server may still be tidying up after its last result
-        for devices in ((1, 2) if r % 2 == 0 else (2, 1)):
+    for r in range(repeats):   # in-process runs before the servers start: a server tidying up after its warm-up
+        for devices in ((1, 2) if r % 2 == 0 else (2, 1)):   # (or its last result) takes a core from them
             walls[devices].append(run(devices))
+    pools = {n: start_servers(n)[0] for n in (1, 2)}
+    served(1), served(2)   # warm-up in each server
     for r in range(repeats):
         for devices in ((1, 2) if r % 2 == 0 else (2, 1)):
             served_walls[devices].append(served(devices))
@@ -349,13 +368,14 @@ def main() -> int:
     runs: dict[str, list[float]] = {"hydra": [], "plain": [], "servers": []}
     cpu: dict[str, list[float]] = {"hydra": [], "plain": []}  # process CPU seconds: less swayed by other load
     accs: dict[str, list[float]] = {}
+    waits: dict[str, list[float]] = {"hydra": [], "servers": []}  # the devices' off-CPU share of their busy time
     sides = ["hydra", "plain", "servers"]
     for r in range(args.repeats):
         for side in sides[r % 3:] + sides[:r % 3]:
             tasks = [trial_task(i, train, val, epochs) for i in range(n)]
             c0 = _cpu_seconds()
-            wall, accs[side] = (hydra_search(tasks) if side == "hydra" else plain_search(tasks) if side == "plain"
-                                else servers_search(tasks, servers))
+            wall, accs[side] = (hydra_search(tasks, 2, waits["hydra"]) if side == "hydra" else plain_search(tasks)
+                                if side == "plain" else servers_search(tasks, servers, waits["servers"]))
             runs[side].append(wall)
             if side in cpu:  # (the servers' CPU is theirs, not this process's)
                 cpu[side].append(_cpu_seconds() - c0)
@@ -376,6 +396,9 @@ def main() -> int:
           f"{plain / (served + server_start):.3f}x; hydra's accuracies {same} the in-process runtime's", flush=True)
     print(f"   CPU seconds, plain/hydra = {cpu_ratio:.3f}x (what each side spent, all threads; compare across runs "
           "when the machine's load differs)", flush=True)
+    print(f"   the devices' units off the CPU (stats: busy_seconds less unit_cpu_seconds; the interpreter lock, or "
+          f"other processes): in one process {statistics.median(waits['hydra']):.0%} of their busy time, through the "
+          f"servers {statistics.median(waits['servers']):.0%}", flush=True)
 
     print("2. short trials: 4 GPT-2 4x128 tasks x 6 minibatches, 2 devices vs 1, counting submit", flush=True)
     short = short_trials(args.repeats)
@@ -404,7 +427,7 @@ def main() -> int:
           f"({dflt['beside_idle']:.3f}x of alone; with the idle device's team kept "
           f"{best['plain_beside_idle_team_kept']:.3f} s, {dflt['beside_idle_team_kept']:.3f}x)", flush=True)
     emit({"benchmark": "small_trials", "default_threads": dflt, "search_ratio": plain / hydra, "search": runs,
-          "search_cpu": cpu,
+          "search_cpu": cpu, "off_cpu": waits,
           "servers_ratio": plain / served, "server_start_s": server_start,
           "servers_ratio_with_start": plain / (served + server_start),
           "search_cpu_ratio": cpu_ratio, "mean_accuracy": mean,

@@ -4,7 +4,9 @@
     with locked(files["lock"]): ...                     # one starter (or stopper) of that server at a time
     print(files["socket"], log_tail(files["log"]))
 
-Rules: one server per (OS user, RuntimeConfig, interpreter, visible GPUs), named by a hash of those. Its files live
+Rules: one server per (OS user, RuntimeConfig, interpreter, visible GPUs, hydra_tune's code), named by a hash of those:
+a process whose hydra_tune differs from a lingering server's (upgraded, reinstalled, edited) starts its own rather
+than being served by the old code (``code_identity``). Its files live
 in this user's 0700 directory (``$HYDRA_TUNE_NODE_DIR``, else /tmp/hydra_tune-<uid>); an existing directory or
 authkey that is not private to this user is refused, never used. The authkey is written whole or not at all and
 outlives servers; the socket and log go with their server.
@@ -47,7 +49,8 @@ def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int
                               host_memory=host_memory).as_dict()
     # The interpreter and the visible GPUs are part of the identity: a server is only shared by processes that
     # would have built the same Runtime (same venv, same torch, same devices).
-    identity = dict(config, python=sys.executable, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    identity = dict(config, python=sys.executable, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    code=code_identity())
     if slot is not None:  # (absent otherwise: the servers of earlier versions keep their names)
         identity["slot"] = slot
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
@@ -61,6 +64,36 @@ def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int
     files.update(base=base, key=key, config=config, authkey=os.path.join(base, "authkey"))
     _make_authkey(files["authkey"])
     return files
+
+
+def code_identity(package: str | None = None) -> str:
+    """A digest of the hydra_tune package in ``package`` (this one by default): its version and each source file's
+    path, size and modification time. Part of a server's name, so that a server started by other code (before an
+    upgrade, a reinstall or an edit) never serves this process. This package's is computed once per process.
+
+        code_identity()   # '3f0c9a...' (16 hex digits)
+    """
+    if package is None and _CODE:
+        return _CODE[0]
+    root = package or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    if package is None:
+        from .. import __version__
+        digest.update(__version__.encode())
+    for folder, dirs, names in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):  # (a file removed meanwhile: its absence is the identity)
+                st = os.stat(path)
+                digest.update(f"{os.path.relpath(path, root)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    code = digest.hexdigest()[:16]
+    if package is None:
+        _CODE.append(code)
+    return code
+
+
+_CODE: list[str] = []  # this package's code_identity, once computed
 
 
 def private_dir() -> str:

@@ -3,15 +3,19 @@
     rt = hydra_tune.Runtime(devices=["cpu", "cpu"], progress=30)    # or HYDRA_TUNE_PROGRESS=30 in the environment
     # hydra_tune: tasks 2 running, 1 queued, 3 done | devices busy 2/2 (cpu0 97%, cpu1 88%) | 659.2 samples/s,
     #   41.2 steps/s
+    # ... devices busy 2/2 (cpu:0 99% (off-CPU 34%), cpu:1 98% (off-CPU 33%)) | ...   (CPU devices that waited)
 
 Rules: off by default (``progress=None`` and no ``HYDRA_TUNE_PROGRESS``); ``progress`` is a number of seconds > 0.
 Each line covers the interval since the previous one: a device's busy share is its compute time in that interval
-over the interval; samples/s counts the samples of the minibatches every task trained in it (the first dimension
-of a batch's first tensor; a minibatch skipped for a non-finite loss not), steps/s the optimizer steps they took
-(a step is one minibatch, or ``grad_accumulation`` of them); both from the tasks' counters in ``stats()``
-(``samples_trained``, ``steps``). Tasks are counted by state ("queued" includes those waiting for host memory).
-The lines go through ``logging``: when nothing is set up to receive them (no handler on the logger or its
-parents), one stderr handler is added to this logger, so that asking for progress always shows it.
+over the interval, and a CPU device whose units spent at least ``OFF_CPU_SHOWN`` of that time off the CPU (its
+``busy_seconds`` less its ``unit_cpu_seconds``: waiting for the interpreter lock beside this process's other
+threads, or for other processes) shows that share (a process per CPU device, ``node.spread``, shares no lock);
+samples/s counts the samples of the minibatches every task trained in it (the first dimension of a batch's first
+tensor; a minibatch skipped for a non-finite loss not), steps/s the optimizer steps they took (a step is one
+minibatch, or ``grad_accumulation`` of them); both from the tasks' counters in ``stats()`` (``samples_trained``,
+``steps``). Tasks are counted by state ("queued" includes those waiting for host memory). The lines go through
+``logging``: when nothing is set up to receive them (no handler on the logger or its parents), one stderr handler is
+added to this logger, so that asking for progress always shows it.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..errors import rule_error
 __all__ = ["ProgressLog", "progress_seconds", "status_line"]
 
 LOGGER = logging.getLogger("hydra_tune.progress")
+OFF_CPU_SHOWN = 0.1  # below this share of a CPU device's busy time off the CPU: the clocks' and the OS's noise
 ENV = "HYDRA_TUNE_PROGRESS"
 STATES = ("running", "queued", "done", "failed", "cancelled")
 
@@ -60,12 +65,17 @@ def status_line(now: dict[str, Any], before: dict[str, Any] | None, seconds: flo
         counts[task["state"]] = counts.get(task["state"], 0) + 1
     tasks = ", ".join(f"{n} {s}" for s, n in counts.items() if n or s in ("running", "queued"))
     prev_dev = {d["name"]: d for d in (before or {}).get("devices", [])}
-    shares = []
+    shares, waits = [], {}
     for d in now["devices"]:
-        busy = d["busy_seconds"] - prev_dev.get(d["name"], {}).get("busy_seconds", 0.0)
+        prev = prev_dev.get(d["name"], {})
+        busy = d["busy_seconds"] - prev.get("busy_seconds", 0.0)
         shares.append((d["name"], min(1.0, max(0.0, busy / seconds)) if seconds > 0 else 0.0))
+        if busy > 0 and d["name"].startswith("cpu") and "unit_cpu_seconds" in d:
+            waits[d["name"]] = 1.0 - (d["unit_cpu_seconds"] - prev.get("unit_cpu_seconds", 0.0)) / busy
     busy_now = sum(share > 0 for _, share in shares)
-    devices = ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares)
+    devices = ", ".join(f"{name} {100 * share:.0f}%" + (f" (off-CPU {100 * waits[name]:.0f}%)"
+                                                        if waits.get(name, 0.0) >= OFF_CPU_SHOWN else "")
+                        for name, share in shares)
     prev_tasks = (before or {}).get("tasks", {})
 
     def rate(counter: str) -> float:   # per second over the interval, from every task's counter

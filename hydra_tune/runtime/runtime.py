@@ -152,7 +152,10 @@ class Runtime:
         return self._gate.snapshot()
 
     def stats(self) -> dict[str, Any]:
-        """Per device: units run, busy seconds, prefetches, measured peak/current bytes, budget; ``copies``
+        """Per device: units run, busy seconds, ``unit_cpu_seconds`` (the CPU time, ``time.thread_time``, of the
+        threads that ran its units, during them: on a CPU device ``busy_seconds`` less this is time its units waited
+        off the CPU, for the interpreter lock beside this process's other threads or for other processes; on a GPU,
+        mostly for the GPU), prefetches, measured peak/current bytes, budget; ``copies``
         (bytes host->device "h2d" and device->host "d2h" by category: state, buffers, activations, batches; and
         "syncs"), ``resident_tasks``/``resident_bytes`` (tasks' state held there) and ``evictions``. Per task:
         shards, kept shards, state, host bytes held and the footprint admission charged (tasks waiting for host

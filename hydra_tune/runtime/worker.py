@@ -2,7 +2,7 @@
 
     worker = DeviceWorker(index, device, board, recorder, hooks); worker.start()
     ...; worker.join(); worker.shutdown()           # after the board closed
-    worker.stats()                                   # units, busy seconds, prefetches, prefetched bytes
+    worker.stats()                                   # units, busy and CPU seconds, prefetches, prefetched bytes
 
 Rules: the worker takes a task from the board (its segment open) and runs that segment's units back to back, the
 device keeping the task's shards and kept activations between them. While a unit runs, the copy thread copies
@@ -74,7 +74,8 @@ class DeviceWorker:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"hydra-copy-{device.name}")
         self._thread = threading.Thread(target=self._work, name=f"hydra-{device.name}", daemon=True)
         self._lock = threading.Lock()
-        self._stats = {"units": 0, "busy_seconds": 0.0, "prefetches": 0, "prefetched_bytes": 0}
+        self._stats = {"units": 0, "busy_seconds": 0.0, "unit_cpu_seconds": 0.0, "prefetches": 0,
+                       "prefetched_bytes": 0}
         if device.units_any_thread:  # a prepared task's own thread may run its segments here (lend.py)
             board.add_lender(index, self.run_lent)
 
@@ -93,8 +94,9 @@ class DeviceWorker:
             self.device.states.clear()
 
     def stats(self) -> dict[str, Any]:
-        """Units, busy seconds, prefetches; bytes copied each way by category and syncs (``copies``); the tasks'
-        state held on the device and evictions."""
+        """Units, busy seconds and the CPU seconds of the threads that ran them (``unit_cpu_seconds``), prefetches;
+        bytes copied each way by category and syncs (``copies``); the tasks' state held on the device and
+        evictions."""
         with self._lock:
             out: dict[str, Any] = dict(self._stats)
         states = self.device.states
@@ -212,13 +214,14 @@ class DeviceWorker:
 
     def ran_light(self, task: Admitted, spans: list[Span]) -> None:
         """A light run's units (``_LightScope.end``): into the trace, the unit times and this device's counts."""
-        for kind, segment, t0, t1, nbytes in spans:
+        for kind, segment, t0, t1, nbytes, _ in spans:
             self._recorder.add(self.index, task.name, 0, kind, t0, t1, nbytes, segment=segment)
-        busy = [(kind, t1 - t0) for kind, _, t0, t1, _ in spans]
+        busy = [(kind, t1 - t0) for kind, _, t0, t1, _, _ in spans]
         self.board.observe_many(task, busy)
         with self._lock:
             self._stats["units"] += len(spans)
             self._stats["busy_seconds"] += sum(b for _, b in busy)
+            self._stats["unit_cpu_seconds"] += sum(span[5] for span in spans)
 
     @staticmethod
     def _inline(task: Admitted) -> bool:
@@ -261,16 +264,17 @@ class DeviceWorker:
 
     def _run_unit(self, task: Admitted, unit: Unit) -> None:
         moved = self.device.copier.moved()
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.thread_time()
         with self.device.copier.charged_to(task.state.home.counts):
             unit.run(self.device)
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), time.thread_time() - cpu
         self._recorder.add(self.index, unit.task, unit.shard, unit.kind, t0, t1, self.device.copier.moved() - moved,
                            segment=unit.segment)
         self.board.observe(task, unit.kind, t1 - t0)
         with self._lock:
             self._stats["units"] += 1
             self._stats["busy_seconds"] += t1 - t0
+            self._stats["unit_cpu_seconds"] += cpu
 
     def _after_failure(self, task: Admitted, unit: Unit, exc: BaseException,
                        following: Following) -> Admitted | None:

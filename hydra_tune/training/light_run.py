@@ -55,7 +55,8 @@ from .segments import segment_key
 if TYPE_CHECKING:
     from .loop import TrainingLoop
 
-Span = tuple[str, int, float, float, int]  # (unit kind, segment number, start, end, bytes copied)
+# (unit kind, segment number, start, end, bytes copied, CPU seconds of the unit's thread in it)
+Span = tuple[str, int, float, float, int, float]
 
 # Seconds between a long run's catch-ups on what it deferred: as often as a policy turn (runtime/picker.py TURN)
 # ended every run before a turn's end could give the run a new one.
@@ -178,7 +179,7 @@ class LightRun:
             self._loop, self._began = loop, time.perf_counter()
             self._hooks.begin()
         device.measuring = device.measure(key, loop.state.task.name)  # False (would_measure said so): its quiet key
-        moved, t0 = device.copier.moved(), time.perf_counter()
+        moved, t0, cpu = device.copier.moved(), time.perf_counter(), time.thread_time()
         try:
             with task_work(loop.state.task.name):
                 value = run()
@@ -188,7 +189,8 @@ class LightRun:
             exc.__traceback__ = None  # its frames hold the unit's device tensors
             self._undo(loop, ex, snap, kind)  # (an L unit of the light path set its gradients back to None)
             return None
-        self._spans.append((kind, loop.next_segment(), t0, time.perf_counter(), device.copier.moved() - moved))
+        self._spans.append((kind, loop.next_segment(), t0, time.perf_counter(), device.copier.moved() - moved,
+                            time.thread_time() - cpu))
         return value
 
     @staticmethod
