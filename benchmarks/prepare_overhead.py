@@ -1,7 +1,7 @@
 """Throughput of prepared loops (the user's own loop after ``hydra_tune.prepare``) vs the same tasks as ModelTasks.
 
-    nice -n 5 python benchmarks/prepare_overhead.py                       # 4 MLP tasks, 2 CPU devices
-    nice -n 5 python benchmarks/prepare_overhead.py --device-memory 64MiB # their state resident: the light path
+    nice -n 5 python benchmarks/prepare_overhead.py         # 4 MLP tasks, then 3 GPT-2 in shards; 2 CPU devices
+    nice -n 5 python benchmarks/prepare_overhead.py --model mlp --device-memory 64MiB   # state resident: light path
     nice -n 5 python benchmarks/prepare_overhead.py --model gpt2 --tasks 3 --steps 20 --device-memory 600KiB
 
 Both sides train the same tasks on one fresh runtime each (same devices and budget, so the same shard plans): N
@@ -10,8 +10,8 @@ counts everything from the first submit / thread start to the last task's end (s
 plan). Prints samples/s of each and the ratio prepared / ModelTask (the goal: >= 0.95), and beside it the
 steady-state ratio: set-up and the first quarter of the steps excluded (from the moment every task has handed out
 its warm-up batches to the last task's end, the batches handed out in that window). ``--runs`` runs of both sides
-(default 3; one run's ratio swung 0.77-1.00x on a quiet 2-core machine): each run's ratios, then their medians and
-ranges. Read the ratios, not the absolute times.
+(default 3: one run's ratio is noisy on a shared machine): each run's ratios, then their medians and ranges. Read
+the ratios, not the absolute times.
 
 Where the difference comes from: a prepared loop hands each forward and backward to the runtime and waits (two
 calls per minibatch, run in the loop's own thread on a lent device or through the task's host thread, and the loss
@@ -20,11 +20,13 @@ last unit. The "device work" line prints each side's device busy seconds and uni
 segments (F.., then B..); its last shard's F keeps its graph for B where the device has room beside what it holds
 (prepare/driver.py ``_train_forward``; else B recomputes that forward), so both sides run about the same compute.
 
-The default is 200 steps (was 40: too short to read on a shared machine); set-up is counted the same way on both
-sides at any ``--steps`` (from the first submit / thread start; the steady window excludes it). Both sides first
-run ``--warmup`` steps untimed (default 20; 0: none): the side timed first used to pay the process's one-time costs
-(torch's lazy imports and first calls: the first ModelTask run took ~5 s where the next took ~3.2), which read as
-a prepared side 1.2x faster than it is.
+Two workloads by default, each side on fresh runtimes: 4 MLP tasks x 200 steps at 1536KiB (steps of about 1.5 ms:
+the ratio reads a prepared loop's per-call cost) and 3 GPT-2 tasks x 20 steps at 600KiB (in shards, their state
+spilled to the host: the mission's kind of trial); ``--model`` runs one, and ``--tasks``/``--steps``/
+``--device-memory`` replace its defaults. Set-up is counted the same way on both sides at any ``--steps`` (from the
+first submit / thread start; the steady window excludes it). Both sides first run ``--warmup`` steps untimed
+(default 20; 0: none), so that the side timed first does not pay the process's one-time costs (torch's lazy imports
+and first calls).
 """
 from __future__ import annotations
 
@@ -201,21 +203,14 @@ def one_run(args: argparse.Namespace) -> tuple[float, float]:
     return tasks_s / prepared_s, prep_ss / tasks_ss
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
-    ap.add_argument("--tasks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
-    ap.add_argument("--device-memory", default="1536KiB")
-    ap.add_argument("--warmup", type=int, default=20, help="steps each side runs untimed first (0: none)")
-    ap.add_argument("--runs", type=int, default=3, help="runs of both sides; the medians are the result")
-    ap.add_argument("--alone", action="store_true", help="only one task alone on one device: us per step")
-    args = ap.parse_args()
-    if args.alone:
-        torch.set_num_threads(1)
-        alone(args)
-        return
+# per model, what an argument left out means: (tasks, steps, device memory). The MLP's steps take about 1.5 ms, so
+# its ratio reads the per-call cost of a prepared loop; GPT-2 in shards (spilled state) is the mission's kind of trial
+DEFAULTS = {"mlp": (4, 200, "1536KiB"), "gpt2": (3, 20, "600KiB")}
+
+
+def workload(args: argparse.Namespace) -> tuple[float, float]:
+    """``--runs`` runs of both sides on ``args.model`` (after the warm-up); prints them and returns the medians
+    (with set-up, steady)."""
     if args.warmup:
         warm = argparse.Namespace(**{**vars(args), "steps": args.warmup})
         as_model_tasks(warm)
@@ -226,9 +221,36 @@ def main() -> None:
         print(f" run {i + 1}:")
         ratios.append(one_run(args))
     setup_r, steady_r = (statistics.median(r[k] for r in ratios) for k in (0, 1))
-    print(f"throughput ratio prepared / ModelTask, median of {args.runs}: {setup_r:.2f}x with set-up "
+    print(f"throughput ratio prepared / ModelTask, {args.model}, median of {args.runs}: {setup_r:.2f}x with set-up "
           f"({min(r[0] for r in ratios):.2f}-{max(r[0] for r in ratios):.2f}), {steady_r:.2f}x steady "
           f"({min(r[1] for r in ratios):.2f}-{max(r[1] for r in ratios):.2f}) (goal >= 0.95x)")
+    return setup_r, steady_r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["mlp", "gpt2"], default=None, help="one workload (default: both)")
+    ap.add_argument("--tasks", type=int, default=None, help="per model by default: mlp 4, gpt2 3")
+    ap.add_argument("--steps", type=int, default=None, help="per model by default: mlp 200, gpt2 20")
+    ap.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
+    ap.add_argument("--device-memory", default=None, help="per model by default: mlp 1536KiB, gpt2 600KiB")
+    ap.add_argument("--warmup", type=int, default=20, help="steps each side runs untimed first (0: none)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of both sides; the medians are the result")
+    ap.add_argument("--alone", action="store_true", help="only one task alone on one device: us per step")
+    args = ap.parse_args()
+    results = {}
+    for model in [args.model] if args.model else list(DEFAULTS):
+        tasks, steps, memory = DEFAULTS[model]
+        one = argparse.Namespace(**{**vars(args), "model": model, "tasks": args.tasks or tasks,
+                                    "steps": args.steps or steps, "device_memory": args.device_memory or memory})
+        if args.alone:
+            torch.set_num_threads(1)
+            alone(one)
+        else:
+            results[model] = workload(one)
+    if len(results) > 1:
+        print("summary, prepared / ModelTask (with set-up, steady): " + "; ".join(
+            f"{model} {r[0]:.2f}x, {r[1]:.2f}x" for model, r in results.items()) + " (goal >= 0.95x)")
 
 
 if __name__ == "__main__":

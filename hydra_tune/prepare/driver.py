@@ -276,16 +276,19 @@ class Driver:
     def _train_forward(self, device: Device, ex: Any) -> None:
         """F of one shard as the plan says; the last shard's keeps its graph for the backward call when the device
         has room for it beside what it holds (state_cache.py ``room_for_graph``): that B unit then backpropagates
-        through it instead of recomputing the forward (a ModelTask's L unit runs that forward once too). Its F
-        saves what a recompute needs as well, so the device may drop the graph when another task needs the room
-        (held_graphs.py), or the backward run on another device, and B recomputes instead."""
+        through it instead of recomputing the forward (a ModelTask's L unit runs that forward once too). The plan's
+        peak holds that B unit recomputing this forward (``backward_peak``), and until the B unit no other unit of
+        the task runs (one minibatch in flight), so the part of the graph within that unit's peak is room the task
+        has already. Its F saves what a recompute needs as well, so the device may drop the graph when another task
+        needs the room (held_graphs.py), or the backward run on another device, and B recomputes instead."""
         state = self.state
         store, rng, plan = state.store, state.rng, state.plan
         index = ex.index
         cache = device.states
-        nbytes = plan.shards[index].kept_bytes
+        shard = plan.shards[index]
+        nbytes = shard.kept_bytes
         if (index == len(state.execs) - 1 and plan.may_keep() and cache is not None
-                and cache.room_for_graph(nbytes)):
+                and cache.room_for_graph(nbytes, reserved=min(nbytes, shard.backward_peak))):
             ex.forward(device, store, rng, keep=True, droppable=True, light=index == 0)
             cache.hold_graph(store, index, nbytes)
             return

@@ -23,7 +23,7 @@ the device and its step is imminent, so the step goes first, where its state is 
 out-of-memory the device makes no more per-shard entries (``after_oom``). Graphs held across segments
 (held_graphs.py) count beside the state; making room drops them first (their backward recomputes), and a graph is
 held only where it fits beside what is held and the running task's peak without evicting anything
-(``room_for_graph``).
+(``room_for_graph``; the part of it that peak reserves already is not counted twice).
 """
 from __future__ import annotations
 
@@ -75,11 +75,13 @@ class StateCache:
             running = self._running.store if self._running is not None else None
             return sum(h.held_bytes() for h in self._homes) + self.graphs.nbytes(running)
 
-    def room_for_graph(self, nbytes: int) -> bool:
+    def room_for_graph(self, nbytes: int, reserved: int = 0) -> bool:
         """Whether a graph of ``nbytes`` the running task keeps here for a later backward fits beside what is held
-        and the running task's units' peak, evicting nothing (a task that needs the room later drops it)."""
+        and the running task's units' peak, evicting nothing (a task that needs the room later drops it).
+        ``reserved``: bytes of it that peak holds already (the last shard's: its recomputing B unit makes that very
+        graph within its peak, and while the graph waits no other unit of the task runs, so it needs no more)."""
         budget = self.device.plan_budget
-        return budget is None or self.total() + nbytes + self._peak <= budget
+        return budget is None or self.total() + max(nbytes - reserved, 0) + self._peak <= budget
 
     def hold_graph(self, store: HostStore, index: int, nbytes: int) -> None:
         """``store.kept[index]`` stays here for its backward, counted as ``nbytes`` (held_graphs.py)."""
