@@ -37,6 +37,7 @@ from ..training.state import TaskState
 from .admitted import Admitted
 from .gate import GateHooks, HostGate
 from .handle import TaskHandle
+from .lock_note import LockNote
 from .progress import ProgressLog, progress_seconds
 from .scheduler import Scheduler
 from .trace import Recorder, Trace
@@ -77,6 +78,8 @@ class Runtime:
         self.scheduler = Scheduler(self.policy, self._release, history=self.config.history)
         self._recorder = Recorder([d.name for d in self.devices], time.perf_counter(), limit=self.config.trace_events)
         self._start_devices()
+        cpus = [w for w in self._workers if w.device.torch_device.type == "cpu"]
+        self._lock_note = LockNote([w.device.name for w in cpus], lambda: [w.unit_seconds() for w in cpus])
         # frozen weights equal across tasks, held once (shared_frozen.py); some kept after their last task
         self.shared = SharedFrozen(retain=self.config.retain_frozen)
         self._gate = HostGate(self.config.host_memory, self._plan,
@@ -313,6 +316,7 @@ class Runtime:
             for d in self.devices:
                 d.forget(task.name)
             task.handle.finish(status, error)
+            self._lock_note.check()  # (once: whether this runtime's CPU devices wait for the interpreter lock)
 
     def _drop_copies(self, execs: Sequence[ShardExec]) -> None:
         for d in self.devices:

@@ -93,6 +93,11 @@ class DeviceWorker:
         if self.device.states is not None:
             self.device.states.clear()
 
+    def unit_seconds(self) -> tuple[float, float]:
+        """(busy seconds, ``unit_cpu_seconds``) so far: the worker's lock only (lock_note.py reads it as tasks end)."""
+        with self._lock:
+            return self._stats["busy_seconds"], self._stats["unit_cpu_seconds"]
+
     def stats(self) -> dict[str, Any]:
         """Units, busy seconds and the CPU seconds of the threads that ran them (``unit_cpu_seconds``), prefetches;
         bytes copied each way by category and syncs (``copies``); the tasks' state held on the device and
