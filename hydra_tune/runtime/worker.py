@@ -39,6 +39,7 @@ from ..training.segments import Unit
 from ..training.shard import ShardExec
 from ..training.state_cache import StateCache
 from .admitted import Admitted
+from .light_scope import LightScope
 from .scheduler import Scheduler
 from .trace import COPY, Recorder
 
@@ -208,7 +209,7 @@ class DeviceWorker:
         """Open kept ``task``'s next segment in this thread; its loop first trains here the minibatches it may,
         while the policy keeps the device on it (training/light_run.py). ``picked``: the policy gave the device to
         the task just now (a handed-over task), so its first minibatch is its turn's whatever the turn's length."""
-        scope = _LightScope(self, task)
+        scope = LightScope(self, task)
         light = LightRun(self.device, lambda granted: self.board.keeps(task, self.index, granted),
                          RunHooks(scope.begin, scope.end), picked)
         try:
@@ -218,7 +219,7 @@ class DeviceWorker:
             light.finish()
 
     def ran_light(self, task: Admitted, spans: list[Span]) -> None:
-        """A light run's units (``_LightScope.end``): into the trace, the unit times and this device's counts."""
+        """A light run's units (``LightScope.end``, light_scope.py): into the trace, the unit times and this device's counts."""
         for kind, segment, t0, t1, nbytes, _ in spans:
             self._recorder.add(self.index, task.name, 0, kind, t0, t1, nbytes, segment=segment)
         busy = [(kind, t1 - t0) for kind, _, t0, t1, _, _ in spans]
@@ -386,29 +387,3 @@ class DeviceWorker:
                 self._stats["prefetches"] += 1
                 self._stats["prefetched_bytes"] += nbytes
 
-
-class _LightScope:
-    """A light run's scope on its worker's device (training/light_run.py ``RunHooks``): from its first unit on, the
-    device's state cache runs the task (as ``_run_open`` for a segment) and this thread's copies count for it."""
-
-    def __init__(self, worker: DeviceWorker, task: Admitted) -> None:
-        self.worker, self.task = worker, task
-        self.home: Any = None
-        self.charged: Any = None
-
-    def begin(self) -> None:
-        device, state = self.worker.device, self.task.state
-        self.home = state.home
-        self.charged = device.copier.charged_to(self.home.counts)
-        self.charged.__enter__()
-        if device.states is not None:
-            device.states.begin(self.home, state.plan.peak)
-
-    def end(self, spans: list[Span]) -> None:
-        try:
-            states = self.worker.device.states
-            if states is not None:
-                states.end(self.home)
-        finally:
-            self.charged.__exit__(None, None, None)
-        self.worker.ran_light(self.task, spans)
