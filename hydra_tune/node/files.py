@@ -66,6 +66,9 @@ def server_files(devices: int | str | Sequence[str] = "auto", device_memory: int
     return files
 
 
+_CODE: list[str] = []  # this package's code_identity, once computed
+
+
 def code_identity(package: str | None = None) -> str:
     """A digest of the hydra_tune package in ``package`` (this one by default): its version and each source file's
     path, size and modification time. Part of a server's name, so that a server started by other code (before an
@@ -91,9 +94,6 @@ def code_identity(package: str | None = None) -> str:
     if package is None:
         _CODE.append(code)
     return code
-
-
-_CODE: list[str] = []  # this package's code_identity, once computed
 
 
 def private_dir() -> str:

@@ -25,11 +25,15 @@ MIN_BUSY = 10.0  # busy seconds, all CPU devices together, before the one check
 def off_cpu_verdict(seconds: Sequence[tuple[float, float]]) -> float | None:
     """The off-CPU share to warn about, from each CPU device's (busy seconds, unit CPU seconds); None: no warning
     (fewer than two devices, under ``MIN_BUSY`` busy seconds, or under ``SHARE``)."""
-    busy = sum(b for b, _ in seconds)
+    busy = _busy(seconds)
     if len(seconds) < 2 or busy < MIN_BUSY:
         return None
     share = 1.0 - sum(c for _, c in seconds) / busy
     return share if share >= SHARE else None
+
+
+def _busy(seconds: Sequence[tuple[float, float]]) -> float:
+    return sum(b for b, _ in seconds)
 
 
 class LockNote:
@@ -45,7 +49,7 @@ class LockNote:
         if self.done:
             return
         seconds = self._seconds()
-        if sum(b for b, _ in seconds) < MIN_BUSY:
+        if _busy(seconds) < MIN_BUSY:
             return
         with self._lock:
             if self.done:
@@ -54,9 +58,8 @@ class LockNote:
         share = off_cpu_verdict(seconds)
         if share is None:
             return
-        busy = sum(b for b, _ in seconds)
         try:
-            self._warn(share, busy)
+            self._warn(share, _busy(seconds))
         except Exception:  # noqa: BLE001  (warnings made errors: this runs where a task ends, which must go on)
             pass
 

@@ -219,7 +219,8 @@ class DeviceWorker:
             light.finish()
 
     def ran_light(self, task: Admitted, spans: list[Span]) -> None:
-        """A light run's units (``LightScope.end``, light_scope.py): into the trace, the unit times and this device's counts."""
+        """A light run's units (``LightScope.end``, light_scope.py): into the trace, the unit times and this device's
+        counts."""
         for kind, segment, t0, t1, nbytes, _ in spans:
             self._recorder.add(self.index, task.name, 0, kind, t0, t1, nbytes, segment=segment)
         busy = [(kind, t1 - t0) for kind, _, t0, t1, _, _ in spans]
