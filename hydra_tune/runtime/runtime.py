@@ -315,8 +315,10 @@ class Runtime:
         finally:
             for d in self.devices:
                 d.forget(task.name)
+            # (once: whether this runtime's CPU devices wait for the interpreter lock; never raises) before the handle
+            # is told, so that a warning comes before the result that waits for it
+            self._lock_note.check()
             task.handle.finish(status, error)
-            self._lock_note.check()  # (once: whether this runtime's CPU devices wait for the interpreter lock)
 
     def _drop_copies(self, execs: Sequence[ShardExec]) -> None:
         for d in self.devices:
